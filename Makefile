@@ -1,0 +1,30 @@
+# locomesh: the two commands a fresh machine needs are `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-slow bench clean
+
+setup: $(STAMP)
+
+# Re-installs only when the dependency pins change; an up-to-date venv costs nothing.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -c "import hivemind, torch, node, protocol, compression, gossip, swarm; print('locomesh ready: torch', torch.__version__, 'hivemind', hivemind.__version__)"
+	touch $(STAMP)
+
+# A local swarm of 3 daemons on loopback training on the embedded corpus.
+demo: setup
+	$(VENV)/bin/node swarm --nodes 3 --duration 150 --report runs/demo/report.json --checkpoint-dir runs/demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

@@ -1,0 +1,72 @@
+"""Codec specs: parse a spec string into a codec; ``codec.spec`` is the canonical form of it.
+
+Valid forms (K, C, R, k, d, B, S are positive integers):
+
+  none | fp16 | bf16                 dense float32 / 16-bit casts
+  q8 | q4 | q2                       statistical quantizer, 256 / 16 / 4 bins
+  int8-block[:B]                     blockwise absmax int8, blocks of B (default 4096)
+  topk:K/C[+q8|+q4|+q2]              chunked top-k, K kept per chunk of C (2-D: √C×√C tiles)
+  dct:K/C[+q8|+q4|+q2]               chunked DCT-II, top-K coefficients per chunk (DeMo)
+  seed:r=R[,dist=rademacher|gaussian]   shared-seed random projection onto R directions
+  subspace:k=K,d=D[,seed=S][,dtype=bf16|fp16]   fixed orthonormal projection of the last dim
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+from compression.base import Codec
+
+SPEC_FORMS = (
+    "none",
+    "fp16",
+    "bf16",
+    "q8",
+    "q4",
+    "q2",
+    "int8-block[:B]",
+    "topk:K/C[+q8|+q4|+q2]",
+    "dct:K/C[+q8|+q4|+q2]",
+    "seed:r=R[,dist=rademacher|gaussian]",
+    "subspace:k=K,d=D[,seed=S][,dtype=bf16|fp16]",
+)
+
+_INT = r"[1-9][0-9]{0,9}"
+
+
+def _invalid(spec: str, why: str) -> ValueError:
+    return ValueError(f"invalid codec spec {spec!r:.80}: {why}. Valid forms: {', '.join(SPEC_FORMS)}")
+
+
+def _dense(spec: str) -> Codec | None:
+    from compression.dense import CastCompression, NoCompression
+
+    import torch
+
+    simple: dict[str, Callable[[], Codec]] = {
+        "none": NoCompression,
+        "fp16": lambda: CastCompression(torch.float16),
+        "bf16": lambda: CastCompression(torch.bfloat16),
+    }
+    factory = simple.get(spec)
+    return factory() if factory else None
+
+
+_PARSERS: list[Callable[[str], Codec | None]] = [_dense]
+
+
+def register_parser(parser: Callable[[str], Codec | None]) -> None:
+    """Add a parser that returns a codec for the specs it recognises and ``None`` otherwise."""
+    _PARSERS.append(parser)
+
+
+def get_codec(spec: str) -> Codec:
+    """The codec for ``spec``; raises ``ValueError`` listing the valid forms when it is unknown or malformed."""
+    if not isinstance(spec, str):
+        raise _invalid(repr(spec), "a spec must be a string")
+    for parser in _PARSERS:
+        codec = parser(spec)
+        if codec is not None:
+            return codec
+    raise _invalid(spec, "unknown codec")

@@ -1,0 +1,142 @@
+"""DiLoCo outer rounds over the swarm: rendezvous, all-gather of pseudo-gradients, outer Nesterov step.
+
+One round, for a member holding φ (agreed weights) and θ (weights after its inner steps):
+
+1. Δ = φ − θ, cut into wire parts and encoded with the run's codec. The member keeps the decoded
+   version of its own parts so that it averages exactly what its peers receive.
+2. It publishes the contribution, registers in the DHT rendezvous for (run, round) and waits until
+   every live member of that round registered, or the gather deadline passed.
+3. It fetches every other member's contribution (each fetch bounded by the fetch timeout); a member
+   that fails is left out of this round and counted.
+4. Contributions whose φ fingerprint differs from the group's majority are dropped. The rest are
+   averaged, weighted by samples, in peer-id order (bit-identical on every member), and the outer
+   optimizer steps φ. A member in the minority reports ``in_sync = False`` and re-downloads state.
+
+Reference: Douillard et al. 2023, DiLoCo, https://arxiv.org/abs/2311.08105.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Sequence
+
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+
+from gossip.exchange import Contribution, RoundExchange
+from gossip.fingerprint import fingerprint
+from gossip.outer import NesterovOuter, pseudo_gradient, weighted_mean
+from gossip.partition import join, split
+from gossip.rendezvous import gather_group, list_peers
+from protocol.records import RoundEntry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundResult:
+    """What happened in one outer round (the node turns it into metrics, logs and report events)."""
+
+    round: int
+    group: list[str]
+    contributors: list[str]
+    failures: dict[str, str] = field(default_factory=dict)
+    in_sync: bool = True
+    sync_peer: str | None = None
+    gather_s: float = 0.0
+    exchange_s: float = 0.0
+    duration_s: float = 0.0
+    samples: int = 0
+
+
+class DiLoCoAverager:
+    """Runs DiLoCo outer rounds for one member.
+
+    :param dht: the node's DHT
+    :param validator: signs this node's DHT records
+    :param exchange: serves/fetches contributions (owns the codec and the wire partition)
+    :param outer: the outer optimizer whose state this member keeps in sync with its group
+    :param gather_timeout: longest wait for late members at the rendezvous
+    :param fetch_timeout: longest wait for one member's contribution
+    """
+
+    def __init__(
+        self,
+        dht: DHTNode,
+        validator: RSASignatureValidator,
+        exchange: RoundExchange,
+        run_id: str,
+        peer_id: str,
+        outer: NesterovOuter,
+        gather_timeout: float = 30.0,
+        fetch_timeout: float = 30.0,
+        part_numel: int = 1 << 20,
+    ) -> None:
+        self.dht, self.validator, self.exchange = dht, validator, exchange
+        self.run_id, self.peer_id, self.outer = run_id, peer_id, outer
+        self.gather_timeout, self.fetch_timeout, self.part_numel = gather_timeout, fetch_timeout, part_numel
+
+    async def expected_members(self, round_no: int) -> set[str]:
+        """Members whose latest record says they are in this round (or finishing the previous one)."""
+        peers = await list_peers(self.dht, self.run_id)
+        return {p for p, rec in peers.items() if rec.round in (round_no - 1, round_no) and rec.role != "observer"}
+
+    async def run_round(
+        self,
+        round_no: int,
+        phi: Sequence[torch.Tensor],
+        theta: Sequence[torch.Tensor],
+        samples: int,
+        before_gather: Callable[[], Awaitable[None]] | None = None,
+    ) -> RoundResult:
+        """Average this member's Δ with its group and step ``phi`` in place (when in sync)."""
+        started = time.monotonic()
+        shapes = [tuple(p.shape) for p in phi]
+        my_fp = fingerprint(phi)
+        delta = pseudo_gradient(phi, theta)
+        blobs, my_decoded = await asyncio.to_thread(self.exchange.encode, split(delta, self.part_numel))
+        self.exchange.publish(Contribution(round_no, samples, my_fp, self.exchange.codec.spec, blobs, self.peer_id, my_decoded))
+        if before_gather is not None:
+            await before_gather()
+
+        entry = RoundEntry(peer_id=self.peer_id, samples=samples, codec=self.exchange.codec.spec)
+        group = await gather_group(
+            self.dht, self.validator, self.run_id, round_no, entry, lambda: self.expected_members(round_no), self.gather_timeout
+        )
+        gathered = time.monotonic()
+        others = [e.peer_id for e in group if e.peer_id != self.peer_id]
+        got, failures = await self.exchange.gather(others, round_no, self.fetch_timeout)
+        exchanged = time.monotonic()
+
+        contributions = {self.peer_id: Contribution(round_no, samples, my_fp, "", blobs, self.peer_id, my_decoded), **got}
+        votes = Counter(c.fingerprint for c in contributions.values())
+        best = max(votes.values())
+        # ties go to the fingerprint held by the smallest peer id, so every member picks the same one
+        majority = min((p for p, c in contributions.items() if votes[c.fingerprint] == best), key=str)
+        majority_fp = contributions[majority].fingerprint
+        for peer, c in contributions.items():
+            if c.fingerprint != majority_fp and peer != self.peer_id:
+                failures[peer] = "out_of_sync"
+        used = sorted(p for p, c in contributions.items() if c.fingerprint == majority_fp)
+        result = RoundResult(
+            round=round_no,
+            group=[e.peer_id for e in group],
+            contributors=used,
+            failures=failures,
+            in_sync=my_fp == majority_fp,
+            sync_peer=None if my_fp == majority_fp else majority,
+            gather_s=gathered - started,
+            exchange_s=exchanged - gathered,
+            samples=sum(contributions[p].samples for p in used),
+        )
+        if result.in_sync:
+            parts = weighted_mean([contributions[p].decoded for p in used], [contributions[p].samples for p in used])
+            averaged = join(parts, shapes, self.part_numel)
+            await asyncio.to_thread(self.outer.step, phi, averaged)
+        result.duration_s = time.monotonic() - started
+        return result

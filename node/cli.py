@@ -1,0 +1,198 @@
+"""The ``node`` command line: ``join`` a swarm, launch a local ``swarm``, ``status`` of a run, ``eval`` a checkpoint.
+
+Every ``join`` option can also come from a ``LOCOMESH_<NAME>`` environment variable or a ``--config``
+TOML file; flags win over env over file over defaults.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from node.config import ConfigError, NodeConfig, load_config
+
+app = typer.Typer(
+    name="node",
+    help="locomesh: a peer-to-peer training node. Start with `node join` or try `node swarm --nodes 3`.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+SWARM, TRAIN, AVG, OPS = "Swarm", "Training", "Averaging", "Operations"
+
+
+def _env(name: str) -> str:
+    return "LOCOMESH_" + name.upper()
+
+
+def opt(help: str, panel: str, name: str, **kw: Any) -> Any:
+    return typer.Option(help=help, rich_help_panel=panel, envvar=_env(name), show_envvar=True, **kw)
+
+
+def join_flags(
+    config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with options (flag names as keys)", rich_help_panel=OPS, envvar=_env("config"), show_envvar=True)] = None,
+    run_id: Annotated[Optional[str], opt("Name of the training run; peers of other runs never mix (default: locomesh-demo)", SWARM, "run_id")] = None,
+    initial_peers: Annotated[Optional[list[str]], opt("Multiaddr of a peer already in the swarm (repeatable); none = start a new swarm", SWARM, "initial_peers")] = None,
+    listen: Annotated[Optional[list[str]], opt("Multiaddr to listen on (repeatable) (default: /ip4/0.0.0.0/tcp/0)", SWARM, "listen")] = None,
+    announce: Annotated[Optional[list[str]], opt("Public multiaddr to announce, e.g. behind port forwarding (repeatable)", SWARM, "announce")] = None,
+    identity: Annotated[Optional[Path], opt("Private key file for a stable peer id (created if missing)", SWARM, "identity")] = None,
+    device: Annotated[Optional[str], opt("auto | cpu | cuda (default: auto)", TRAIN, "device")] = None,
+    model: Annotated[Optional[str], opt("Model preset: nano, tiny, small, medium (default: tiny)", TRAIN, "model")] = None,
+    data: Annotated[Optional[Path], opt("Text file or folder to train on (default: the embedded Shakespeare corpus)", TRAIN, "data")] = None,
+    inner_steps: Annotated[Optional[int], opt("Local steps between outer rounds (H) (default: 50)", TRAIN, "inner_steps")] = None,
+    batch_size: Annotated[Optional[int], opt("Sequences per inner step (default: 16)", TRAIN, "batch_size")] = None,
+    lr: Annotated[Optional[float], opt("Inner AdamW learning rate (default: 1e-3)", TRAIN, "lr")] = None,
+    warmup_steps: Annotated[Optional[int], opt("Linear warmup of the inner lr (default: 50)", TRAIN, "warmup_steps")] = None,
+    threads: Annotated[Optional[int], opt("torch CPU threads (default: torch's choice)", TRAIN, "threads")] = None,
+    seed: Annotated[Optional[int], opt("Seed for init and data order (default: 0)", TRAIN, "seed")] = None,
+    algorithm: Annotated[Optional[str], opt("Averaging algorithm: diloco (default: diloco)", AVG, "algorithm")] = None,
+    compression: Annotated[Optional[str], opt("Codec for pseudo-gradients, e.g. none, fp16, q8 (default: none)", AVG, "compression")] = None,
+    outer_lr: Annotated[Optional[float], opt("Outer Nesterov learning rate (default: 0.7)", AVG, "outer_lr")] = None,
+    outer_momentum: Annotated[Optional[float], opt("Outer Nesterov momentum (default: 0.9)", AVG, "outer_momentum")] = None,
+    averaging_timeout: Annotated[Optional[float], opt("Longest wait for late peers in a round, seconds (default: 30)", AVG, "averaging_timeout")] = None,
+    metrics_port: Annotated[Optional[int], opt("Prometheus /metrics port, 0 = off (default: 0)", OPS, "metrics_port")] = None,
+    checkpoint_dir: Annotated[Optional[Path], opt("Directory for the (atomic) checkpoint; resumed from on restart", OPS, "checkpoint_dir")] = None,
+    max_steps: Annotated[Optional[int], opt("Stop cleanly after this many inner steps", OPS, "max_steps")] = None,
+    duration: Annotated[Optional[float], opt("Stop cleanly after this many seconds", OPS, "duration")] = None,
+    eval_batches: Annotated[Optional[int], opt("Validation batches for the final evaluation (default: 16)", OPS, "eval_batches")] = None,
+    info_file: Annotated[Optional[Path], opt("Write a JSON summary here when up and again on exit", OPS, "info_file")] = None,
+    log_level: Annotated[Optional[str], opt("debug | info | warning | error (default: info)", OPS, "log_level")] = None,
+) -> tuple[dict[str, Any], Optional[Path]]:
+    """The join options that were set (flags or env), and the config file."""
+    flags = {k: v for k, v in locals().items() if k != "config"}
+    return flags, config
+
+
+def _config_or_exit(flags: dict[str, Any], config: Optional[Path]) -> NodeConfig:
+    try:
+        return load_config(flags, config)
+    except ConfigError as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command(context_settings={"help_option_names": ["-h", "--help"]})
+def join(
+    log_format: Annotated[str, typer.Option("--log-format", help="text | json", rich_help_panel=OPS, envvar=_env("log_format"), show_envvar=True)] = "text",
+    **kwargs: Any,
+) -> None:
+    """Start a volunteer daemon: join (or start) a swarm and train."""
+    flags, config = join_flags(**kwargs)
+    cfg = _config_or_exit(flags, config)
+    from node.logs import setup_logging
+
+    setup_logging(cfg.log_level, log_format)
+    from node.daemon import run_daemon
+
+    raise typer.Exit(run_daemon(cfg))
+
+
+# typer reads the parameters from the signature: give `join` the shared option set
+import inspect as _inspect
+
+_join_params = [p for p in _inspect.signature(join).parameters.values() if p.kind is not p.VAR_KEYWORD]
+_join_params += list(_inspect.signature(join_flags).parameters.values())
+join.__signature__ = _inspect.Signature(_join_params)  # type: ignore[attr-defined]
+join.__annotations__ = {**join_flags.__annotations__, **join.__annotations__}
+
+
+def parse_join_args(args: list[str]) -> NodeConfig:
+    """Validate ``node join`` arguments without starting anything (used by ``node swarm``)."""
+    command = typer.main.get_command(app).commands["join"]  # type: ignore[attr-defined]
+    try:
+        ctx = command.make_context("join", list(args), resilient_parsing=False)
+    except Exception as e:  # click's UsageError (typer vendors click, so match by its API)
+        if not hasattr(e, "format_message"):
+            raise
+        typer.secho(f"error: {e.format_message()}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    params = dict(ctx.params)
+    params.pop("log_format", None)
+    flags, config = join_flags(**params)
+    return _config_or_exit(flags, config)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": ["-h", "--help"]})
+def swarm(
+    ctx: typer.Context,
+    nodes: Annotated[int, typer.Option(help="Daemons to launch on 127.0.0.1")] = 3,
+    duration: Annotated[float, typer.Option(help="Seconds to train before stopping every node with SIGTERM")] = 120.0,
+    report: Annotated[Path, typer.Option(help="Where to write the JSON report")] = Path("runs/swarm/report.json"),
+    metrics_port: Annotated[int, typer.Option(help="Node i serves /metrics on P+i; 0 = pick free ports")] = 0,
+    checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Node i checkpoints under DIR/node<i> (default: next to the report)")] = None,
+    join_interval: Annotated[float, typer.Option(help="Seconds between launching volunteers after the bootstrap node")] = 0.5,
+) -> None:
+    """Launch N daemons on loopback (any `node join` option is passed to each), show progress, write a report.
+
+    Example: node swarm --nodes 3 --duration 120 --report runs/r.json --inner-steps 30
+    """
+    from node.launcher import SwarmLauncher
+    from node.logs import setup_logging
+
+    setup_logging("info")
+    extra = list(ctx.args)
+    cfg = parse_join_args(extra)
+    launcher = SwarmLauncher(
+        nodes=nodes, duration=duration, report=report, metrics_port=metrics_port,
+        run_dir=checkpoint_dir or report.parent, join_args=extra, config=cfg, join_interval=join_interval,
+    )
+    raise typer.Exit(launcher.run())
+
+
+@app.command()
+def status(
+    initial_peers: Annotated[list[str], typer.Option("--initial-peers", help="Multiaddr of any peer of the run (repeatable)", envvar=_env("initial_peers"))],
+    run_id: Annotated[str, typer.Option(help="Run to list", envvar=_env("run_id"))] = "locomesh-demo",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
+) -> None:
+    """List the run's peers: role, device, throughput, outer round, last loss, age of their record."""
+    from node.status import collect_status, render_status
+
+    from node.logs import setup_logging
+
+    setup_logging("warning")
+    try:
+        result = collect_status(initial_peers, run_id)
+    except Exception as e:
+        typer.secho(f"error: could not reach the swarm through {initial_peers}: {e}", fg="red", err=True)
+        raise typer.Exit(1) from None
+    if as_json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        render_status(result)
+
+
+@app.command("eval")
+def eval_cmd(
+    checkpoint: Annotated[Path, typer.Option(help="Checkpoint file written by a node (checkpoint.pt)")],
+    data: Annotated[Optional[Path], typer.Option(help="Evaluate on this text (file or folder) instead of the held-out split")] = None,
+    weights: Annotated[str, typer.Option(help="theta (the node's last local weights) or phi (the swarm's agreed weights)")] = "theta",
+    batches: Annotated[int, typer.Option(help="Evaluation batches (at most)")] = 64,
+    batch_size: Annotated[int, typer.Option(help="Sequences per batch")] = 16,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
+) -> None:
+    """Mean validation loss (nats per byte) of a saved checkpoint."""
+    from node.evaluate import evaluate_checkpoint
+
+    try:
+        result = evaluate_checkpoint(checkpoint, data, weights, batches, batch_size)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print(f"val loss {result['val_loss']:.4f} nats/byte ({result['val_loss'] / math.log(2):.3f} bits/byte) "
+              f"over {result['tokens']} bytes of {result['data']}, round {result['round']}")
+
+
+def main() -> None:
+    app(prog_name="node")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

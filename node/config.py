@@ -1,0 +1,101 @@
+"""Node configuration: one validated model, merged from defaults < TOML file < LOCOMESH_* env < flags.
+
+The CLI passes only the flags the user set (typer reads ``LOCOMESH_<NAME>`` env vars for the same
+options, so an env value counts as set); ``load_config`` lays them over the ``--config`` file and
+the defaults and validates the result, so a bad value fails with a message naming the option.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "LOCOMESH_"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or out of range."""
+
+
+class NodeConfig(BaseModel):
+    """Everything a volunteer daemon needs; field names match the CLI flags (``--inner-steps`` ↔ inner_steps)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # swarm
+    run_id: str = Field("locomesh-demo", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="name of the training run")
+    initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of peers already in the swarm")
+    listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="multiaddrs to listen on")
+    announce: list[str] = Field(default_factory=list, description="public multiaddrs to announce")
+    identity: Path | None = Field(None, description="private key file (created if missing) for a stable peer id")
+    # training
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    model: str = "tiny"
+    data: Path | None = None
+    algorithm: Literal["diloco"] = "diloco"
+    compression: str = "none"
+    inner_steps: int = Field(50, ge=1, le=1_000_000)
+    batch_size: int = Field(16, ge=1, le=65536)
+    lr: float = Field(1e-3, gt=0, le=10)
+    warmup_steps: int = Field(50, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    outer_lr: float = Field(0.7, gt=0, le=10)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    averaging_timeout: float = Field(30.0, gt=0, description="longest wait for late peers at a round, seconds")
+    # operations
+    metrics_port: int = Field(0, ge=0, le=65535)
+    checkpoint_dir: Path | None = None
+    max_steps: int | None = Field(None, ge=1)
+    duration: float | None = Field(None, gt=0)
+    threads: int | None = Field(None, ge=1, le=1024)
+    seed: int = 0
+    eval_batches: int = Field(16, ge=1)
+    info_file: Path | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("initial_peers", "listen", "announce")
+    @classmethod
+    def _maddrs(cls, value: list[str]) -> list[str]:
+        for addr in value:
+            if not addr.startswith("/"):
+                raise ValueError(f"{addr!r} is not a multiaddr (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...)")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str) -> str:
+        from node.model import PRESETS
+
+        if value not in PRESETS:
+            raise ValueError(f"unknown model preset {value!r}; choose one of {', '.join(PRESETS)}")
+        return value
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Options from a TOML file (keys as flag names, with - or _)."""
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    table = raw.get("node", raw)
+    return {k.replace("-", "_"): v for k, v in table.items()}
+
+
+def load_config(flags: dict[str, Any], config_file: Path | None = None) -> NodeConfig:
+    """Merge defaults < config file < flags/env (``flags`` holds only values that were set)."""
+    merged: dict[str, Any] = {}
+    if config_file is not None:
+        merged.update(read_config_file(config_file))
+    merged.update({k: v for k, v in flags.items() if v is not None and v != [] and v != ()})
+    try:
+        return NodeConfig(**merged)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"--{'.'.join(str(x) for x in err['loc']).replace('_', '-')}: {err['msg']}" for err in e.errors()
+        )
+        raise ConfigError(f"invalid configuration: {problems}") from None

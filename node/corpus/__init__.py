@@ -1,0 +1,1 @@
+"""The embedded offline training corpus (public-domain Shakespeare plays) and the script that builds it."""

@@ -1,0 +1,431 @@
+"""The volunteer daemon: join the swarm, train locally, average with DiLoCo, survive signals.
+
+Lifecycle of ``node join``:
+
+1. Build model, data and metrics; start the network thread (p2pd + DHT) and serve the locomesh
+   protocols (state, average, status).
+2. With ``--initial-peers``: download the swarm's current weights, outer-optimizer state and round
+   from a live peer, and run only what is left of that round's inner steps. Without: resume from
+   the checkpoint in ``--checkpoint-dir`` if there is one, else start a new swarm.
+3. Loop: inner steps → outer round (rendezvous, all-gather, outer step) → publish the new state.
+4. On SIGTERM/SIGINT, ``--max-steps`` or ``--duration``: stop at a step boundary, evaluate, write
+   the checkpoint atomically, leave the DHT and stop p2pd.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gossip.diloco import DiLoCoAverager, RoundResult
+from gossip.exchange import RoundExchange
+from gossip.fingerprint import fingerprint
+from gossip.outer import NesterovOuter
+from gossip.partition import part_shapes
+from gossip.rendezvous import list_peers, publish_peer
+from gossip.state_transfer import StateServer, StateSnapshot, download_state
+from node import __version__
+from node.checkpoint import CHECKPOINT_NAME, newest_valid, save_atomic
+from node.config import NodeConfig
+from node.data import ByteBatches, load_corpus, validation_batches
+from node.metrics import NodeMetrics
+from node.model import preset
+from node.network import Interrupted, NetworkThread
+from node.status_service import StatusService
+from node.trainer import LocalTrainer, pick_device
+from protocol.records import PeerRecord
+
+logger = logging.getLogger("locomesh.node")
+HEARTBEAT_S = 2.0
+RECORD_TTL_S = 8.0
+
+
+@dataclass
+class Summary:
+    """What the node reports when it exits (``--info-file``, read by ``node swarm``)."""
+
+    peer_id: str = ""
+    multiaddrs: list[str] = field(default_factory=list)
+    protocols: list[str] = field(default_factory=list)
+    metrics_port: int = 0
+    steps: int = 0
+    outer_rounds: int = 0
+    train_loss_first: float = math.nan
+    train_loss_last: float = math.nan
+    val_loss: float = math.nan
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    checkpoint: str = ""
+    joined_round: int | None = None
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    state: str = "starting"
+
+
+class Daemon:
+    """One volunteer node. ``run()`` blocks until the node stops and returns its exit code."""
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.stop = threading.Event()
+        self.metrics = NodeMetrics()
+        self.summary = Summary(metrics_port=cfg.metrics_port)
+        self.net = NetworkThread()
+        self.round = 0
+        self.inner_step = 0  # inner steps taken in the current round
+        self.last_loss = math.nan
+        self.tokens_per_s = 0.0
+        self.bytes_lock = threading.Lock()
+        self.role = "trainer"  # announced in the DHT; "leaving" once the node stops
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def event(self, kind: str, **fields: Any) -> None:
+        self.summary.events.append({"t": time.time(), "event": kind, **fields})
+        logger.info("%s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
+
+    def _on_bytes(self, protocol: str, direction: str, nbytes: int) -> None:
+        kind = protocol.split("/")[2] if protocol.count("/") >= 3 else protocol
+        with self.bytes_lock:
+            if direction == "sent":
+                self.metrics.bytes_sent.labels(kind).inc(nbytes)
+                self.summary.bytes_sent += nbytes
+            else:
+                self.metrics.bytes_received.labels(kind).inc(nbytes)
+                self.summary.bytes_received += nbytes
+
+    def _on_error(self, protocol: str, code: str, peer: str) -> None:
+        self.metrics.errors.labels(code).inc()
+
+    def _write_info(self) -> None:
+        if self.cfg.info_file is None:
+            return
+        path = Path(self.cfg.info_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.summary.__dict__, default=str, allow_nan=True))
+        os.replace(tmp, path)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        def _handler(signum: int, _frame: Any) -> None:
+            if self.stop.is_set():
+                return
+            logger.info("received %s: stopping at the next step boundary", signal.Signals(signum).name)
+            self.stop.set()
+
+        signal.signal(signal.SIGTERM, _handler)
+        signal.signal(signal.SIGINT, _handler)
+
+    def run(self) -> int:
+        cfg = self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        random.seed(cfg.seed)
+        device = pick_device(cfg.device)
+        model_cfg = preset(cfg.model)
+        corpus = load_corpus(str(cfg.data) if cfg.data else None, context=model_cfg.context)
+        self.val = validation_batches(corpus.val, cfg.batch_size, model_cfg.context, max_batches=cfg.eval_batches)
+        self.trainer = LocalTrainer(model_cfg, device, cfg.lr, cfg.weight_decay, cfg.warmup_steps, seed=cfg.seed)
+        self.phi = [p.detach().to("cpu", torch.float32).clone() for p in self.trainer.parameters()]
+        self.outer = NesterovOuter(cfg.outer_lr, cfg.outer_momentum, nesterov=True)
+        self.started = time.monotonic()
+        try:
+            self.net.start(
+                cfg.initial_peers,
+                cfg.listen,
+                cfg.announce,
+                str(cfg.identity) if cfg.identity else None,
+                on_bytes=self._on_bytes,
+                on_error=self._on_error,
+            )
+        except Exception as e:
+            logger.error("could not start networking: %s. Check --listen/--initial-peers and that the port is free.", e)
+            self.net.shutdown()
+            return 2
+        try:
+            return self._run_joined(corpus, device)
+        finally:
+            self.net.shutdown()
+            self.summary.state = "stopped"
+            self._write_info()
+            logger.info("stopped cleanly")
+
+    def _run_joined(self, corpus: Any, device: torch.device) -> int:
+        cfg, net = self.cfg, self.net
+        assert net.transport is not None and net.dht is not None and net.p2p is not None
+        peer_id = net.transport.peer_id
+        self.summary.peer_id = peer_id
+        maddrs = [str(a) if "/p2p/" in str(a) else f"{a}/p2p/{peer_id}" for a in net.call(net.p2p.get_visible_maddrs())]
+        self.summary.multiaddrs = maddrs
+        self.metrics.info.labels(peer_id, cfg.run_id, device.type, cfg.model, cfg.algorithm, cfg.compression, __version__).set(1)
+        self.batches = ByteBatches(corpus.train, cfg.batch_size, self.trainer.model.cfg.context, seed=cfg.seed)
+
+        shapes = [tuple(p.shape) for p in self.phi]
+        self.exchange = RoundExchange(net.transport, cfg.run_id, cfg.compression, part_shapes(shapes), serve_timeout=cfg.averaging_timeout * 2)
+        self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.inner_step)
+        self.status = StatusService(net.transport, self.status_snapshot)
+        net.call(self.exchange.start())
+        net.call(self.state_server.start())
+        net.call(self.status.start())
+        self.summary.protocols = list(net.transport.protocols)
+        self.averager = DiLoCoAverager(
+            net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer,
+            gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout,
+        )
+        if cfg.metrics_port:
+            self.metrics.serve(cfg.metrics_port)
+
+        steps_this_round = cfg.inner_steps
+        resumed = self._maybe_resume()
+        if cfg.initial_peers and not resumed:
+            downloaded = self._join_swarm()
+            if downloaded is not None:
+                steps_this_round = max(1, cfg.inner_steps - downloaded)
+        self._publish_snapshot()
+        net.every(HEARTBEAT_S, self._heartbeat, "heartbeat")
+        self.summary.state = "training"
+        self._write_info()
+        print(f"locomesh node {peer_id} is up. Others can join with:\n  node join --run-id {cfg.run_id} "
+              + " ".join(f"--initial-peers {a}" for a in maddrs[:2]), flush=True)
+        try:
+            self._train(steps_this_round)
+        except Interrupted:
+            logger.info("interrupted during an outer round")
+        self._finish()
+        return 0
+
+    # ---- joining -----------------------------------------------------------------------------
+    def _state_layout(self) -> dict[str, list[tuple[tuple[int, ...], torch.dtype]]]:
+        return {
+            "params": [(tuple(p.shape), p.dtype) for p in self.phi],
+            "outer_momentum": [(tuple(p.shape), torch.float32) for p in self.phi],
+        }
+
+    def _join_swarm(self, attempts: int = 20) -> int | None:
+        """Download state from a live peer; returns the peer's progress (inner steps) into the round."""
+        net = self.net
+        for attempt in range(attempts):
+            if self.stop.is_set():
+                return None
+            peers = net.call(list_peers(net.dht, self.cfg.run_id), timeout=30)
+            candidates = sorted(
+                (rec for p, rec in peers.items() if p != self.summary.peer_id and rec.role == "trainer"),
+                key=lambda r: (-r.round, r.peer_id),
+            )
+            for rec in candidates:
+                try:
+                    got = self._download_from(rec.peer_id)
+                except Exception as e:
+                    logger.warning("state download from %s failed: %s", rec.peer_id, e)
+                    self.metrics.state_downloads.labels("failed").inc()
+                    continue
+                self.summary.joined_round = got.snapshot.round
+                # announce at once, so members finishing this round wait for us at the rendezvous
+                self.net.call(self._heartbeat(), timeout=30)
+                self.event("joined", peer=rec.peer_id, round=got.snapshot.round, inner_step=got.inner_step, bytes=got.nbytes)
+                return got.inner_step
+            time.sleep(1.0 + attempt * 0.5)
+        self.event("join_alone", reason="no peer of this run answered; starting from scratch")
+        return None
+
+    def _download_from(self, peer: str):
+        def progress(done: int, total: int) -> None:
+            if total and (done == total or done % (8 << 20) < (1 << 20)):
+                logger.info("downloading state from %s: %.0f%% of %.1f MB", peer, 100 * done / total, total / 1e6)
+
+        got = self.net.call(download_state(self.net.transport, peer, self.cfg.run_id, self._state_layout(), progress), timeout=120)
+        snap = got.snapshot
+        self.phi = [t.clone() for t in snap.tensors["params"]]
+        self.outer.load_state_tensors(snap.tensors["outer_momentum"])
+        self.trainer.load_weights(self.phi)
+        self.round = snap.round
+        self.inner_step = 0
+        self.metrics.state_downloads.labels("ok").inc()
+        self.metrics.outer_round.set(self.round)
+        return got
+
+    def _maybe_resume(self) -> bool:
+        if self.cfg.checkpoint_dir is None:
+            return False
+        found = newest_valid(Path(self.cfg.checkpoint_dir))
+        if found is None:
+            return False
+        path, state = found
+        if [tuple(t.shape) for t in state["phi"]] != [tuple(p.shape) for p in self.phi]:
+            logger.warning("checkpoint %s is for another model; ignoring it", path)
+            return False
+        self.phi = [t.float().clone() for t in state["phi"]]
+        self.trainer.load_weights(state["theta"])
+        self.outer.load_state_tensors(state["outer_momentum"])
+        self.trainer.optimizer.load_state_dict(state["inner_optimizer"])
+        self.trainer.steps = int(state["inner_steps_total"])
+        self.round = int(state["round"])
+        self.event("resumed", checkpoint=str(path), round=self.round)
+        return True
+
+    # ---- training ----------------------------------------------------------------------------
+    def _deadline_reached(self) -> bool:
+        cfg = self.cfg
+        if cfg.max_steps is not None and self.summary.steps >= cfg.max_steps:
+            return True
+        return cfg.duration is not None and time.monotonic() - self.started >= cfg.duration
+
+    def _train(self, steps_this_round: int) -> None:
+        cfg = self.cfg
+        tokens_per_step = cfg.batch_size * self.trainer.model.cfg.context
+        window_start, window_tokens = time.monotonic(), 0
+        samples = 0
+        while not self.stop.is_set() and not self._deadline_reached():
+            x, y = self.batches.next()
+            loss = self.trainer.step(x, y)
+            self.inner_step += 1
+            samples += x.shape[0]
+            self.summary.steps += 1
+            if math.isnan(self.summary.train_loss_first):
+                self.summary.train_loss_first = loss
+            self.summary.train_loss_last = self.last_loss = loss
+            self.metrics.train_loss.set(loss)
+            self.metrics.inner_steps.inc()
+            self.metrics.tokens.inc(tokens_per_step)
+            window_tokens += tokens_per_step
+            elapsed = time.monotonic() - window_start
+            if elapsed >= 2.0:
+                self.tokens_per_s = window_tokens / elapsed
+                self.metrics.tokens_per_second.set(self.tokens_per_s)
+                window_start, window_tokens = time.monotonic(), 0
+            if self.inner_step >= steps_this_round:
+                self._outer_round(samples)
+                samples = 0
+                steps_this_round = cfg.inner_steps
+
+    def _outer_round(self, samples: int) -> None:
+        net = self.net
+        theta = [p.detach().to("cpu", torch.float32) for p in self.trainer.parameters()]
+        result: RoundResult = net.run(
+            self.averager.run_round(self.round, self.phi, theta, samples, before_gather=self._heartbeat), self.stop
+        )
+        m = self.metrics
+        for kind in result.failures.values():
+            m.errors.labels(kind).inc()
+        m.round_duration.observe(result.duration_s)
+        m.round_wait.set(result.gather_s)
+        m.group_size.set(len(result.contributors))
+        record = {"round": result.round, "group": len(result.group), "contributors": len(result.contributors),
+                  "failures": result.failures, "duration_s": round(result.duration_s, 3), "gather_s": round(result.gather_s, 3),
+                  "in_sync": result.in_sync, "fingerprint": "", "loss": self.last_loss}
+        if not result.in_sync:
+            m.outer_rounds.labels("failed").inc()
+            m.errors.labels("out_of_sync").inc()
+            self.event("out_of_sync", round=result.round, majority_peer=result.sync_peer)
+            self._resync(result.sync_peer, result.round)
+        else:
+            m.outer_rounds.labels("alone" if len(result.contributors) == 1 else "completed").inc()
+            self.round += 1
+            self.summary.outer_rounds += 1
+            self.trainer.load_weights(self.phi)
+            if result.failures:
+                self.event("round_partial", round=result.round, failures=result.failures)
+        record["fingerprint"] = fingerprint(self.phi)
+        self.summary.rounds.append(record)
+        self.inner_step = 0
+        m.outer_round.set(self.round)
+        self._publish_snapshot()
+        if self.cfg.checkpoint_dir is not None:
+            self._save_checkpoint()
+        self._write_info()
+        logger.info("round %d done: %d/%d peers averaged in %.2fs (waited %.2fs), loss %.3f",
+                    result.round, len(result.contributors), len(result.group), result.duration_s, result.gather_s, self.last_loss)
+
+    def _resync(self, peer: str | None, failed_round: int) -> None:
+        """Re-download the group's state after drifting (the peer publishes it right after its round)."""
+        if peer is None:
+            return
+        for _ in range(20):
+            try:
+                got = self._download_from(peer)
+                if got.snapshot.round > failed_round:
+                    self.event("resynced", peer=peer, round=self.round)
+                    return
+            except Exception as e:
+                logger.warning("resync from %s failed: %s", peer, e)
+            time.sleep(0.5)
+
+    def _publish_snapshot(self) -> None:
+        snap = StateSnapshot(
+            round=self.round,
+            tensors={"params": [t.clone() for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
+            fingerprint=fingerprint(self.phi),
+            meta={"model": self.cfg.model, "algorithm": self.cfg.algorithm, "compression": self.cfg.compression},
+        )
+        self.state_server.publish(snap)
+
+    async def _heartbeat(self) -> None:
+        net = self.net
+        record = PeerRecord(
+            peer_id=self.summary.peer_id, role=self.role, device=self.trainer.device.type, model=self.cfg.model,
+            algorithm=self.cfg.algorithm, compression=self.cfg.compression, round=self.round, inner_step=self.inner_step,
+            tokens_per_s=self.tokens_per_s, loss=self.last_loss, maddrs=self.summary.multiaddrs,
+            protocols=self.summary.protocols, version=__version__, started_at=time.time() - (time.monotonic() - self.started),
+        )
+        await publish_peer(net.dht, net.validator, self.cfg.run_id, record, RECORD_TTL_S)
+        peers = await list_peers(net.dht, self.cfg.run_id)
+        self.metrics.peers.set(len(peers))
+
+    def status_snapshot(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.summary.peer_id, "run_id": self.cfg.run_id, "round": self.round, "inner_step": self.inner_step,
+            "steps": self.summary.steps, "loss": self.last_loss, "tokens_per_s": self.tokens_per_s,
+            "device": self.trainer.device.type, "model": self.cfg.model, "algorithm": self.cfg.algorithm,
+            "compression": self.cfg.compression, "protocols": self.summary.protocols, "version": __version__,
+            "state": self.summary.state,
+        }
+
+    # ---- stopping ----------------------------------------------------------------------------
+    def _save_checkpoint(self) -> None:
+        state = {
+            "format": 1,
+            "config": json.loads(self.cfg.model_dump_json()),
+            "model_config": self.trainer.model.cfg.to_dict(),
+            "round": self.round,
+            "inner_steps_total": self.trainer.steps,
+            "phi": [t.clone() for t in self.phi],
+            "theta": [p.detach().cpu().clone() for p in self.trainer.parameters()],
+            "outer_momentum": self.outer.state_tensors(self.phi),
+            "inner_optimizer": self.trainer.optimizer.state_dict(),
+        }
+        path = save_atomic(state, Path(self.cfg.checkpoint_dir) / CHECKPOINT_NAME)
+        self.summary.checkpoint = str(path)
+        self.metrics.checkpoints.inc()
+
+    def _finish(self) -> None:
+        self.summary.state = "stopping"
+        self.role = "leaving"
+        try:
+            self.net.call(self._heartbeat(), timeout=10)
+        except Exception as e:
+            logger.info("could not announce leaving: %s", e)
+        self.summary.val_loss = self.trainer.evaluate(self.val)
+        self.metrics.val_loss.set(self.summary.val_loss)
+        if self.cfg.checkpoint_dir is not None:
+            self._save_checkpoint()
+        logger.info("final: %d steps, %d outer rounds, train loss %.3f → %.3f, val loss %.3f",
+                    self.summary.steps, self.summary.outer_rounds, self.summary.train_loss_first,
+                    self.summary.train_loss_last, self.summary.val_loss)
+
+
+def run_daemon(cfg: NodeConfig) -> int:
+    daemon = Daemon(cfg)
+    daemon.install_signal_handlers()
+    return daemon.run()
+

@@ -1,0 +1,243 @@
+"""``node swarm``: N real daemons on 127.0.0.1 as separate processes, live progress, a JSON report.
+
+Node 0 bootstraps the swarm; the others join through its multiaddr. Progress is read from each
+node's Prometheus endpoint. At the end every node gets SIGTERM (then SIGKILL of its process group
+after a grace period), and the report collects each node's exit summary plus launcher events.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.request import urlopen
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from node.config import NodeConfig
+
+logger = logging.getLogger("locomesh.swarm")
+STOP_GRACE_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int, timeout: float = 1.0) -> dict[str, float]:
+    """Flattened ``{name{labels}: value}`` of a node's /metrics, or {} if unreachable."""
+    try:
+        text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def total(metrics: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in metrics.items() if k == prefix or k.startswith(prefix + "{"))
+
+
+@dataclass
+class NodeProcess:
+    index: int
+    directory: Path
+    metrics_port: int
+    process: subprocess.Popen | None = None
+    exit_code: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def info_file(self) -> Path:
+        return self.directory / "info.json"
+
+    def read_info(self) -> dict[str, Any]:
+        try:
+            self.info = json.loads(self.info_file.read_text())
+        except (OSError, ValueError):
+            pass
+        return self.info
+
+
+class SwarmLauncher:
+    def __init__(
+        self,
+        nodes: int,
+        duration: float,
+        report: Path,
+        metrics_port: int,
+        run_dir: Path,
+        join_args: list[str],
+        config: NodeConfig,
+        join_interval: float = 0.5,
+    ) -> None:
+        if nodes < 1:
+            raise ValueError("--nodes must be at least 1")
+        self.duration, self.report, self.join_args, self.config = duration, Path(report), join_args, config
+        self.join_interval = join_interval
+        self.events: list[dict[str, Any]] = []
+        self.nodes = [
+            NodeProcess(i, Path(run_dir) / f"node{i}", metrics_port + i if metrics_port else free_port()) for i in range(nodes)
+        ]
+        self.t0 = time.time()
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self.events.append({"t": round(time.time() - self.t0, 3), "event": kind, **fields})
+        logger.info("%s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
+
+    def _spawn(self, node: NodeProcess, initial_peers: list[str]) -> None:
+        node.directory.mkdir(parents=True, exist_ok=True)
+        node.info_file.unlink(missing_ok=True)
+        args = [sys.executable, "-m", "node", "join", *self.join_args,
+                "--listen", "/ip4/127.0.0.1/tcp/0", "--metrics-port", str(node.metrics_port),
+                "--checkpoint-dir", str(node.directory), "--info-file", str(node.info_file)]
+        if "--seed" not in self.join_args:
+            args += ["--seed", str(self.config.seed + node.index)]
+        if "--threads" not in self.join_args:
+            args += ["--threads", str(max(1, (os.cpu_count() or 1) // len(self.nodes)))]
+        for peer in initial_peers:
+            args += ["--initial-peers", peer]
+        log = open(node.directory / "log.txt", "w")
+        node.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.event("node_started", node=node.index, pid=node.process.pid, metrics_port=node.metrics_port)
+
+    def _wait_ready(self, node: NodeProcess, timeout: float = 120.0) -> list[str]:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            info = node.read_info()
+            if info.get("state") == "training" and info.get("multiaddrs"):
+                return [f"{a}/p2p/{info['peer_id']}" if "/p2p/" not in a else a for a in info["multiaddrs"]]
+            if node.process is not None and node.process.poll() is not None:
+                raise RuntimeError(f"node {node.index} exited with code {node.process.returncode} before it was ready; see {node.directory / 'log.txt'}")
+            time.sleep(0.2)
+        raise RuntimeError(f"node {node.index} was not ready after {timeout:.0f}s; see {node.directory / 'log.txt'}")
+
+    def _progress_line(self) -> str:
+        parts = []
+        for node in self.nodes:
+            m = scrape(node.metrics_port)
+            if not m:
+                parts.append(f"n{node.index}: -")
+                continue
+            loss = m.get("locomesh_train_loss", math.nan)
+            parts.append(
+                f"n{node.index}: step {total(m, 'locomesh_inner_steps_total'):.0f} loss {loss:.3f} "
+                f"{m.get('locomesh_tokens_per_second', 0):.0f} tok/s round {m.get('locomesh_outer_round', 0):.0f} "
+                f"peers {m.get('locomesh_peers', 0):.0f} sent {total(m, 'locomesh_bytes_sent_total') / 1e6:.1f}MB"
+            )
+        return f"[{time.time() - self.t0:5.0f}s] " + " | ".join(parts)
+
+    def _stop_all(self) -> None:
+        for node in self.nodes:
+            if node.process is not None and node.process.poll() is None:
+                node.process.send_signal(signal.SIGTERM)
+                self.event("sigterm", node=node.index)
+        deadline = time.time() + STOP_GRACE_S
+        for node in self.nodes:
+            if node.process is None:
+                continue
+            try:
+                node.exit_code = node.process.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                self.event("sigkill", node=node.index, reason=f"still running {STOP_GRACE_S:.0f}s after SIGTERM")
+                os.killpg(node.process.pid, signal.SIGKILL)
+                node.exit_code = node.process.wait()
+            # p2pd and other children share the node's process group: nothing may outlive the node
+            try:
+                os.killpg(node.process.pid, signal.SIGKILL)
+                self.event("orphans_killed", node=node.index)
+            except ProcessLookupError:
+                pass
+            self.event("node_exited", node=node.index, exit_code=node.exit_code)
+
+    def run(self) -> int:
+        self.report.parent.mkdir(parents=True, exist_ok=True)
+        interrupted = False
+        try:
+            self._spawn(self.nodes[0], list(self.config.initial_peers))
+            bootstrap = self._wait_ready(self.nodes[0])
+            self.event("bootstrap_ready", node=0, multiaddrs=bootstrap)
+            for node in self.nodes[1:]:
+                time.sleep(self.join_interval)
+                self._spawn(node, bootstrap[:1])
+            end = self.t0 + self.duration
+            next_line = 0.0
+            while time.time() < end:
+                if all(n.process is not None and n.process.poll() is not None for n in self.nodes):
+                    self.event("all_exited_early")
+                    break
+                if time.time() >= next_line:
+                    print(self._progress_line(), flush=True)
+                    next_line = time.time() + 10
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            interrupted = True
+            self.event("interrupted")
+        except RuntimeError as e:
+            self.event("launch_failed", error=str(e))
+            print(f"error: {e}", file=sys.stderr)
+        finally:
+            self._stop_all()
+        report = self.write_report()
+        self.print_summary(report)
+        ok = all(n["exit_code"] == 0 for n in report["nodes"]) and not interrupted
+        return 0 if ok else 1
+
+    def write_report(self) -> dict[str, Any]:
+        nodes = []
+        for node in self.nodes:
+            info = node.read_info()
+            nodes.append({
+                "index": node.index,
+                "peer_id": info.get("peer_id", ""),
+                "exit_code": node.exit_code,
+                "steps": info.get("steps", 0),
+                "outer_rounds": info.get("outer_rounds", 0),
+                "train_loss_first": info.get("train_loss_first"),
+                "train_loss_last": info.get("train_loss_last"),
+                "val_loss": info.get("val_loss"),
+                "bytes_sent": info.get("bytes_sent", 0),
+                "bytes_received": info.get("bytes_received", 0),
+                "checkpoint": info.get("checkpoint", ""),
+                "multiaddrs": info.get("multiaddrs", []),
+                "metrics_port": node.metrics_port,
+                "protocols": info.get("protocols", []),
+                "joined_round": info.get("joined_round"),
+                "rounds": info.get("rounds", []),
+                "log": str(node.directory / "log.txt"),
+            })
+            for ev in info.get("events", []):
+                self.events.append({**ev, "t": round(ev["t"] - self.t0, 3), "node": node.index})
+        report = {
+            "duration_s": round(time.time() - self.t0, 3),
+            "config": {**json.loads(self.config.model_dump_json()), "nodes": len(self.nodes), "join_args": self.join_args},
+            "nodes": nodes,
+            "events": sorted(self.events, key=lambda e: e["t"]),
+        }
+        tmp = self.report.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=2, default=str))
+        os.replace(tmp, self.report)
+        return report
+
+    def print_summary(self, report: dict[str, Any]) -> None:
+        print(f"\nswarm of {len(report['nodes'])} nodes ran {report['duration_s']:.0f}s; report: {self.report}")
+        for n in report["nodes"]:
+            first, last, val = (n.get(k) if n.get(k) is not None else math.nan for k in ("train_loss_first", "train_loss_last", "val_loss"))
+            print(f"  node {n['index']} {n['peer_id'][-8:]}: exit {n['exit_code']}, {n['steps']} steps, "
+                  f"{n['outer_rounds']} outer rounds, train loss {first:.3f} -> {last:.3f}, val loss {val:.3f}, "
+                  f"sent {n['bytes_sent'] / 1e6:.1f} MB, received {n['bytes_received'] / 1e6:.1f} MB")

@@ -1,0 +1,41 @@
+"""Prometheus metrics of one node (a registry of its own, served on ``--metrics-port``).
+
+Every metric is documented in README.md ("Metrics"); names are prefixed ``locomesh_``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+
+
+class NodeMetrics:
+    """All series a node exports; ``serve(port)`` starts the HTTP endpoint."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.info = Gauge("locomesh_node_info", "Constant 1, labelled with what this node is", ["peer_id", "run_id", "device", "model", "algorithm", "compression", "version"], registry=r)
+        self.train_loss = Gauge("locomesh_train_loss", "Training loss of the last inner step (nats per byte)", registry=r)
+        self.val_loss = Gauge("locomesh_val_loss", "Loss on the held-out split at the last evaluation (nats per byte)", registry=r)
+        self.tokens = Counter("locomesh_tokens", "Tokens (bytes) trained on by this node", registry=r)
+        self.tokens_per_second = Gauge("locomesh_tokens_per_second", "Training throughput over recent inner steps", registry=r)
+        self.inner_steps = Counter("locomesh_inner_steps", "Local optimizer steps taken", registry=r)
+        self.outer_round = Gauge("locomesh_outer_round", "Outer round this node is in", registry=r)
+        self.outer_rounds = Counter("locomesh_outer_rounds", "Outer rounds finished, by result (completed, failed, alone)", ["result"], registry=r)
+        self.bytes_sent = Counter("locomesh_bytes_sent", "Bytes sent on locomesh protocols, by message kind", ["kind"], registry=r)
+        self.bytes_received = Counter("locomesh_bytes_received", "Bytes received on locomesh protocols, by message kind", ["kind"], registry=r)
+        self.group_size = Gauge("locomesh_group_size", "Members (self included) whose updates were averaged in the last round", registry=r)
+        self.round_duration = Histogram("locomesh_round_duration_seconds", "Wall time of the averaging part of an outer round", buckets=ROUND_BUCKETS, registry=r)
+        self.round_wait = Gauge("locomesh_round_wait_seconds", "Time the last round spent waiting for peers at the rendezvous", registry=r)
+        self.errors = Counter("locomesh_errors", "Errors by kind (timeout, connection, schema, out_of_sync, ...)", ["kind"], registry=r)
+        self.peers = Gauge("locomesh_peers", "Live members of this run seen in the DHT (self included)", registry=r)
+        self.state_downloads = Counter("locomesh_state_downloads", "State downloads from peers, by result", ["result"], registry=r)
+        self.checkpoints = Counter("locomesh_checkpoints", "Checkpoints written", registry=r)
+        for result in ("completed", "failed", "alone"):
+            self.outer_rounds.labels(result)
+        for result in ("ok", "failed"):
+            self.state_downloads.labels(result)
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, addr="0.0.0.0", registry=self.registry)

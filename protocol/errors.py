@@ -1,0 +1,41 @@
+"""Typed protocol errors: each says what was wrong with the bytes a peer sent and why it was refused."""
+
+
+class ProtocolError(Exception):
+    """Base of every wire-level rejection. ``code`` is a stable label used in metrics and error frames."""
+
+    code = "protocol"
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame announced more bytes than the receiver accepts (checked before allocating)."""
+
+    code = "frame_too_large"
+
+
+class MalformedFrame(ProtocolError):
+    """Bytes that are not a valid msgpack envelope, or a stream that ended mid-frame."""
+
+    code = "malformed"
+
+
+class VersionMismatch(ProtocolError):
+    """The envelope's major protocol version differs from ours."""
+
+    code = "version"
+
+
+class SchemaError(ProtocolError):
+    """A well-formed message whose fields have the wrong kind, type, shape or value."""
+
+    code = "schema"
+
+
+class RemoteError(ProtocolError):
+    """The peer answered with an error frame; ``remote_code`` is its label."""
+
+    code = "remote"
+
+    def __init__(self, remote_code: str, message: str) -> None:
+        super().__init__(f"peer refused: [{remote_code}] {message}")
+        self.remote_code = remote_code

@@ -1,0 +1,172 @@
+"""Length-prefixed msgpack frames carrying versioned envelopes.
+
+A frame is a 4-byte big-endian length followed by that many bytes of msgpack. The msgpack object
+is an envelope ``{"v": [major, minor], "k": kind, "b": body}``. Receivers check the length against
+their cap *before* reading the body, decode msgpack with strict limits, and reject a different
+major version. An error reply is the envelope kind ``"error"`` with ``{"code", "message"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import msgpack
+
+from protocol.errors import FrameTooLarge, MalformedFrame, ProtocolError, RemoteError, SchemaError, VersionMismatch
+from protocol.ids import PROTOCOL_MAJOR, PROTOCOL_MINOR
+
+DEFAULT_MAX_FRAME = 16 * 1024 * 1024
+_LENGTH = struct.Struct(">I")
+ERROR_KIND = "error"
+
+
+@dataclass(frozen=True)
+class Message:
+    """A decoded envelope."""
+
+    kind: str
+    body: dict[str, Any]
+    version: tuple[int, int]
+
+
+def encode_message(kind: str, body: dict[str, Any], version: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)) -> bytes:
+    """msgpack bytes of an envelope (without the length prefix)."""
+    return msgpack.packb({"v": list(version), "k": kind, "b": body}, use_bin_type=True)
+
+
+def encode_frame(payload: bytes) -> bytes:
+    """Prefix ``payload`` with its length."""
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def decode_message(data: bytes, max_size: int = DEFAULT_MAX_FRAME, major: int = PROTOCOL_MAJOR) -> Message:
+    """Decode and validate one envelope; raises a :class:`ProtocolError` subclass on anything off."""
+    if len(data) > max_size:
+        raise FrameTooLarge(f"message of {len(data)} bytes exceeds the cap of {max_size} bytes")
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_bin_len=max_size,
+            max_str_len=1 << 20,
+            max_array_len=1 << 20,
+            max_map_len=1 << 16,
+            max_ext_len=0,
+        )
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as e:
+        raise MalformedFrame(f"not a msgpack envelope: {e}") from None
+    if not isinstance(obj, dict) or set(obj) != {"v", "k", "b"}:
+        raise MalformedFrame("envelope must be a map with exactly the keys 'v', 'k' and 'b'")
+    version, kind, body = obj["v"], obj["k"], obj["b"]
+    if (
+        not isinstance(version, list)
+        or len(version) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in version)
+    ):
+        raise MalformedFrame(f"envelope version must be [major, minor], got {version!r}")
+    if version[0] != major:
+        raise VersionMismatch(f"peer speaks protocol {version[0]}.{version[1]}, this node speaks {major}.x")
+    if not isinstance(kind, str) or not kind:
+        raise MalformedFrame("envelope kind must be a non-empty string")
+    if not isinstance(body, dict):
+        raise MalformedFrame("envelope body must be a map")
+    return Message(kind=kind, body=body, version=(version[0], version[1]))
+
+
+async def read_frame(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_FRAME) -> bytes:
+    """Read one frame's bytes; the length is checked against ``max_size`` before the body is read."""
+    try:
+        header = await reader.readexactly(_LENGTH.size)
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            raise EOFError("stream closed") from None
+        raise MalformedFrame("stream ended inside a frame header") from None
+    (length,) = _LENGTH.unpack(header)
+    if length > max_size:
+        raise FrameTooLarge(f"frame announces {length} bytes, the cap is {max_size} bytes")
+    try:
+        return await reader.readexactly(length)
+    except asyncio.IncompleteReadError as e:
+        raise MalformedFrame(f"stream ended after {len(e.partial)} of {length} frame bytes") from None
+
+
+class FramedStream:
+    """A bidirectional stream of envelopes over an asyncio reader/writer pair.
+
+    :param peer: the remote peer id (for logs and error messages)
+    :param max_frame: the largest frame this side accepts
+    """
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peer: str = "?",
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        self.reader, self.writer, self.peer, self.max_frame = reader, writer, peer, max_frame
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    async def send(self, kind: str, body: dict[str, Any]) -> int:
+        """Send one envelope; returns the bytes written (length prefix included)."""
+        data = encode_frame(encode_message(kind, body))
+        self.writer.write(data)
+        await self.writer.drain()
+        self.bytes_sent += len(data)
+        return len(data)
+
+    async def send_error(self, error: ProtocolError | str, message: str = "") -> None:
+        """Tell the peer why its request was refused (best effort)."""
+        code = error.code if isinstance(error, ProtocolError) else error
+        text = str(error) if isinstance(error, ProtocolError) else message
+        try:
+            await self.send(ERROR_KIND, {"code": code, "message": text[:1000]})
+        except (ConnectionError, RuntimeError, OSError):
+            pass
+
+    async def recv(self, expect: str | Iterable[str] | None = None) -> Message:
+        """Receive one envelope; an error envelope raises :class:`RemoteError`, an unexpected kind
+        raises :class:`SchemaError`."""
+        data = await read_frame(self.reader, self.max_frame)
+        self.bytes_received += len(data) + _LENGTH.size
+        msg = decode_message(data, self.max_frame)
+        if msg.kind == ERROR_KIND:
+            raise RemoteError(str(msg.body.get("code", "?")), str(msg.body.get("message", "")))
+        if expect is not None:
+            allowed = {expect} if isinstance(expect, str) else set(expect)
+            if msg.kind not in allowed:
+                raise SchemaError(f"expected a {' or '.join(sorted(allowed))} message, got {msg.kind!r}")
+        return msg
+
+    async def wait_peer_closed(self, timeout: float = 10.0) -> None:
+        """Wait until the peer closes its side (it has read everything), so closing ours cannot cut a reply short."""
+        try:
+            await asyncio.wait_for(self.reader.read(1), timeout=timeout)
+        except (asyncio.TimeoutError, ConnectionError, OSError):
+            pass
+
+    async def close(self) -> None:
+        """Close the writing side; never raises."""
+        try:
+            self.writer.close()
+            await asyncio.wait_for(self.writer.wait_closed(), timeout=2)
+        except (ConnectionError, OSError, RuntimeError, asyncio.TimeoutError):
+            pass
+
+
+def require(body: dict[str, Any], field: str, kind: type | tuple[type, ...]) -> Any:
+    """Fetch ``body[field]`` and check its type, raising :class:`SchemaError` with a clear message."""
+    if field not in body:
+        raise SchemaError(f"missing field {field!r}")
+    value = body[field]
+    if isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise SchemaError(f"field {field!r} must be {kind}, got bool")
+    if not isinstance(value, kind):
+        raise SchemaError(f"field {field!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value

@@ -1,0 +1,108 @@
+"""Schemas of the DHT records locomesh publishes, with validation on read.
+
+Records are plain msgpack-able maps. Every reader goes through ``from_value`` so that a malformed
+or hostile record is dropped (with a :class:`SchemaError`) instead of crashing the node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from protocol.errors import SchemaError
+
+
+def peers_key(run_id: str) -> str:
+    """DHT key under which every member of ``run_id`` keeps one (signed) subkey with its PeerRecord."""
+    return f"locomesh.{run_id}.peers"
+
+
+def round_key(run_id: str, round_no: int) -> str:
+    """DHT key of the rendezvous for outer round ``round_no`` of ``run_id``."""
+    return f"locomesh.{run_id}.round.{round_no}"
+
+
+def _typed(value: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    if name not in value:
+        if default is ...:
+            raise SchemaError(f"record lacks field {name!r}")
+        return default
+    item = value[name]
+    if isinstance(item, bool) and kind is not bool and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise SchemaError(f"record field {name!r} must be {kind}, got bool")
+    if not isinstance(item, kind):
+        raise SchemaError(f"record field {name!r} must be {kind}, got {type(item).__name__}")
+    return item
+
+
+@dataclass
+class PeerRecord:
+    """What a node announces about itself (refreshed every heartbeat, expires if it stops)."""
+
+    peer_id: str
+    role: str = "trainer"
+    device: str = "cpu"
+    model: str = "tiny"
+    algorithm: str = "diloco"
+    compression: str = "none"
+    round: int = 0
+    inner_step: int = 0
+    tokens_per_s: float = 0.0
+    loss: float = float("nan")
+    maddrs: list[str] = field(default_factory=list)
+    protocols: list[str] = field(default_factory=list)
+    version: str = ""
+    started_at: float = 0.0
+
+    def to_value(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, value: Any) -> "PeerRecord":
+        if not isinstance(value, dict):
+            raise SchemaError(f"peer record must be a map, got {type(value).__name__}")
+        number = (int, float)
+        rec = cls(
+            peer_id=_typed(value, "peer_id", str),
+            role=_typed(value, "role", str, "trainer"),
+            device=_typed(value, "device", str, "cpu"),
+            model=_typed(value, "model", str, ""),
+            algorithm=_typed(value, "algorithm", str, ""),
+            compression=_typed(value, "compression", str, "none"),
+            round=_typed(value, "round", int, 0),
+            inner_step=_typed(value, "inner_step", int, 0),
+            tokens_per_s=float(_typed(value, "tokens_per_s", number, 0.0)),
+            loss=float(_typed(value, "loss", number, float("nan"))),
+            maddrs=list(_typed(value, "maddrs", list, [])),
+            protocols=list(_typed(value, "protocols", list, [])),
+            version=_typed(value, "version", str, ""),
+            started_at=float(_typed(value, "started_at", number, 0.0)),
+        )
+        if not all(isinstance(x, str) for x in rec.maddrs + rec.protocols):
+            raise SchemaError("record fields 'maddrs' and 'protocols' must hold strings")
+        if rec.round < 0 or rec.inner_step < 0:
+            raise SchemaError("record round and inner_step must be non-negative")
+        return rec
+
+
+@dataclass
+class RoundEntry:
+    """A member's entry in a round rendezvous: who it is and how many samples its update carries."""
+
+    peer_id: str
+    samples: int
+    codec: str
+
+    def to_value(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, value: Any) -> "RoundEntry":
+        if not isinstance(value, dict):
+            raise SchemaError(f"round entry must be a map, got {type(value).__name__}")
+        entry = cls(
+            peer_id=_typed(value, "peer_id", str), samples=_typed(value, "samples", int), codec=_typed(value, "codec", str)
+        )
+        if entry.samples < 0:
+            raise SchemaError("round entry samples must be non-negative")
+        return entry
