@@ -53,7 +53,14 @@ def _dense(spec: str) -> Codec | None:
     return factory() if factory else None
 
 
-_PARSERS: list[Callable[[str], Codec | None]] = [_dense]
+def _quantized(spec: str) -> Codec | None:
+    from compression.quantize import StatisticalQuantization
+
+    match = re.fullmatch(r"q([248])", spec)
+    return StatisticalQuantization(int(match.group(1))) if match else None
+
+
+_PARSERS: list[Callable[[str], Codec | None]] = [_dense, _quantized]
 
 
 def register_parser(parser: Callable[[str], Codec | None]) -> None:

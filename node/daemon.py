@@ -186,12 +186,9 @@ class Daemon:
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
 
-        steps_this_round = cfg.inner_steps
         resumed = self._maybe_resume()
         if cfg.initial_peers and not resumed:
-            downloaded = self._join_swarm()
-            if downloaded is not None:
-                steps_this_round = max(1, cfg.inner_steps - downloaded)
+            self._join_swarm()
         self._publish_snapshot()
         net.every(HEARTBEAT_S, self._heartbeat, "heartbeat")
         self.summary.state = "training"
@@ -199,7 +196,7 @@ class Daemon:
         print(f"locomesh node {peer_id} is up. Others can join with:\n  node join --run-id {cfg.run_id} "
               + " ".join(f"--initial-peers {a}" for a in maddrs[:2]), flush=True)
         try:
-            self._train(steps_this_round)
+            self._train()
         except Interrupted:
             logger.info("interrupted during an outer round")
         self._finish()
@@ -212,8 +209,9 @@ class Daemon:
             "outer_momentum": [(tuple(p.shape), torch.float32) for p in self.phi],
         }
 
-    def _join_swarm(self, attempts: int = 20) -> int | None:
-        """Download state from a live peer; returns the peer's progress (inner steps) into the round."""
+    def _join_swarm(self, attempts: int = 20) -> bool:
+        """Download state from a live peer and take over its progress into the current round, so this
+        node runs only the round's remaining inner steps and meets its peers at the rendezvous."""
         net = self.net
         for attempt in range(attempts):
             if self.stop.is_set():
@@ -231,13 +229,14 @@ class Daemon:
                     self.metrics.state_downloads.labels("failed").inc()
                     continue
                 self.summary.joined_round = got.snapshot.round
+                self.inner_step = min(got.inner_step, self.cfg.inner_steps - 1)
                 # announce at once, so members finishing this round wait for us at the rendezvous
                 self.net.call(self._heartbeat(), timeout=30)
                 self.event("joined", peer=rec.peer_id, round=got.snapshot.round, inner_step=got.inner_step, bytes=got.nbytes)
-                return got.inner_step
+                return True
             time.sleep(1.0 + attempt * 0.5)
         self.event("join_alone", reason="no peer of this run answered; starting from scratch")
-        return None
+        return False
 
     def _download_from(self, peer: str):
         def progress(done: int, total: int) -> None:
@@ -281,7 +280,7 @@ class Daemon:
             return True
         return cfg.duration is not None and time.monotonic() - self.started >= cfg.duration
 
-    def _train(self, steps_this_round: int) -> None:
+    def _train(self) -> None:
         cfg = self.cfg
         tokens_per_step = cfg.batch_size * self.trainer.model.cfg.context
         window_start, window_tokens = time.monotonic(), 0
@@ -304,10 +303,9 @@ class Daemon:
                 self.tokens_per_s = window_tokens / elapsed
                 self.metrics.tokens_per_second.set(self.tokens_per_s)
                 window_start, window_tokens = time.monotonic(), 0
-            if self.inner_step >= steps_this_round:
+            if self.inner_step >= cfg.inner_steps:
                 self._outer_round(samples)
                 samples = 0
-                steps_this_round = cfg.inner_steps
 
     def _outer_round(self, samples: int) -> None:
         net = self.net

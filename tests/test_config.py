@@ -1,0 +1,76 @@
+"""Configuration: flags > LOCOMESH_* env > --config TOML > defaults, and clear errors for bad values."""
+
+import pytest
+import typer
+
+from node.cli import parse_join_args
+from node.config import ConfigError, NodeConfig, load_config
+
+
+def test_defaults():
+    cfg = parse_join_args([])
+    assert cfg == NodeConfig()
+    assert cfg.inner_steps == 50 and cfg.outer_lr == 0.7 and cfg.outer_momentum == 0.9 and cfg.algorithm == "diloco"
+
+
+def test_precedence_flag_over_env_over_file(tmp_path, monkeypatch):
+    toml = tmp_path / "node.toml"
+    toml.write_text('inner-steps = 7\nbatch_size = 3\nlr = 0.5\nrun-id = "from-file"\n')
+    monkeypatch.setenv("LOCOMESH_BATCH_SIZE", "5")
+    monkeypatch.setenv("LOCOMESH_LR", "0.25")
+    cfg = parse_join_args(["--config", str(toml), "--lr", "0.125"])
+    assert cfg.inner_steps == 7  # file only
+    assert cfg.batch_size == 5  # env over file
+    assert cfg.lr == 0.125  # flag over env
+    assert cfg.run_id == "from-file"
+    assert cfg.model == "tiny"  # default
+
+
+def test_config_file_from_env_and_node_table(tmp_path, monkeypatch):
+    toml = tmp_path / "node.toml"
+    toml.write_text('[node]\nmodel = "nano"\ninitial-peers = ["/ip4/127.0.0.1/tcp/1/p2p/QmX"]\n')
+    monkeypatch.setenv("LOCOMESH_CONFIG", str(toml))
+    cfg = parse_join_args([])
+    assert cfg.model == "nano" and cfg.initial_peers == ["/ip4/127.0.0.1/tcp/1/p2p/QmX"]
+
+
+def test_repeatable_flags():
+    cfg = parse_join_args(["--initial-peers", "/ip4/1.2.3.4/tcp/1", "--initial-peers", "/ip4/1.2.3.5/tcp/2"])
+    assert cfg.initial_peers == ["/ip4/1.2.3.4/tcp/1", "/ip4/1.2.3.5/tcp/2"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--inner-steps", "0"], "--inner-steps"),
+        (["--model", "gigantic"], "unknown model preset 'gigantic'"),
+        (["--outer-momentum", "1.5"], "--outer-momentum"),
+        (["--initial-peers", "localhost:1234"], "is not a multiaddr"),
+        (["--device", "tpu"], "--device"),
+        (["--run-id", "has space"], "--run-id"),
+    ],
+)
+def test_bad_values_fail_with_the_option_named(args, message, capsys):
+    with pytest.raises(typer.Exit) as e:
+        parse_join_args(args)
+    assert e.value.exit_code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config({}, tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("inner-steps = = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config({}, bad)
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("inner_stepz = 3")
+    with pytest.raises(ConfigError, match="inner-stepz"):
+        load_config({}, unknown)
+
+
+def test_non_numeric_flag_is_a_usage_error(capsys):
+    with pytest.raises(typer.Exit):
+        parse_join_args(["--inner-steps", "many"])
+    assert "--inner-steps" in capsys.readouterr().err
