@@ -60,7 +60,37 @@ def _quantized(spec: str) -> Codec | None:
     return StatisticalQuantization(int(match.group(1))) if match else None
 
 
-_PARSERS: list[Callable[[str], Codec | None]] = [_dense, _quantized]
+def _blockwise(spec: str) -> Codec | None:
+    from compression.blockwise import BlockwiseInt8
+
+    if spec == "int8-block":
+        return BlockwiseInt8()
+    match = re.fullmatch(rf"int8-block:({_INT})", spec)
+    if spec.startswith("int8-block") and not match:
+        raise _invalid(spec, "int8-block takes an optional block size, as in int8-block:4096")
+    return BlockwiseInt8(int(match.group(1))) if match else None
+
+
+def _chunked(spec: str) -> Codec | None:
+    family = spec.split(":", 1)[0]
+    if family not in ("topk", "dct"):
+        return None
+    match = re.fullmatch(rf"(topk|dct):({_INT})/({_INT})(?:\+q([248]))?", spec)
+    if not match:
+        raise _invalid(spec, f"{family} needs K/C and an optional +q8/+q4/+q2, as in {family}:64/4096+q2")
+    k, chunk = int(match.group(2)), int(match.group(3))
+    bits = int(match.group(4)) if match.group(4) else None
+    if family == "topk":
+        from compression.topk import TopKCompression as cls
+    else:
+        from compression.dct import DCTCompression as cls
+    try:
+        return cls(k, chunk, bits)
+    except ValueError as e:
+        raise _invalid(spec, str(e)) from None
+
+
+_PARSERS: list[Callable[[str], Codec | None]] = [_dense, _quantized, _blockwise, _chunked]
 
 
 def register_parser(parser: Callable[[str], Codec | None]) -> None:

@@ -232,7 +232,8 @@ class Daemon:
                 self.inner_step = min(got.inner_step, self.cfg.inner_steps - 1)
                 # announce at once, so members finishing this round wait for us at the rendezvous
                 self.net.call(self._heartbeat(), timeout=30)
-                self.event("joined", peer=rec.peer_id, round=got.snapshot.round, inner_step=got.inner_step, bytes=got.nbytes)
+                self.event("joined", peer=rec.peer_id, round=got.snapshot.round, inner_step=got.inner_step, bytes=got.nbytes,
+                           fingerprint=fingerprint(self.phi), peer_fingerprint=got.snapshot.fingerprint)
                 return True
             time.sleep(1.0 + attempt * 0.5)
         self.event("join_alone", reason="no peer of this run answered; starting from scratch")

@@ -6,6 +6,7 @@ import asyncio
 import time
 from typing import Any
 
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
@@ -17,10 +18,10 @@ from protocol.hivemind_transport import Transport
 
 async def _collect(initial_peers: list[str], run_id: str, timeout: float) -> dict[str, Any]:
     p2p = await P2P.create(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dht = await DHTNode.create(p2p=p2p, initial_peers=initial_peers, client_mode=True)
+    dht = await DHTNode.create(p2p=p2p, initial_peers=initial_peers, client_mode=True, record_validator=RSASignatureValidator())
     try:
         transport = Transport(p2p)
-        records = await list_peers_with_expiry(dht, run_id)
+        records = await asyncio.wait_for(list_peers_with_expiry(dht, run_id), timeout=30)
         now = get_dht_time()
         rows = []
 
