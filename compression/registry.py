@@ -90,7 +90,50 @@ def _chunked(spec: str) -> Codec | None:
         raise _invalid(spec, str(e)) from None
 
 
-_PARSERS: list[Callable[[str], Codec | None]] = [_dense, _quantized, _blockwise, _chunked]
+def _options(spec: str, body: str, allowed: dict[str, str]) -> dict[str, str]:
+    """Parse ``key=value,key=value`` with each key at most once and each value matching its pattern."""
+    out: dict[str, str] = {}
+    for item in body.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or key not in allowed or key in out or not re.fullmatch(allowed[key], value):
+            raise _invalid(spec, f"bad option {item!r:.40}; options are {', '.join(f'{k}=' for k in allowed)}")
+        out[key] = value
+    return out
+
+
+def _seeded(spec: str) -> Codec | None:
+    if not spec.startswith("seed"):
+        return None
+    from compression.seeded import SeedProjection
+
+    if not spec.startswith("seed:"):
+        raise _invalid(spec, "the seed codec needs its number of directions, as in seed:r=16")
+    opts = _options(spec, spec[5:], {"r": _INT, "dist": "rademacher|gaussian"})
+    if "r" not in opts:
+        raise _invalid(spec, "the seed codec needs r=R")
+    try:
+        return SeedProjection(int(opts["r"]), opts.get("dist", "rademacher"))
+    except ValueError as e:
+        raise _invalid(spec, str(e)) from None
+
+
+def _subspace(spec: str) -> Codec | None:
+    if not spec.startswith("subspace"):
+        return None
+    from compression.activations import SubspaceProjection
+
+    if not spec.startswith("subspace:"):
+        raise _invalid(spec, "subspace needs k and d, as in subspace:k=32,d=128")
+    opts = _options(spec, spec[9:], {"k": _INT, "d": _INT, "seed": r"0|[1-9][0-9]{0,18}", "dtype": "bf16|fp16"})
+    if "k" not in opts or "d" not in opts:
+        raise _invalid(spec, "subspace needs both k=K and d=D (the last-dimension size is fixed by the spec)")
+    try:
+        return SubspaceProjection(int(opts["k"]), int(opts["d"]), int(opts.get("seed", "0")), opts.get("dtype", "bf16"))
+    except ValueError as e:
+        raise _invalid(spec, str(e)) from None
+
+
+_PARSERS: list[Callable[[str], Codec | None]] = [_dense, _quantized, _blockwise, _chunked, _seeded, _subspace]
 
 
 def register_parser(parser: Callable[[str], Codec | None]) -> None:
