@@ -270,6 +270,8 @@ class Daemon:
         self.outer.load_state_tensors(state["outer_momentum"])
         self.trainer.optimizer.load_state_dict(state["inner_optimizer"])
         self.trainer.steps = int(state["inner_steps_total"])
+        if "data_order" in state:
+            self.batches.load_state_dict(state["data_order"])
         self.round = int(state["round"])
         self.event("resumed", checkpoint=str(path), round=self.round)
         return True
@@ -402,6 +404,7 @@ class Daemon:
             "theta": [p.detach().cpu().clone() for p in self.trainer.parameters()],
             "outer_momentum": self.outer.state_tensors(self.phi),
             "inner_optimizer": self.trainer.optimizer.state_dict(),
+            "data_order": self.batches.state_dict(),
         }
         path = save_atomic(state, Path(self.cfg.checkpoint_dir) / CHECKPOINT_NAME)
         self.summary.checkpoint = str(path)

@@ -79,3 +79,22 @@ def test_swarm_rejects_bad_join_options(tmp_path):
     out = subprocess.run([sys.executable, "-m", "node", "swarm", "--nodes", "2", "--model", "huge"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "unknown model preset 'huge'" in out.stderr
+
+
+def test_restarted_node_resumes_from_its_checkpoint(tmp_path):
+    from tests.swarm_utils import FAST_ARGS, start_node
+
+    first = start_node(tmp_path, "n", FAST_ARGS + ["--max-steps", "31"])
+    assert first.process.wait(timeout=120) == 0, first.log()[-2000:]
+    before = first.info()
+    assert before["outer_rounds"] == 2 and before["checkpoint"]
+    saved = checkpoint.load(before["checkpoint"])
+    assert saved["round"] == 2 and saved["inner_steps_total"] == 31
+
+    again = start_node(tmp_path, "n", FAST_ARGS + ["--max-steps", "15"])
+    assert again.process.wait(timeout=120) == 0, again.log()[-2000:]
+    after = again.info()
+    resumed = [e for e in after["events"] if e["event"] == "resumed"]
+    assert resumed and resumed[0]["round"] == 2
+    assert after["rounds"][0]["round"] == 2, "training continued at the checkpoint's round"
+    assert after["train_loss_first"] < before["train_loss_first"] - 1.0, "weights came back, not a fresh init"
