@@ -5,6 +5,12 @@ forms); ``codec.encode(tensor, state=None)`` returns a :class:`Payload` whose ``
 ``Payload.from_bytes`` + ``codec.decode`` rebuild a float32 tensor, refusing anything malformed with
 :class:`CodecError`. :class:`ErrorFeedback` is the caller-owned residual buffer for SparseLoCo/DeMo.
 Depends on torch, numpy, msgpack and :mod:`protocol` only.
+
+Modules: ``base`` (Codec interface), ``payload`` (wire form), ``registry`` (specs), ``feedback``
+(error feedback); codecs ``dense`` (none/fp16/bf16), ``quantize`` (q8/q4/q2), ``blockwise``
+(int8-block), ``topk``, ``dct``, ``seeded`` (seed projection), ``activations`` (subspace); helpers
+``bitpack``, ``chunking``, ``wire`` (tensor fields), ``msgpack_view`` (zero-copy msgpack),
+``memory`` (huge-page friendly buffers), ``flat``, ``errors``.
 """
 
 from compression.base import Codec

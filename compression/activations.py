@@ -58,8 +58,9 @@ class SubspaceProjection(Codec):
 
     @property
     def spec(self) -> str:
-        extra = (f",seed={self.seed}" if self.seed else "") + (f",dtype={self.wire_dtype}" if self.wire_dtype != "bf16" else "")
-        return f"subspace:k={self.k},d={self.d}{extra}"
+        seed = f",seed={self.seed}" if self.seed else ""
+        dtype = f",dtype={self.wire_dtype}" if self.wire_dtype != "bf16" else ""
+        return f"subspace:k={self.k},d={self.d}{seed}{dtype}"
 
     @property
     def basis(self) -> torch.Tensor:

@@ -67,10 +67,13 @@ class Codec(ABC):
         if not isinstance(payload, Payload):
             raise TypeError(f"decode expects a Payload, got {type(payload).__name__}")
         if payload.codec != self.spec:
-            raise CodecError(f"payload was encoded with codec {payload.codec!r:.80}, this receiver expects {self.spec!r}")
+            raise CodecError(
+                f"payload was encoded with codec {payload.codec!r:.80}, this receiver expects {self.spec!r}"
+            )
         if payload.version != self.version:
             raise CodecError(
-                f"payload uses version {payload.version} of codec {self.spec!r}, this node speaks version {self.version}"
+                f"payload uses version {payload.version} of codec {self.spec!r}, "
+                f"this node speaks version {self.version}"
             )
         return self._decode(payload)
 

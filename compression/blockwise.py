@@ -60,9 +60,8 @@ class BlockwiseInt8(Codec):
                 self._quantize_blocks(
                     part[full:].view(1, -1), codes[start + full : start + m], scales[n_blocks - 1 :], work[: m - full]
                 )
-        return Payload(
-            self.spec, self.version, tuple(x.shape), {"scales": owned_tensor_map(scales), "codes": owned_tensor_map(codes)}
-        )
+        fields = {"scales": owned_tensor_map(scales), "codes": owned_tensor_map(codes)}
+        return Payload(self.spec, self.version, tuple(x.shape), fields)
 
     @staticmethod
     def _quantize_blocks(blocks: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, work: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 
 BAND = 1 << 18  # values per band
+Region = tuple[slice, slice] | slice  # rows × columns of a 2-D tensor, or a range of the flat one
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class ChunkLayout:
         a, b = self.grid
         return a * b
 
-    def bands(self) -> Iterator[tuple[int, int, tuple[slice, slice] | slice]]:
+    def bands(self) -> Iterator[tuple[int, int, Region]]:
         """(first chunk, chunk count, region) per band; region indexes the 2-D tensor or the flat one."""
         per_band = max(1, BAND // self.chunk)
         s = self.tile
@@ -71,7 +72,7 @@ class ChunkLayout:
                 count = min(per_band, tile_cols - c0)
                 yield r * tile_cols + c0, count, (slice(r * s, (r + 1) * s), slice(c0 * s, (c0 + count) * s))
 
-    def read_band(self, x: torch.Tensor, count: int, region: tuple[slice, slice] | slice, out: torch.Tensor) -> torch.Tensor:
+    def read_band(self, x: torch.Tensor, count: int, region: Region, out: torch.Tensor) -> torch.Tensor:
         """Copy one band of ``x`` (the tensor, or its flat view when chunked flat) into ``out[:count]``
         as (count, C) float32 chunks, zero-padding the tensor's edges."""
         block = out[:count]
@@ -97,7 +98,7 @@ class ChunkLayout:
             tiles.copy_(full.unflatten(1, (count, s)).transpose(0, 1))
         return block
 
-    def write_band(self, out: torch.Tensor, count: int, region: tuple[slice, slice] | slice, block: torch.Tensor) -> None:
+    def write_band(self, out: torch.Tensor, count: int, region: Region, block: torch.Tensor) -> None:
         """Inverse of :meth:`read_band`: write (count, C) chunks back into ``out``, dropping padding."""
         s = self.tile
         if s is None:

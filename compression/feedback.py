@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from compression import memory
+
 
 class ErrorFeedback:
     """Residual buffer for one tensor.
@@ -29,18 +31,16 @@ class ErrorFeedback:
 
     def accumulate(self, x: torch.Tensor) -> torch.Tensor:
         """β·e + x as a new float32 tensor (the buffer itself is untouched until :meth:`commit`)."""
-        if self.residual is None:
-            return x.to(torch.float32, copy=True).contiguous()
-        if tuple(self.residual.shape) != tuple(x.shape):
+        if self.residual is not None and tuple(self.residual.shape) != tuple(x.shape):
             raise ValueError(
-                f"error-feedback buffer holds shape {list(self.residual.shape)}, got a tensor of shape {list(x.shape)}; "
-                "use one ErrorFeedback per tensor"
+                f"error-feedback buffer holds shape {list(self.residual.shape)}, "
+                f"got a tensor of shape {list(x.shape)}; use one ErrorFeedback per tensor"
             )
-        if self.decay == 0.0:
-            return x.to(torch.float32, copy=True).contiguous()
-        out = self.residual * self.decay
-        out.add_(x)
-        return out
+        out = memory.empty(x.shape, torch.float32)
+        if self.residual is None or self.decay == 0.0:
+            return out.copy_(x)
+        torch.mul(self.residual, self.decay, out=out)
+        return out.add_(x)
 
     def commit(self, accumulated: torch.Tensor, decoded: torch.Tensor) -> None:
         """Keep what the payload did not carry: e ← accumulated − decoded."""

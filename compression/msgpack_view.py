@@ -34,7 +34,7 @@ def _pack_into(obj: Any, out: list[Any], depth: int) -> None:
         raise ValueError("payload nesting is too deep to pack")
     if isinstance(obj, dict):
         n = len(obj)
-        out.append(bytes([0x80 | n]) if n < 16 else (b"\xde" + struct.pack(">H", n) if n < 1 << 16 else b"\xdf" + struct.pack(">I", n)))
+        out.append(_header(n, 0x80, b"\xde", b"\xdf"))
         for key, value in obj.items():
             if not isinstance(key, str):
                 raise ValueError(f"map keys must be strings, got {type(key).__name__}")
@@ -42,7 +42,7 @@ def _pack_into(obj: Any, out: list[Any], depth: int) -> None:
             _pack_into(value, out, depth + 1)
     elif isinstance(obj, (list, tuple)):
         n = len(obj)
-        out.append(bytes([0x90 | n]) if n < 16 else (b"\xdc" + struct.pack(">H", n) if n < 1 << 16 else b"\xdd" + struct.pack(">I", n)))
+        out.append(_header(n, 0x90, b"\xdc", b"\xdd"))
         for value in obj:
             _pack_into(value, out, depth + 1)
     elif isinstance(obj, (bytes, bytearray, memoryview)):
@@ -58,6 +58,13 @@ def _pack_into(obj: Any, out: list[Any], depth: int) -> None:
         out.append(obj)
     else:
         out.append(_PACK_SCALAR.pack(obj))
+
+
+def _header(n: int, fix: int, tag16: bytes, tag32: bytes) -> bytes:
+    """Header of a map or array of ``n`` items: fix form below 16, else 16- or 32-bit count."""
+    if n < 16:
+        return bytes([fix | n])
+    return tag16 + struct.pack(">H", n) if n < 1 << 16 else tag32 + struct.pack(">I", n)
 
 
 def unpack(data: bytes | bytearray | memoryview, *, max_items: int = 1 << 16) -> Any:

@@ -52,7 +52,8 @@ class Payload:
         return math.prod(self.shape)
 
     def to_bytes(self) -> bytes:
-        """The msgpack encoding (computed once, then reused: ``nbytes`` and sending share it)."""
+        """The msgpack encoding, computed once and kept (``nbytes`` and sending share it; a parsed
+        payload returns the bytes it was parsed from)."""
         if not self._wire:
             body = {"c": self.codec, "v": self.version, "s": list(self.shape), "f": self.fields}
             self._wire.append(pack(body))
@@ -73,6 +74,9 @@ class Payload:
         expected_shape: Sequence[int] | None = None,
     ) -> "Payload":
         """Parse and validate a payload; raises :class:`CodecError` saying what is wrong.
+
+        Tensor fields of the result are read-only views into ``data`` (no copy): pass ``bytes``, or
+        do not modify the buffer while the payload is in use.
 
         :param max_bytes: refuse larger inputs before parsing
         :param max_numel: refuse payloads announcing more elements than this (``None``: no cap)
@@ -102,7 +106,10 @@ class Payload:
             raise CodecError("payload fields must be a map")
         for name, value in fields.items():
             _check_field(name, value)
-        return cls(spec, version, checked_shape, fields)
+        payload = cls(spec, version, checked_shape, fields)
+        if isinstance(data, bytes):
+            payload._wire.append(data)  # nbytes of a received payload: what actually arrived
+        return payload
 
 
 def _check_field(name: Any, value: Any) -> None:

@@ -5,8 +5,8 @@
     x̂     = shift + lut[code],  lut[b] = mean of (x − shift) over the elements with code b
 
 Codes are bit-packed (four 2-bit or two 4-bit codes per byte); the lookup table (n_bins float32)
-and the shift (float64) travel alongside. Statistics accumulate in float32 (cascade sums); per-bin
-sums accumulate the in-bin residual, which is small, per chunk and then in float64.
+and the shift (float64) travel alongside. Mean and σ accumulate in float32 (cascade sum and dot
+product); the per-bin sums behind the table accumulate in float64.
 
 Error bound: every x̂ is the mean of the elements sharing x's code, so it lies within that bin's
 value range. For an element in an interior bin (0 < code < n_bins − 1), |x − x̂| ≤ scale = 6σ/n_bins
@@ -83,11 +83,11 @@ def quantize(flat: torch.Tensor, bits: int) -> Quantized:
         scale = 1.0  # (near-)constant input: everything lands in the centre bin and decodes exactly
     inv_scale = 1.0 / scale
     packed = memory.empty(packed_size(n, bits), torch.uint8)
-    residual_sums = torch.zeros(n_bins, dtype=torch.float64)
+    bin_sums = torch.zeros(n_bins, dtype=torch.float64)
     counts = torch.zeros(n_bins, dtype=torch.int64)
     chunk = min(CHUNK, max(n, 1))
     position, codes, index = torch.empty(chunk), torch.empty(chunk), torch.empty(chunk, dtype=torch.int32)
-    partial = torch.empty(n_bins)
+    wide = torch.empty(chunk, dtype=torch.float64)
     per = 8 // bits
     byte_weights = torch.tensor([float(1 << (j * bits)) for j in range(per)])
     byte_values = torch.empty(-(-chunk // per))
@@ -98,10 +98,8 @@ def quantize(flat: torch.Tensor, bits: int) -> Quantized:
         torch.sub(xc, shift, out=pos)
         pos.mul_(inv_scale).add_(half)  # (x − shift)/scale + n_bins/2
         torch.round(pos, out=code).clamp_(0, n_bins - 1)
-        pos.sub_(code)  # where in its bin each element sits, in units of scale
         idx.copy_(code)
-        partial.zero_().index_add_(0, idx, pos)
-        residual_sums += partial
+        bin_sums.index_add_(0, idx, wide[:m].copy_(xc))  # per-bin sums in float64
         counts += torch.bincount(idx, minlength=n_bins)
         offset = start * bits // 8
         target = packed[offset : offset + packed_size(m, bits)]
@@ -111,9 +109,9 @@ def quantize(flat: torch.Tensor, bits: int) -> Quantized:
             target.copy_(torch.mv(code.view(-1, per), byte_weights, out=byte_values[: m // per]))
         else:
             target.copy_(pack_bits(idx, bits))
-    centres = torch.arange(n_bins, dtype=torch.float64) - half
-    means = centres + residual_sums / counts.clamp_min(1)
-    lut = (torch.where(counts > 0, means, centres) * scale).to(torch.float32)
+    centres = (torch.arange(n_bins, dtype=torch.float64) - half) * scale
+    means = bin_sums / counts.clamp_min(1) - shift
+    lut = torch.where(counts > 0, means, centres).to(torch.float32)
     return Quantized(bits, float(shift), lut, packed)
 
 

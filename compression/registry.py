@@ -16,7 +16,16 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+import torch
+
+from compression.activations import SubspaceProjection
 from compression.base import Codec
+from compression.blockwise import BlockwiseInt8
+from compression.dct import DCTCompression
+from compression.dense import CastCompression, NoCompression
+from compression.quantize import StatisticalQuantization
+from compression.seeded import SeedProjection
+from compression.topk import TopKCompression
 
 SPEC_FORMS = (
     "none",
@@ -40,10 +49,6 @@ def _invalid(spec: str, why: str) -> ValueError:
 
 
 def _dense(spec: str) -> Codec | None:
-    from compression.dense import CastCompression, NoCompression
-
-    import torch
-
     simple: dict[str, Callable[[], Codec]] = {
         "none": NoCompression,
         "fp16": lambda: CastCompression(torch.float16),
@@ -54,21 +59,27 @@ def _dense(spec: str) -> Codec | None:
 
 
 def _quantized(spec: str) -> Codec | None:
-    from compression.quantize import StatisticalQuantization
-
     match = re.fullmatch(r"q([248])", spec)
     return StatisticalQuantization(int(match.group(1))) if match else None
 
 
 def _blockwise(spec: str) -> Codec | None:
-    from compression.blockwise import BlockwiseInt8
-
+    if not spec.startswith("int8-block"):
+        return None
     if spec == "int8-block":
         return BlockwiseInt8()
     match = re.fullmatch(rf"int8-block:({_INT})", spec)
-    if spec.startswith("int8-block") and not match:
+    if not match:
         raise _invalid(spec, "int8-block takes an optional block size, as in int8-block:4096")
-    return BlockwiseInt8(int(match.group(1))) if match else None
+    return _build(spec, lambda: BlockwiseInt8(int(match.group(1))))
+
+
+def _build(spec: str, factory: Callable[[], Codec]) -> Codec:
+    """Run a codec constructor, turning its parameter complaints into spec errors."""
+    try:
+        return factory()
+    except ValueError as e:
+        raise _invalid(spec, str(e)) from None
 
 
 def _chunked(spec: str) -> Codec | None:
@@ -80,14 +91,8 @@ def _chunked(spec: str) -> Codec | None:
         raise _invalid(spec, f"{family} needs K/C and an optional +q8/+q4/+q2, as in {family}:64/4096+q2")
     k, chunk = int(match.group(2)), int(match.group(3))
     bits = int(match.group(4)) if match.group(4) else None
-    if family == "topk":
-        from compression.topk import TopKCompression as cls
-    else:
-        from compression.dct import DCTCompression as cls
-    try:
-        return cls(k, chunk, bits)
-    except ValueError as e:
-        raise _invalid(spec, str(e)) from None
+    cls = TopKCompression if family == "topk" else DCTCompression
+    return _build(spec, lambda: cls(k, chunk, bits))
 
 
 def _options(spec: str, body: str, allowed: dict[str, str]) -> dict[str, str]:
@@ -104,41 +109,27 @@ def _options(spec: str, body: str, allowed: dict[str, str]) -> dict[str, str]:
 def _seeded(spec: str) -> Codec | None:
     if not spec.startswith("seed"):
         return None
-    from compression.seeded import SeedProjection
-
     if not spec.startswith("seed:"):
         raise _invalid(spec, "the seed codec needs its number of directions, as in seed:r=16")
     opts = _options(spec, spec[5:], {"r": _INT, "dist": "rademacher|gaussian"})
     if "r" not in opts:
         raise _invalid(spec, "the seed codec needs r=R")
-    try:
-        return SeedProjection(int(opts["r"]), opts.get("dist", "rademacher"))
-    except ValueError as e:
-        raise _invalid(spec, str(e)) from None
+    return _build(spec, lambda: SeedProjection(int(opts["r"]), opts.get("dist", "rademacher")))
 
 
 def _subspace(spec: str) -> Codec | None:
     if not spec.startswith("subspace"):
         return None
-    from compression.activations import SubspaceProjection
-
     if not spec.startswith("subspace:"):
         raise _invalid(spec, "subspace needs k and d, as in subspace:k=32,d=128")
     opts = _options(spec, spec[9:], {"k": _INT, "d": _INT, "seed": r"0|[1-9][0-9]{0,18}", "dtype": "bf16|fp16"})
     if "k" not in opts or "d" not in opts:
         raise _invalid(spec, "subspace needs both k=K and d=D (the last-dimension size is fixed by the spec)")
-    try:
-        return SubspaceProjection(int(opts["k"]), int(opts["d"]), int(opts.get("seed", "0")), opts.get("dtype", "bf16"))
-    except ValueError as e:
-        raise _invalid(spec, str(e)) from None
+    k, d, seed = int(opts["k"]), int(opts["d"]), int(opts.get("seed", "0"))
+    return _build(spec, lambda: SubspaceProjection(k, d, seed, opts.get("dtype", "bf16")))
 
 
-_PARSERS: list[Callable[[str], Codec | None]] = [_dense, _quantized, _blockwise, _chunked, _seeded, _subspace]
-
-
-def register_parser(parser: Callable[[str], Codec | None]) -> None:
-    """Add a parser that returns a codec for the specs it recognises and ``None`` otherwise."""
-    _PARSERS.append(parser)
+_PARSERS: tuple[Callable[[str], Codec | None], ...] = (_dense, _quantized, _blockwise, _chunked, _seeded, _subspace)
 
 
 def get_codec(spec: str) -> Codec:

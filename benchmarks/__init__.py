@@ -1,0 +1,1 @@
+"""Benchmarks for locomesh components; run each as ``python -m benchmarks.<name> --help``."""

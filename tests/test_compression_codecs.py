@@ -1,0 +1,268 @@
+"""Codec accuracy: analytic error bounds, top-k/DCT exactness, bit packing, property tests.
+
+Bounds checked here (derivations in the codec modules' docstrings):
+* statistical quantizer q{8,4,2}: an element whose position (x − shift)/scale + n/2 lies in an
+  interior bin decodes within one bin width, |x − x̂| ≤ scale = 6σ/n_bins; every x̂ lies within
+  [min x, max x] (it is a mean of input values);
+* int8-block: |x − x̂| ≤ max|x_block| / 254;
+* top-k with K = C and float32 values, and ``none``: exact; DCT with K = C: float32 rounding only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from compression import CodecError, Payload, get_codec
+from compression.bitpack import pack_bits, packed_size, unpack_bits
+from compression.chunking import ChunkLayout
+from compression.dct import dct_matrix, dct_rows, idct_rows
+from compression.quantize import RANGE_IN_SIGMAS
+
+SPECS = ["none", "fp16", "bf16", "q8", "q4", "q2", "int8-block", "int8-block:5", "topk:64/4096", "topk:64/4096+q2",
+         "topk:4/9", "topk:16/16", "dct:8/16+q4", "dct:16/16", "seed:r=2"]
+
+
+def decode(spec: str, x: torch.Tensor) -> torch.Tensor:
+    codec = get_codec(spec)
+    payload = codec.encode(x)
+    data = payload.to_bytes()
+    assert payload.nbytes == len(data)
+    parsed = Payload.from_bytes(data)
+    assert parsed == payload
+    return codec.decode(parsed)
+
+
+def quantizer_bound_holds(x: torch.Tensor, out: torch.Tensor, bits: int) -> None:
+    xd = x.double().reshape(-1)
+    if xd.numel() == 0:
+        return
+    n_bins = 1 << bits
+    mean, std = xd.mean(), xd.std(correction=0)
+    scale = RANGE_IN_SIGMAS * float(std) / n_bins
+    err = (out.double().reshape(-1) - xd).abs()
+    lo, hi = float(xd.min()), float(xd.max())
+    slack = 1e-6 * (abs(lo) + abs(hi)) + 1e-30
+    assert float(out.min()) >= lo - slack and float(out.max()) <= hi + slack
+    if scale == 0:
+        assert float(err.max()) <= slack
+        return
+    pos = (xd - mean) / scale + n_bins / 2
+    frac = (pos - pos.round()).abs()
+    interior = (pos > 0.5 + 1e-3) & (pos < n_bins - 1.5 - 1e-3) & (frac < 0.5 - 1e-3)
+    assert bool((err[interior] <= scale * (1 + 1e-3) + slack).all())
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("kind", ["normal", "cauchy", "shifted", "constant", "two-values"])
+def test_statistical_quantizer_error_bound(bits: int, kind: str) -> None:
+    g = torch.Generator().manual_seed(bits)
+    x = {
+        "normal": lambda: torch.randn(5000, generator=g),
+        "cauchy": lambda: torch.randn(5000, generator=g) / torch.randn(5000, generator=g).abs().clamp_min(1e-3),
+        "shifted": lambda: torch.randn(5000, generator=g) * 1e-3 + 50.0,
+        "constant": lambda: torch.full((5000,), -2.75),
+        "two-values": lambda: torch.tensor([0.0, 1.0]).repeat(2500),
+    }[kind]()
+    out = decode(f"q{bits}", x)
+    quantizer_bound_holds(x, out, bits)
+    if kind in ("constant", "two-values"):
+        assert torch.equal(out, x)  # each used bin holds one distinct value, and its mean is that value
+
+
+def test_quantizer_lut_is_the_per_bin_mean() -> None:
+    x = torch.randn(3001)
+    out = decode("q4", x)
+    for value in out.unique():
+        members = x[out == value]
+        assert math.isclose(float(members.double().mean()), float(value), rel_tol=1e-5, abs_tol=1e-6)
+
+
+def test_quantizer_packs_codes_densely() -> None:
+    n = 4000
+    for bits in (8, 4, 2):
+        payload = get_codec(f"q{bits}").encode(torch.randn(n))
+        assert payload.fields["codes"]["shape"] == [n * bits // 8]
+        assert payload.fields["lut"]["shape"] == [1 << bits]
+
+
+@pytest.mark.parametrize("block", [4096, 5])
+def test_int8_block_error_bound(block: int) -> None:
+    x = torch.randn(3 * 4096 + 17) * torch.linspace(0.01, 100, 3 * 4096 + 17)
+    out = decode("int8-block" if block == 4096 else f"int8-block:{block}", x)
+    n_blocks = -(-x.numel() // block)
+    padded = torch.zeros(n_blocks * block)
+    padded[: x.numel()] = x
+    absmax = padded.view(n_blocks, block).abs().amax(1).repeat_interleave(block)[: x.numel()]
+    assert bool(((out - x).abs() <= absmax / 254 * (1 + 1e-5) + 1e-7).all())
+
+
+@pytest.mark.parametrize("shape", [(4096 * 2 + 5,), (130, 70), (64, 64), (3, 5, 7), ()])
+def test_topk_with_full_k_is_exact(shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape)
+    assert torch.equal(decode("topk:4096/4096", x), x)
+    assert torch.equal(decode("topk:9/9", x), x)
+
+
+def test_topk_keeps_the_largest_per_chunk() -> None:
+    x = torch.randn(10 * 1000)
+    out = decode("topk:30/1000", x)
+    for chunk_in, chunk_out in zip(x.view(10, 1000), out.view(10, 1000)):
+        kept = chunk_out != 0
+        assert int(kept.sum()) == 30
+        assert torch.equal(chunk_out[kept], chunk_in[kept])  # float32 values travel exactly
+        assert float(chunk_in[kept].abs().min()) >= float(chunk_in[~kept].abs().max())
+
+
+def test_topk_tiles_2d_tensors_in_squares() -> None:
+    x = torch.zeros(128, 128)
+    x[0:64, 64:128] = 1.0  # one whole tile of ones: K=4 of it kept in that tile only
+    x[100, 3] = 5.0
+    out = decode("topk:4/4096", x)
+    assert int((out[0:64, 64:128] != 0).sum()) == 4
+    assert out[100, 3] == 5.0
+    layout = ChunkLayout((130, 70), 4096)
+    assert layout.tile == 64 and layout.grid == (3, 2) and layout.n_chunks == 6
+    assert ChunkLayout((130, 70), 4000).tile is None  # not a square: flat chunks
+    assert ChunkLayout((130, 70), 4000).n_chunks == 3
+
+
+def test_topk_q2_bits_per_parameter() -> None:
+    x = torch.randn(1024, 1024)
+    payload = get_codec("topk:64/4096+q2").encode(x)
+    assert 8 * payload.nbytes / x.numel() <= 0.25  # (12 + 2)·64/4096 = 0.219 plus a small header
+
+
+def _with_index_bytes(payload: Payload, data: bytes) -> Payload:
+    idx = dict(payload.fields["idx"], data=data)
+    return Payload(payload.codec, payload.version, payload.shape, {**payload.fields, "idx": idx})
+
+
+def test_topk_refuses_out_of_range_and_repeated_indices() -> None:
+    codec = get_codec("topk:4/3000")  # 12-bit indices, so 3000..4095 are representable but invalid
+    payload = codec.encode(torch.randn(6000))
+    raw = bytes(payload.fields["idx"]["data"])
+    with pytest.raises(CodecError, match="past the end"):
+        codec.decode(Payload.from_bytes(_with_index_bytes(payload, b"\xff" * len(raw)).to_bytes()))
+    with pytest.raises(CodecError, match="repeats"):
+        codec.decode(Payload.from_bytes(_with_index_bytes(payload, b"\x00" * len(raw)).to_bytes()))
+    with pytest.raises(CodecError):
+        codec.decode(Payload.from_bytes(_with_index_bytes(payload, raw[:-1]).to_bytes()))
+
+
+def test_dct_transforms_are_orthonormal_and_inverse() -> None:
+    for n in (1, 2, 7, 64, 256):
+        d = dct_matrix(n).double()
+        assert torch.allclose(d @ d.T, torch.eye(n, dtype=torch.float64), atol=1e-6)
+        x = torch.randn(3, n)
+        assert torch.allclose(dct_rows(x).double(), x.double() @ d.T, atol=1e-5)
+        assert torch.allclose(idct_rows(dct_rows(x)), x, atol=1e-5)
+    n = 4096  # the FFT path at the default chunk size, against the definition for a few coefficients
+    x = torch.randn(2, n, dtype=torch.float64)
+    j = torch.arange(n, dtype=torch.float64)
+    for k in (0, 1, 2047, 4095):
+        alpha = math.sqrt((1.0 if k == 0 else 2.0) / n)
+        expected = alpha * (x * torch.cos(math.pi * (2 * j + 1) * k / (2 * n))).sum(-1)
+        assert torch.allclose(dct_rows(x.float())[:, k].double(), expected, atol=1e-4)
+    assert torch.allclose(idct_rows(dct_rows(x.float())), x.float(), atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(130, 70), (5000,), (3, 4, 5)])
+def test_dct_with_full_k_is_exact_up_to_rounding(shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape)
+    assert torch.allclose(decode("dct:4096/4096", x), x, atol=1e-5)
+
+
+def test_dct_concentrates_smooth_signals() -> None:
+    ramp = torch.outer(torch.linspace(-1, 1, 64), torch.linspace(0, 2, 64))
+    out = decode("dct:32/4096", ramp)
+    assert float((out - ramp).norm() / ramp.norm()) < 0.05
+
+
+@pytest.mark.parametrize("bits", list(range(1, 17)) + [24, 31, 32])
+def test_bitpack_roundtrip(bits: int) -> None:
+    for n in (0, 1, 2, 3, 7, 8, 9, 100):
+        values = torch.randint(0, 1 << bits, (n,), dtype=torch.int64)
+        packed = pack_bits(values, bits)
+        assert packed.dtype == torch.uint8 and packed.numel() == packed_size(n, bits)
+        assert torch.equal(unpack_bits(packed, bits, n).to(torch.int64), values)
+
+
+def test_bitpack_is_an_lsb_first_stream() -> None:
+    assert pack_bits(torch.tensor([1, 2, 3, 0]), 2).tolist() == [0b00111001]
+    assert pack_bits(torch.tensor([0xABC, 0x123]), 12).tolist() == [0xBC, 0x3A, 0x12]
+
+
+# ---- property tests ------------------------------------------------------------------------------
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@st.composite
+def tensors(draw: st.DrawFn) -> torch.Tensor:
+    ndim = draw(st.integers(0, 3))
+    shape = [draw(st.one_of(st.integers(0, 9), st.sampled_from([63, 65, 130]))) for _ in range(ndim)]
+    if math.prod(shape) > 20000:
+        shape = [min(s, 9) for s in shape]
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    kind = draw(st.sampled_from(["normal", "cauchy", "constant", "tiny", "large"]))
+    base = torch.randn(shape, generator=g)
+    x = {
+        "normal": base,
+        "cauchy": base / torch.randn(shape, generator=g).abs().clamp_min(1e-2),
+        "constant": torch.full(shape, draw(st.floats(-100, 100, allow_nan=False))),
+        "tiny": base * 1e-20,
+        "large": base * 1e4,
+    }[kind]
+    x = x.to(DTYPES[draw(st.sampled_from(sorted(DTYPES)))])
+    if draw(st.booleans()) and x.dim() >= 2:
+        x = x.transpose(0, -1)  # non-contiguous
+    elif draw(st.booleans()) and x.dim() >= 1 and x.shape[0] >= 2:
+        x = x[::2]  # strided
+    return x
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=tensors(), spec=st.sampled_from(SPECS))
+def test_property_roundtrip(x: torch.Tensor, spec: str) -> None:
+    codec = get_codec(spec)
+    payload = codec.encode(x)
+    data = payload.to_bytes()
+    assert payload.nbytes == len(data)
+    parsed = Payload.from_bytes(data)
+    assert parsed == payload
+    out = codec.decode(parsed)
+    assert out.dtype == torch.float32 and out.shape == x.shape and bool(torch.isfinite(out).all())
+    ref = x.float()
+    if spec in ("none", "topk:16/16") or (spec == "topk:4/9" and x.numel() <= 4):
+        assert torch.equal(out, ref)
+    elif spec in ("fp16", "bf16"):
+        dtype = DTYPES[spec]
+        assert torch.equal(out, ref.clamp(-65504, 65504).to(dtype).float())
+    elif spec in ("q8", "q4", "q2"):
+        quantizer_bound_holds(ref, out, int(spec[1]))
+    elif spec == "int8-block" and x.numel():
+        assert float((out - ref).abs().max()) <= float(ref.abs().max()) / 254 * (1 + 1e-5) + 1e-30
+    elif spec == "dct:16/16":
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()) if x.numel() else 0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(spec=st.sampled_from(SPECS), position=st.integers(0, 10**6), value=st.integers(0, 255), cut=st.booleans())
+def test_property_corrupted_bytes_raise_codec_error_or_decode(spec: str, position: int, value: int, cut: bool) -> None:
+    codec = get_codec(spec)
+    data = bytearray(codec.encode(torch.randn(40, 3)).to_bytes())
+    position %= len(data)
+    if cut:
+        del data[position:]
+    else:
+        data[position] = value
+    try:
+        out = codec.decode(Payload.from_bytes(bytes(data)))
+    except CodecError:
+        return
+    assert out.dtype == torch.float32
