@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from compression import CodecError, Payload, get_codec
+from compression import CodecError, ErrorFeedback, Payload, get_codec
 from protocol import ids
 from protocol.errors import ProtocolError, SchemaError
 from protocol.frames import FramedStream, require
@@ -51,6 +51,8 @@ class RoundExchange:
     :param codec: the codec spec every member of the run must use
     :param part_shapes: shapes of the wire parts (see ``gossip.partition``), identical on every member
     :param serve_timeout: how long a request may wait for this node's own contribution
+    :param error_feedback_decay: β of the per-part error-feedback buffers (0 = no error feedback):
+        what a lossy codec drops in one round is added to the next round's update
     """
 
     def __init__(
@@ -60,10 +62,12 @@ class RoundExchange:
         codec: str,
         part_shapes: Sequence[tuple[int, ...]],
         serve_timeout: float = 30.0,
+        error_feedback_decay: float = 0.0,
     ) -> None:
         self.transport, self.run_id = transport, run_id
         self.codec = get_codec(codec)
         self.part_shapes = [tuple(s) for s in part_shapes]
+        self.feedback = [ErrorFeedback(error_feedback_decay) for _ in self.part_shapes] if error_feedback_decay > 0 else None
         self.serve_timeout = serve_timeout
         self._contributions: dict[int, Contribution] = {}
         self._ready: dict[int, asyncio.Event] = {}
@@ -87,8 +91,8 @@ class RoundExchange:
     def encode(self, update: Sequence[torch.Tensor]) -> tuple[list[bytes], list[torch.Tensor]]:
         """Encode wire parts; also returns what receivers will decode, so the sender averages the same values."""
         blobs, decoded = [], []
-        for part in update:
-            payload = self.codec.encode(part)
+        for i, part in enumerate(update):
+            payload = self.codec.encode(part, state=self.feedback[i] if self.feedback else None)
             blobs.append(payload.to_bytes())
             decoded.append(self.codec.decode(payload))
         return blobs, decoded
@@ -144,7 +148,7 @@ class RoundExchange:
                 if require(msg.body, "i", int) != i:
                     raise SchemaError(f"part {msg.body.get('i')} arrived where part {i} was expected")
                 blob = require(msg.body, "payload", bytes)
-                payload = Payload.from_bytes(blob, max_bytes=stream.max_frame)
+                payload = Payload.from_bytes(blob, max_bytes=stream.max_frame, expected_shape=shape)
                 if payload.codec != self.codec.spec:
                     raise SchemaError(f"part {i} is encoded with {payload.codec!r}, expected {self.codec.spec!r}")
                 value = self.codec.decode(payload)

@@ -37,6 +37,7 @@ class NodeConfig(BaseModel):
     data: Path | None = None
     algorithm: Literal["diloco"] = "diloco"
     compression: str = "none"
+    error_feedback_decay: float | None = Field(None, ge=0, le=1, description="β of error feedback; default 0.95 for lossy codecs, 0 for none/fp16/bf16")
     inner_steps: int = Field(50, ge=1, le=1_000_000)
     batch_size: int = Field(16, ge=1, le=65536)
     lr: float = Field(1e-3, gt=0, le=10)
@@ -63,6 +64,19 @@ class NodeConfig(BaseModel):
             if not addr.startswith("/"):
                 raise ValueError(f"{addr!r} is not a multiaddr (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...)")
         return value
+
+    @field_validator("compression")
+    @classmethod
+    def _codec(cls, value: str) -> str:
+        from compression import get_codec
+
+        return get_codec(value).spec  # raises ValueError naming the valid forms
+
+    def feedback_decay(self) -> float:
+        """The error-feedback β in force: explicit, else 0.95 for lossy codecs and 0 for (near-)lossless ones."""
+        if self.error_feedback_decay is not None:
+            return self.error_feedback_decay
+        return 0.0 if self.compression in ("none", "fp16", "bf16") else 0.95
 
     @field_validator("model")
     @classmethod

@@ -66,6 +66,8 @@ class Summary:
     val_loss: float = math.nan
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_sent_by_kind: dict[str, int] = field(default_factory=dict)
+    bytes_received_by_kind: dict[str, int] = field(default_factory=dict)
     checkpoint: str = ""
     joined_round: int | None = None
     rounds: list[dict[str, Any]] = field(default_factory=list)
@@ -100,9 +102,12 @@ class Daemon:
             if direction == "sent":
                 self.metrics.bytes_sent.labels(kind).inc(nbytes)
                 self.summary.bytes_sent += nbytes
+                by_kind = self.summary.bytes_sent_by_kind
             else:
                 self.metrics.bytes_received.labels(kind).inc(nbytes)
                 self.summary.bytes_received += nbytes
+                by_kind = self.summary.bytes_received_by_kind
+            by_kind[kind] = by_kind.get(kind, 0) + nbytes
 
     def _on_error(self, protocol: str, code: str, peer: str) -> None:
         self.metrics.errors.labels(code).inc()
@@ -172,7 +177,8 @@ class Daemon:
         self.batches = ByteBatches(corpus.train, cfg.batch_size, self.trainer.model.cfg.context, seed=cfg.seed)
 
         shapes = [tuple(p.shape) for p in self.phi]
-        self.exchange = RoundExchange(net.transport, cfg.run_id, cfg.compression, part_shapes(shapes), serve_timeout=cfg.averaging_timeout * 2)
+        self.exchange = RoundExchange(net.transport, cfg.run_id, cfg.compression, part_shapes(shapes),
+                                      serve_timeout=cfg.averaging_timeout * 2, error_feedback_decay=cfg.feedback_decay())
         self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.inner_step)
         self.status = StatusService(net.transport, self.status_snapshot)
         net.call(self.exchange.start())

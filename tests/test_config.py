@@ -48,6 +48,9 @@ def test_repeatable_flags():
         (["--initial-peers", "localhost:1234"], "is not a multiaddr"),
         (["--device", "tpu"], "--device"),
         (["--run-id", "has space"], "--run-id"),
+        (["--compression", "topk:0/4096"], "Valid forms"),
+        (["--compression", "zip"], "invalid codec spec 'zip'"),
+        (["--error-feedback-decay", "1.5"], "--error-feedback-decay"),
     ],
 )
 def test_bad_values_fail_with_the_option_named(args, message, capsys):
@@ -55,6 +58,13 @@ def test_bad_values_fail_with_the_option_named(args, message, capsys):
         parse_join_args(args)
     assert e.value.exit_code == 2
     assert message in capsys.readouterr().err
+
+
+def test_codec_spec_is_canonicalised_and_feedback_defaults():
+    assert parse_join_args(["--compression", "int8-block:4096"]).compression == "int8-block"
+    assert parse_join_args(["--compression", "topk:64/4096+q2"]).feedback_decay() == 0.95
+    assert parse_join_args([]).feedback_decay() == 0.0
+    assert parse_join_args(["--compression", "q2", "--error-feedback-decay", "0"]).feedback_decay() == 0.0
 
 
 def test_bad_files(tmp_path):
