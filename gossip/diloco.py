@@ -28,9 +28,10 @@ import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 
+from gossip.aggregate import aggregate
 from gossip.exchange import Contribution, RoundExchange
 from gossip.fingerprint import fingerprint
-from gossip.outer import NesterovOuter, pseudo_gradient, weighted_mean
+from gossip.outer import NesterovOuter, pseudo_gradient
 from gossip.partition import join, split
 from gossip.rendezvous import gather_group, list_peers
 from protocol.records import RoundEntry
@@ -52,6 +53,8 @@ class RoundResult:
     exchange_s: float = 0.0
     duration_s: float = 0.0
     samples: int = 0
+    norms: dict[str, float] = field(default_factory=dict)
+    update_norm: float = 0.0
 
 
 class DiLoCoAverager:
@@ -63,6 +66,7 @@ class DiLoCoAverager:
     :param outer: the outer optimizer whose state this member keeps in sync with its group
     :param gather_timeout: longest wait for late members at the rendezvous
     :param fetch_timeout: longest wait for one member's contribution
+    :param aggregation: ``mean``, ``median-clip`` or ``trimmed-mean`` (see ``gossip.aggregate``)
     """
 
     def __init__(
@@ -76,10 +80,12 @@ class DiLoCoAverager:
         gather_timeout: float = 30.0,
         fetch_timeout: float = 30.0,
         part_numel: int = 1 << 20,
+        aggregation: str = "mean",
     ) -> None:
         self.dht, self.validator, self.exchange = dht, validator, exchange
         self.run_id, self.peer_id, self.outer = run_id, peer_id, outer
         self.gather_timeout, self.fetch_timeout, self.part_numel = gather_timeout, fetch_timeout, part_numel
+        self.aggregation = aggregation
 
     async def expected_members(self, round_no: int) -> set[str]:
         """Members whose latest record says they are in this round (or finishing the previous one)."""
@@ -135,8 +141,14 @@ class DiLoCoAverager:
             samples=sum(contributions[p].samples for p in used),
         )
         if result.in_sync:
-            parts = weighted_mean([contributions[p].decoded for p in used], [contributions[p].samples for p in used])
-            averaged = join(parts, shapes, self.part_numel)
+            agg = await asyncio.to_thread(
+                aggregate, used, [contributions[p].decoded for p in used], [contributions[p].samples for p in used], self.aggregation
+            )
+            failures.update(agg.dropped)
+            result.contributors, result.norms = agg.used, agg.norms
+            result.samples = sum(contributions[p].samples for p in agg.used)
+            result.update_norm = sum(float(t.pow(2).sum()) for t in agg.update) ** 0.5
+            averaged = join(agg.update, shapes, self.part_numel)
             await asyncio.to_thread(self.outer.step, phi, averaged)
         result.duration_s = time.monotonic() - started
         return result

@@ -54,6 +54,7 @@ def join_flags(
     error_feedback_decay: Annotated[Optional[float], opt("β of error feedback for lossy codecs (default: 0.95; 0 for none/fp16/bf16)", AVG, "error_feedback_decay")] = None,
     outer_lr: Annotated[Optional[float], opt("Outer Nesterov learning rate (default: 0.7)", AVG, "outer_lr")] = None,
     outer_momentum: Annotated[Optional[float], opt("Outer Nesterov momentum (default: 0.9)", AVG, "outer_momentum")] = None,
+    aggregate: Annotated[Optional[str], opt("mean | median-clip | trimmed-mean: robust aggregation against broken or malicious peers (default: mean)", AVG, "aggregate")] = None,
     averaging_timeout: Annotated[Optional[float], opt("Longest wait for late peers in a round, seconds (default: 30)", AVG, "averaging_timeout")] = None,
     metrics_port: Annotated[Optional[int], opt("Prometheus /metrics port, 0 = off (default: 0)", OPS, "metrics_port")] = None,
     checkpoint_dir: Annotated[Optional[Path], opt("Directory for the (atomic) checkpoint; resumed from on restart", OPS, "checkpoint_dir")] = None,

@@ -45,6 +45,7 @@ class NodeConfig(BaseModel):
     weight_decay: float = Field(0.1, ge=0)
     outer_lr: float = Field(0.7, gt=0, le=10)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
+    aggregate: Literal["mean", "median-clip", "trimmed-mean"] = "mean"
     averaging_timeout: float = Field(30.0, gt=0, description="longest wait for late peers at a round, seconds")
     # operations
     metrics_port: int = Field(0, ge=0, le=65535)

@@ -187,14 +187,16 @@ class Daemon:
         self.summary.protocols = list(net.transport.protocols)
         self.averager = DiLoCoAverager(
             net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer,
-            gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout,
+            gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregate,
         )
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
 
+        # a restarted node reloads its own checkpoint (inner optimizer, data order), then takes the
+        # swarm's newer weights and round if any peer answers
         resumed = self._maybe_resume()
-        if cfg.initial_peers and not resumed:
-            self._join_swarm()
+        if cfg.initial_peers:
+            self._join_swarm(attempts=5 if resumed else 20)
         self._publish_snapshot()
         net.every(HEARTBEAT_S, self._heartbeat, "heartbeat")
         self.summary.state = "training"
@@ -242,7 +244,7 @@ class Daemon:
                            fingerprint=fingerprint(self.phi), peer_fingerprint=got.snapshot.fingerprint)
                 return True
             time.sleep(1.0 + attempt * 0.5)
-        self.event("join_alone", reason="no peer of this run answered; starting from scratch")
+        self.event("join_alone", reason="no peer of this run answered; continuing from " + ("the checkpoint" if self.summary.events and any(e["event"] == "resumed" for e in self.summary.events) else "scratch"))
         return False
 
     def _download_from(self, peer: str):
@@ -330,7 +332,8 @@ class Daemon:
         m.group_size.set(len(result.contributors))
         record = {"round": result.round, "group": len(result.group), "contributors": len(result.contributors),
                   "failures": result.failures, "duration_s": round(result.duration_s, 3), "gather_s": round(result.gather_s, 3),
-                  "in_sync": result.in_sync, "fingerprint": "", "loss": self.last_loss}
+                  "in_sync": result.in_sync, "fingerprint": "", "loss": self.last_loss,
+                  "norms": {p[-8:]: round(n, 6) for p, n in result.norms.items()}, "update_norm": round(result.update_norm, 6)}
         if not result.in_sync:
             m.outer_rounds.labels("failed").inc()
             m.errors.labels("out_of_sync").inc()

@@ -1,0 +1,72 @@
+"""Robust aggregation: honest groups are unaffected, poisoned updates move the model no more than an honest one."""
+
+import pytest
+import torch
+
+from gossip.aggregate import aggregate
+from gossip.outer import weighted_mean
+
+
+def _updates(n, seed=0, shape=(50,)):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(shape, generator=g) * 0.01, torch.randn(3, generator=g) * 0.01] for _ in range(n)]
+
+
+@pytest.mark.parametrize("method", ["mean", "median-clip"])
+def test_honest_groups_of_equal_norm_are_averaged_unchanged(method):
+    base = _updates(1)[0]
+    ups = [[t * s for t in base] for s in (1.0, 1.0, 1.0)]  # equal norms: clipping changes nothing
+    agg = aggregate(["a", "b", "c"], ups, [8, 8, 8], method)
+    ref = weighted_mean(ups, [8, 8, 8])
+    for x, y in zip(agg.update, ref):
+        torch.testing.assert_close(x, y)
+    assert agg.used == ["a", "b", "c"] and not agg.dropped
+
+
+def test_mean_is_sample_weighted():
+    ups = _updates(2)
+    agg = aggregate(["a", "b"], ups, [1, 3])
+    for x, y in zip(agg.update, weighted_mean(ups, [1, 3])):
+        torch.testing.assert_close(x, y)
+
+
+def _norm(u):
+    return sum(float(t.pow(2).sum()) for t in u) ** 0.5
+
+
+@pytest.mark.parametrize("method", ["median-clip", "trimmed-mean"])
+@pytest.mark.parametrize("n_honest", [1, 2, 4])
+def test_a_1000x_update_moves_the_model_no_more_than_an_honest_peer(method, n_honest):
+    honest = _updates(n_honest, seed=n_honest)
+    attacker = [[t * 1000 for t in _updates(1, seed=99)[0]]]
+    peers = [f"h{i}" for i in range(n_honest)] + ["z"]
+    agg = aggregate(peers, honest + attacker, [8] * (n_honest + 1), method, reject_ratio=1e9)  # clipping alone
+    assert _norm(agg.update) <= max(_norm(u) for u in honest) * (1 + 1e-5)
+
+
+def test_absurd_norms_are_dropped_in_every_mode():
+    honest = _updates(2)
+    poisoned = [[t * 1e6 for t in honest[0]]]
+    for method in ("mean", "median-clip", "trimmed-mean"):
+        agg = aggregate(["a", "b", "z"], honest + poisoned, [8, 8, 8], method)
+        assert agg.dropped == {"z": "norm_outlier"} and agg.used == ["a", "b"]
+
+
+def test_norms_compare_per_sample_so_short_rounds_are_not_outliers():
+    one_step = [[t * 0.02 for t in _updates(1, seed=3)[0]]]
+    many_steps = [[t * 100 for t in one_step[0]]]  # 100 steps, 100× the norm
+    agg = aggregate(["a", "b"], one_step + many_steps, [1, 100], "mean", reject_ratio=10)
+    assert not agg.dropped
+
+
+def test_claimed_samples_are_capped_in_median_clip():
+    u, v = _updates(2, seed=5)
+    agg = aggregate(["a", "b", "z"], [u, u, v], [8, 8, 10**9], "median-clip")
+    # z claims a billion samples but weighs at most 4 × the lower median (32 of 48)
+    for got, x, y in zip(agg.update, u, v):
+        torch.testing.assert_close(got, (x + 2 * y) / 3)
+
+
+def test_unknown_method():
+    with pytest.raises(ValueError, match="median-clip"):
+        aggregate(["a"], _updates(1), [1], "krum")
