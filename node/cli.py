@@ -40,6 +40,7 @@ def join_flags(
     listen: Annotated[Optional[list[str]], opt("Multiaddr to listen on (repeatable) (default: /ip4/0.0.0.0/tcp/0)", SWARM, "listen")] = None,
     announce: Annotated[Optional[list[str]], opt("Public multiaddr to announce, e.g. behind port forwarding (repeatable)", SWARM, "announce")] = None,
     identity: Annotated[Optional[Path], opt("Private key file for a stable peer id (created if missing)", SWARM, "identity")] = None,
+    swarm_key: Annotated[Optional[Path], opt("Secret file of a private swarm: peers without it are refused", SWARM, "swarm_key")] = None,
     device: Annotated[Optional[str], opt("auto | cpu | cuda (default: auto)", TRAIN, "device")] = None,
     model: Annotated[Optional[str], opt("Model preset: nano, tiny, small, medium (default: tiny)", TRAIN, "model")] = None,
     data: Annotated[Optional[Path], opt("Text file or folder to train on (default: the embedded Shakespeare corpus)", TRAIN, "data")] = None,
@@ -55,6 +56,8 @@ def join_flags(
     outer_lr: Annotated[Optional[float], opt("Outer Nesterov learning rate (default: 0.7)", AVG, "outer_lr")] = None,
     outer_momentum: Annotated[Optional[float], opt("Outer Nesterov momentum (default: 0.9)", AVG, "outer_momentum")] = None,
     aggregate: Annotated[Optional[str], opt("mean | median-clip | trimmed-mean: robust aggregation against broken or malicious peers (default: mean)", AVG, "aggregate")] = None,
+    join_timeout: Annotated[Optional[float], opt("How long a joiner keeps trying to download the swarm's state, seconds (default: 60)", SWARM, "join_timeout")] = None,
+    stream_timeout: Annotated[Optional[float], opt("Refuse a peer that stalls mid-request this long, seconds (default: 30)", OPS, "stream_timeout")] = None,
     averaging_timeout: Annotated[Optional[float], opt("Longest wait for late peers in a round, seconds (default: 30)", AVG, "averaging_timeout")] = None,
     metrics_port: Annotated[Optional[int], opt("Prometheus /metrics port, 0 = off (default: 0)", OPS, "metrics_port")] = None,
     checkpoint_dir: Annotated[Optional[Path], opt("Directory for the (atomic) checkpoint; resumed from on restart", OPS, "checkpoint_dir")] = None,
@@ -70,8 +73,13 @@ def join_flags(
 
 
 def _config_or_exit(flags: dict[str, Any], config: Optional[Path]) -> NodeConfig:
+    from node.config import read_swarm_key
+
     try:
-        return load_config(flags, config)
+        cfg = load_config(flags, config)
+        if cfg.swarm_key is not None:
+            read_swarm_key(cfg.swarm_key)
+        return cfg
     except ConfigError as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
@@ -150,6 +158,7 @@ def status(
     initial_peers: Annotated[list[str], typer.Option("--initial-peers", help="Multiaddr of any peer of the run (repeatable)", envvar=_env("initial_peers"))],
     run_id: Annotated[str, typer.Option(help="Run to list", envvar=_env("run_id"))] = "locomesh-demo",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
+    swarm_key: Annotated[Optional[Path], typer.Option(help="Secret file of a private swarm", envvar=_env("swarm_key"))] = None,
 ) -> None:
     """List the run's peers: role, device, throughput, outer round, last loss, age of their record."""
     from node.status import collect_status, render_status
@@ -157,8 +166,15 @@ def status(
     from node.logs import setup_logging
 
     setup_logging("warning")
+    from node.config import read_swarm_key
+
     try:
-        result = collect_status(initial_peers, run_id)
+        key = read_swarm_key(swarm_key) if swarm_key else None
+    except ConfigError as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    try:
+        result = collect_status(initial_peers, run_id, swarm_key=key)
     except Exception as e:
         typer.secho(f"error: could not reach the swarm through {initial_peers}: {e}", fg="red", err=True)
         raise typer.Exit(1) from None

@@ -31,6 +31,7 @@ class NodeConfig(BaseModel):
     listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="multiaddrs to listen on")
     announce: list[str] = Field(default_factory=list, description="public multiaddrs to announce")
     identity: Path | None = Field(None, description="private key file (created if missing) for a stable peer id")
+    swarm_key: Path | None = Field(None, description="shared secret file of a private swarm")
     # training
     device: Literal["auto", "cpu", "cuda"] = "auto"
     model: str = "tiny"
@@ -46,6 +47,8 @@ class NodeConfig(BaseModel):
     outer_lr: float = Field(0.7, gt=0, le=10)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     aggregate: Literal["mean", "median-clip", "trimmed-mean"] = "mean"
+    join_timeout: float = Field(60.0, gt=0, description="how long a joiner keeps trying to download the swarm's state")
+    stream_timeout: float = Field(30.0, gt=0, description="a peer that stalls mid-request this long is refused, seconds")
     averaging_timeout: float = Field(30.0, gt=0, description="longest wait for late peers at a round, seconds")
     # operations
     metrics_port: int = Field(0, ge=0, le=65535)
@@ -87,6 +90,24 @@ class NodeConfig(BaseModel):
         if value not in PRESETS:
             raise ValueError(f"unknown model preset {value!r}; choose one of {', '.join(PRESETS)}")
         return value
+
+
+def read_swarm_key(path: Path) -> bytes:
+    """The secret of a private swarm: a file of at least 16 bytes (hex text is decoded)."""
+    try:
+        raw = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(f"cannot read --swarm-key {path}: {e.strerror}") from None
+    try:
+        key = bytes.fromhex(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        key = raw
+    if len(key) < 16:
+        raise ConfigError(
+            f"--swarm-key {path} holds {len(key)} bytes; use at least 16, e.g. "
+            "python -c 'import secrets; print(secrets.token_hex(32))' > swarm.key"
+        )
+    return key
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

@@ -37,18 +37,23 @@ from gossip.rendezvous import list_peers, publish_peer
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from node import __version__
 from node.checkpoint import CHECKPOINT_NAME, newest_valid, save_atomic
-from node.config import NodeConfig
+from node.config import NodeConfig, read_swarm_key
 from node.data import ByteBatches, load_corpus, validation_batches
 from node.metrics import NodeMetrics
 from node.model import preset
 from node.network import Interrupted, NetworkThread
 from node.status_service import StatusService
 from node.trainer import LocalTrainer, pick_device
+from protocol.errors import RemoteError
 from protocol.records import PeerRecord
 
 logger = logging.getLogger("locomesh.node")
 HEARTBEAT_S = 2.0
 RECORD_TTL_S = 8.0
+
+
+class JoinRefused(Exception):
+    """Every peer of the run refused this node's credentials."""
 
 
 @dataclass
@@ -153,6 +158,8 @@ class Daemon:
                 str(cfg.identity) if cfg.identity else None,
                 on_bytes=self._on_bytes,
                 on_error=self._on_error,
+                swarm_key=read_swarm_key(cfg.swarm_key) if cfg.swarm_key else None,
+                stream_timeout=cfg.stream_timeout,
             )
         except Exception as e:
             logger.error("could not start networking: %s. Check --listen/--initial-peers and that the port is free.", e)
@@ -196,7 +203,12 @@ class Daemon:
         # swarm's newer weights and round if any peer answers
         resumed = self._maybe_resume()
         if cfg.initial_peers:
-            self._join_swarm(attempts=5 if resumed else 20)
+            try:
+                self._join_swarm(resumed)
+            except JoinRefused as e:
+                logger.error("%s", e)
+                self.event("join_refused", reason=str(e))
+                return 3
         self._publish_snapshot()
         net.every(HEARTBEAT_S, self._heartbeat, "heartbeat")
         self.summary.state = "training"
@@ -217,13 +229,16 @@ class Daemon:
             "outer_momentum": [(tuple(p.shape), torch.float32) for p in self.phi],
         }
 
-    def _join_swarm(self, attempts: int = 20) -> bool:
+    def _join_swarm(self, resumed: bool) -> bool:
         """Download state from a live peer and take over its progress into the current round, so this
-        node runs only the round's remaining inner steps and meets its peers at the rendezvous."""
+        node runs only the round's remaining inner steps and meets its peers at the rendezvous.
+
+        Retries for ``--join-timeout`` seconds; raises :class:`JoinRefused` when every peer refused
+        this node's credentials (a private swarm and a missing or wrong ``--swarm-key``)."""
         net = self.net
-        for attempt in range(attempts):
-            if self.stop.is_set():
-                return None
+        deadline = time.monotonic() + self.cfg.join_timeout
+        refusals: set[str] = set()
+        while not self.stop.is_set():
             peers = net.call(list_peers(net.dht, self.cfg.run_id), timeout=30)
             candidates = sorted(
                 (rec for p, rec in peers.items() if p != self.summary.peer_id and rec.role == "trainer"),
@@ -232,6 +247,12 @@ class Daemon:
             for rec in candidates:
                 try:
                     got = self._download_from(rec.peer_id)
+                except RemoteError as e:
+                    logger.warning("state download from %s refused: %s", rec.peer_id, e)
+                    self.metrics.state_downloads.labels("failed").inc()
+                    if e.remote_code == "auth":
+                        refusals.add(rec.peer_id)
+                    continue
                 except Exception as e:
                     logger.warning("state download from %s failed: %s", rec.peer_id, e)
                     self.metrics.state_downloads.labels("failed").inc()
@@ -243,8 +264,16 @@ class Daemon:
                 self.event("joined", peer=rec.peer_id, round=got.snapshot.round, inner_step=got.inner_step, bytes=got.nbytes,
                            fingerprint=fingerprint(self.phi), peer_fingerprint=got.snapshot.fingerprint)
                 return True
-            time.sleep(1.0 + attempt * 0.5)
-        self.event("join_alone", reason="no peer of this run answered; continuing from " + ("the checkpoint" if self.summary.events and any(e["event"] == "resumed" for e in self.summary.events) else "scratch"))
+            if candidates and refusals >= {rec.peer_id for rec in candidates}:
+                raise JoinRefused(
+                    f"every peer of run {self.cfg.run_id!r} refused this node: it is a private swarm. "
+                    "Ask its operator for the swarm key and pass it with --swarm-key FILE."
+                )
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
+        self.event("join_alone", reason="no peer of this run answered within --join-timeout; continuing from "
+                   + ("the checkpoint" if resumed else "scratch"))
         return False
 
     def _download_from(self, peer: str):

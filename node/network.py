@@ -51,6 +51,8 @@ class NetworkThread:
         identity: str | None,
         on_bytes: Callable[[str, str, int], None],
         on_error: Callable[[str, str, str], None],
+        swarm_key: bytes | None = None,
+        stream_timeout: float = 30.0,
         timeout: float = 60.0,
     ) -> None:
         """Start p2pd and join the DHT (bootstrapping from ``initial_peers`` when given)."""
@@ -71,7 +73,8 @@ class NetworkThread:
                 client_mode=False,
                 wait_timeout=5,
             )
-            self.transport = Transport(self.p2p, on_bytes=on_bytes, on_error=on_error)
+            self.transport = Transport(self.p2p, on_bytes=on_bytes, on_error=on_error, swarm_key=swarm_key,
+                                       idle_timeout=stream_timeout)
 
         self.call(_start(), timeout=timeout + 30)
 

@@ -16,11 +16,11 @@ from node.status_service import fetch_status
 from protocol.hivemind_transport import Transport
 
 
-async def _collect(initial_peers: list[str], run_id: str, timeout: float) -> dict[str, Any]:
+async def _collect(initial_peers: list[str], run_id: str, timeout: float, swarm_key: bytes | None) -> dict[str, Any]:
     p2p = await P2P.create(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     dht = await DHTNode.create(p2p=p2p, initial_peers=initial_peers, client_mode=True, record_validator=RSASignatureValidator())
     try:
-        transport = Transport(p2p)
+        transport = Transport(p2p, swarm_key=swarm_key)
         records = await asyncio.wait_for(list_peers_with_expiry(dht, run_id), timeout=30)
         now = get_dht_time()
         rows = []
@@ -47,8 +47,8 @@ async def _collect(initial_peers: list[str], run_id: str, timeout: float) -> dic
         await p2p.shutdown()
 
 
-def collect_status(initial_peers: list[str], run_id: str, timeout: float = 5.0) -> dict[str, Any]:
-    return asyncio.run(_collect(initial_peers, run_id, timeout))
+def collect_status(initial_peers: list[str], run_id: str, timeout: float = 5.0, swarm_key: bytes | None = None) -> dict[str, Any]:
+    return asyncio.run(_collect(initial_peers, run_id, timeout, swarm_key))
 
 
 def render_status(result: dict[str, Any]) -> None:

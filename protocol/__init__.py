@@ -5,11 +5,13 @@ Nothing here imports hivemind at module level; the hivemind p2pd adapter lives i
 """
 
 from protocol.errors import (
+    AuthError,
     FrameTooLarge,
     MalformedFrame,
     ProtocolError,
     RemoteError,
     SchemaError,
+    StreamTimeout,
     VersionMismatch,
 )
 from protocol.frames import (
@@ -25,6 +27,7 @@ from protocol.ids import PROTOCOL_MAJOR, PROTOCOL_MINOR, protocol_id
 from protocol.tensors import tensor_from_wire, tensor_to_wire
 
 __all__ = [
+    "AuthError",
     "DEFAULT_MAX_FRAME",
     "FrameTooLarge",
     "FramedStream",
@@ -35,6 +38,7 @@ __all__ = [
     "ProtocolError",
     "RemoteError",
     "SchemaError",
+    "StreamTimeout",
     "VersionMismatch",
     "decode_message",
     "encode_frame",

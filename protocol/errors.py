@@ -39,3 +39,15 @@ class RemoteError(ProtocolError):
     def __init__(self, remote_code: str, message: str) -> None:
         super().__init__(f"peer refused: [{remote_code}] {message}")
         self.remote_code = remote_code
+
+
+class AuthError(ProtocolError):
+    """The peer did not prove it holds this private swarm's key."""
+
+    code = "auth"
+
+
+class StreamTimeout(ProtocolError):
+    """The peer stalled: no complete frame arrived within the stream's idle timeout."""
+
+    code = "timeout"

@@ -9,13 +9,23 @@ major version. An error reply is the envelope kind ``"error"`` with ``{"code", "
 from __future__ import annotations
 
 import asyncio
+import hmac
 import struct
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import msgpack
 
-from protocol.errors import FrameTooLarge, MalformedFrame, ProtocolError, RemoteError, SchemaError, VersionMismatch
+from protocol.errors import (
+    AuthError,
+    FrameTooLarge,
+    MalformedFrame,
+    ProtocolError,
+    RemoteError,
+    SchemaError,
+    StreamTimeout,
+    VersionMismatch,
+)
 from protocol.ids import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
@@ -59,7 +69,7 @@ def decode_message(data: bytes, max_size: int = DEFAULT_MAX_FRAME, major: int = 
             max_ext_len=0,
         )
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as e:
-        raise MalformedFrame(f"not a msgpack envelope: {e}") from None
+        raise MalformedFrame(f"not a msgpack envelope ({type(e).__name__}: {e})") from None
     if not isinstance(obj, dict) or set(obj) != {"v", "k", "b"}:
         raise MalformedFrame("envelope must be a map with exactly the keys 'v', 'k' and 'b'")
     version, kind, body = obj["v"], obj["k"], obj["b"]
@@ -100,6 +110,7 @@ class FramedStream:
 
     :param peer: the remote peer id (for logs and error messages)
     :param max_frame: the largest frame this side accepts
+    :param idle_timeout: longest wait for the next complete frame (a stalled peer is refused)
     """
 
     def __init__(
@@ -108,10 +119,13 @@ class FramedStream:
         writer: asyncio.StreamWriter,
         peer: str = "?",
         max_frame: int = DEFAULT_MAX_FRAME,
+        idle_timeout: float | None = None,
     ) -> None:
         self.reader, self.writer, self.peer, self.max_frame = reader, writer, peer, max_frame
+        self.idle_timeout = idle_timeout
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.expected_hello: bytes | None = None  # set by a client of a private swarm: the server's proof
 
     async def send(self, kind: str, body: dict[str, Any]) -> int:
         """Send one envelope; returns the bytes written (length prefix included)."""
@@ -133,7 +147,15 @@ class FramedStream:
     async def recv(self, expect: str | Iterable[str] | None = None) -> Message:
         """Receive one envelope; an error envelope raises :class:`RemoteError`, an unexpected kind
         raises :class:`SchemaError`."""
-        data = await read_frame(self.reader, self.max_frame)
+        if self.expected_hello is not None:
+            proof, self.expected_hello = self.expected_hello, None
+            hello = await self.recv(expect="hello")
+            if not isinstance(hello.body.get("mac"), bytes) or not hmac.compare_digest(hello.body["mac"], proof):
+                raise AuthError(f"peer {self.peer} did not prove it holds the swarm key")
+        try:
+            data = await asyncio.wait_for(read_frame(self.reader, self.max_frame), self.idle_timeout)
+        except asyncio.TimeoutError:
+            raise StreamTimeout(f"no complete frame from {self.peer} within {self.idle_timeout:.0f}s") from None
         self.bytes_received += len(data) + _LENGTH.size
         msg = decode_message(data, self.max_frame)
         if msg.kind == ERROR_KIND:

@@ -9,12 +9,14 @@ A handler receives a :class:`FramedStream`; exceptions it raises are logged, cou
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 from typing import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
-from protocol.errors import ProtocolError
+from protocol.errors import AuthError, ProtocolError
 from protocol.frames import DEFAULT_MAX_FRAME, FramedStream
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,12 @@ class Transport:
     :param max_frame: the largest frame accepted from a peer
     :param on_bytes: ``(protocol_id, direction, nbytes)`` callback for traffic accounting
     :param on_error: ``(protocol_id, code, peer)`` callback for every refused or failed exchange
+    :param idle_timeout: on served streams, a client that sends no complete frame for this long is
+        refused (slow-loris guard)
+    :param swarm_key: shared secret of a private swarm. Each stream then opens with ``hello`` frames
+        carrying HMAC-SHA256(key, role | protocol | client id | server id) in both directions; libp2p
+        already authenticates the peer ids, so a proof cannot be replayed by anyone else. Peers
+        without the key are refused before any handler runs.
     """
 
     def __init__(
@@ -37,8 +45,12 @@ class Transport:
         max_frame: int = DEFAULT_MAX_FRAME,
         on_bytes: Callable[[str, str, int], None] | None = None,
         on_error: Callable[[str, str, str], None] | None = None,
+        swarm_key: bytes | None = None,
+        idle_timeout: float = 30.0,
     ) -> None:
         self.p2p = p2p
+        self.idle_timeout = idle_timeout
+        self.swarm_key = swarm_key
         self.max_frame = max_frame
         self.on_bytes = on_bytes or (lambda *_: None)
         self.on_error = on_error or (lambda *_: None)
@@ -48,13 +60,28 @@ class Transport:
     def peer_id(self) -> str:
         return self.p2p.peer_id.to_base58()
 
+    def _proof(self, role: str, protocol: str, client: str, server: str) -> bytes:
+        assert self.swarm_key is not None
+        msg = "|".join(("locomesh-swarm", role, protocol, client, server)).encode()
+        return hmac.new(self.swarm_key, msg, hashlib.sha256).digest()
+
+    async def _accept_hello(self, stream: FramedStream, protocol: str) -> None:
+        msg = await stream.recv()
+        mac = msg.body.get("mac") if msg.kind == "hello" else None
+        expected = self._proof("client", protocol, stream.peer, self.peer_id)
+        if not isinstance(mac, bytes) or not hmac.compare_digest(mac, expected):
+            raise AuthError("this is a private swarm: the request did not prove it holds the swarm key (--swarm-key)")
+        await stream.send("hello", {"mac": self._proof("server", protocol, stream.peer, self.peer_id)})
+
     async def serve(self, protocol: str, handler: Handler) -> None:
         """Register ``handler`` for streams opened with ``protocol``."""
 
         async def _on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = info.peer_id.to_base58()
-            stream = FramedStream(reader, writer, peer=peer, max_frame=self.max_frame)
+            stream = FramedStream(reader, writer, peer=peer, max_frame=self.max_frame, idle_timeout=self.idle_timeout)
             try:
+                if self.swarm_key is not None:
+                    await self._accept_hello(stream, protocol)
                 await handler(stream)
                 await stream.wait_peer_closed()
             except ProtocolError as e:
@@ -81,7 +108,12 @@ class Transport:
     async def open(self, peer_id: str, protocol: str) -> FramedStream:
         """Open a stream to ``peer_id`` speaking ``protocol``."""
         _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
-        return FramedStream(reader, writer, peer=peer_id, max_frame=self.max_frame)
+        # client side: the caller bounds the whole exchange (a server may legitimately wait for its own data)
+        stream = FramedStream(reader, writer, peer=peer_id, max_frame=self.max_frame)
+        if self.swarm_key is not None:
+            await stream.send("hello", {"mac": self._proof("client", protocol, self.peer_id, peer_id)})
+            stream.expected_hello = self._proof("server", protocol, self.peer_id, peer_id)
+        return stream
 
     def account(self, protocol: str, stream: FramedStream) -> None:
         """Report a client stream's traffic (call once the exchange is over)."""
