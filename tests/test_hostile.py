@@ -214,6 +214,5 @@ def test_poisoned_updates_do_not_move_the_model_more_than_an_honest_peer(tmp_pat
             assert rec["update_norm"] <= max(honest) * (1 + 1e-4), rec
             checked[entry["scale"]] += 1
     assert all(checked.values()), f"the attacker never got into a round: {log}"
-    for handle in (a, b):
-        info = handle.info()
-        assert info["train_loss_last"] < info["train_loss_first"]
+    for handle in (a, b):  # the model survived: far below the ~5.5 nats/byte of a random init
+        assert handle.info()["val_loss"] < 3.5

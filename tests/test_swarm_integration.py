@@ -61,8 +61,7 @@ def test_three_node_swarm_trains_in_sync_and_stops_cleanly(tmp_path, nodes):
     for info in infos:
         assert info["state"] == "stopped"
         assert info["outer_rounds"] >= 2
-        assert info["train_loss_last"] < info["train_loss_first"]
-        assert info["val_loss"] < 5.0
+        assert info["val_loss"] < infos[0]["train_loss_first"] - 1.5  # every replica is far better than the init
         assert info["bytes_sent"] > 0 and info["bytes_received"] > 0
     assert infos[0]["train_loss_last"] < infos[0]["train_loss_first"] - 1.5  # the bootstrap node started from scratch
     # right after every round that all three averaged together, their weights are bit-identical
