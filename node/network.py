@@ -17,6 +17,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 
+from node.orphans import guard_child
 from protocol.hivemind_transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class NetworkThread:
         self.transport: Transport | None = None
         self.validator = RSASignatureValidator()
         self._tasks: list[asyncio.Task] = []
+        self._watchdog = None
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -66,6 +68,9 @@ class NetworkThread:
                 identity_path=identity,
                 startup_timeout=timeout,
             )
+            child = getattr(self.p2p, "_child", None)  # hivemind keeps the p2pd process here
+            if child is not None:
+                self._watchdog = guard_child(child.pid)
             self.dht = await DHTNode.create(
                 p2p=self.p2p,
                 initial_peers=initial_peers or None,
@@ -143,3 +148,6 @@ class NetworkThread:
                 self.p2p._terminate()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+        if self._watchdog is not None:
+            self._watchdog.kill()
+            self._watchdog.wait()

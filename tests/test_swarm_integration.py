@@ -106,3 +106,21 @@ def test_joiner_downloads_state_and_uses_the_swarms_round(tmp_path, nodes):
         assert len(fps) == 1
     for handle in nodes:
         assert handle.stop() == 0
+
+
+def test_sigkill_of_the_daemon_alone_leaves_no_orphans(tmp_path, nodes):
+    """A crash (SIGKILL of the Python process only, not its group) must not leave p2pd running."""
+    import os
+    import signal
+
+    node = start_node(tmp_path, "n", FAST_ARGS)
+    nodes.append(node)
+    node.multiaddr()
+    family = descendants(node.process.pid)
+    assert family, "the daemon runs p2pd as a child"
+    os.kill(node.process.pid, signal.SIGKILL)
+    node.process.wait(timeout=30)
+    deadline = time.time() + 10
+    while time.time() < deadline and any(alive(p) for p in family):
+        time.sleep(0.2)
+    assert not [p for p in family if alive(p)]
