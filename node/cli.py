@@ -208,6 +208,30 @@ def eval_cmd(
               f"over {result['tokens']} bytes of {result['data']}, round {result['round']}")
 
 
+@app.command()
+def doctor(
+    listen_port: Annotated[int, typer.Option(help="TCP port you will listen on (0 = any)")] = 0,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    checkpoint_dir: Annotated[Path, typer.Option(help="Where checkpoints will go")] = Path("."),
+    initial_peers: Annotated[Optional[list[str]], typer.Option("--initial-peers", help="A peer to test reachability and clock skew against")] = None,
+    run_id: Annotated[str, typer.Option(help="Run of that peer")] = "locomesh-demo",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
+) -> None:
+    """Check this machine (versions, p2pd, port, device, memory, disk, peers); exit 0 only if all pass."""
+    from dataclasses import asdict
+
+    from node.doctor import render, run_checks
+    from node.logs import setup_logging
+
+    setup_logging("error")
+    checks = run_checks(listen_port, device, checkpoint_dir, initial_peers or [], run_id)
+    if as_json:
+        print(json.dumps([asdict(c) for c in checks], indent=2))
+    else:
+        render(checks)
+    raise typer.Exit(0 if all(c.ok for c in checks) else 1)
+
+
 def main() -> None:
     app(prog_name="node")
 

@@ -427,7 +427,7 @@ class Daemon:
             "steps": self.summary.steps, "loss": self.last_loss, "tokens_per_s": self.tokens_per_s,
             "device": self.trainer.device.type, "model": self.cfg.model, "algorithm": self.cfg.algorithm,
             "compression": self.cfg.compression, "protocols": self.summary.protocols, "version": __version__,
-            "state": self.summary.state,
+            "state": self.summary.state, "time": time.time(),
         }
 
     # ---- stopping ----------------------------------------------------------------------------
