@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup test-deps demo test test-slow clean
 
 setup: $(STAMP)
 
@@ -20,10 +20,17 @@ $(STAMP): pyproject.toml constraints.txt
 demo: setup
 	$(VENV)/bin/node swarm --nodes 3 --duration 150 --report runs/demo/report.json --checkpoint-dir runs/demo
 
-test: setup
+# Debian's prometheus for the real-scrape test; installed where apt-get runs as root, else that test is skipped.
+test-deps:
+	@command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && { \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; }; }; } \
+	  || echo "note: prometheus is not installed; tests/test_prometheus.py will skip its scrape test"
+
+test: setup test-deps
 	$(PY) -m pytest -q
 
-test-slow: setup
+test-slow: setup test-deps
 	$(PY) -m pytest -q -m slow
 
 clean:

@@ -15,6 +15,10 @@ from typing import Awaitable, Callable
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from protocol.errors import SchemaError
@@ -34,17 +38,92 @@ def _peer_of_subkey(subkey: object) -> str | None:
     return None
 
 
-async def _read_subkeys(dht: DHTNode, key: str) -> dict[str, tuple[object, float]]:
-    """{peer id: (value, expiration time)} of a key's owned subkeys."""
-    found = await dht.get(key, latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return {}
+async def _read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[str, tuple[object, float]]:
+    """{peer id: (value, expiration time)} of a key's owned subkeys, freshest copy of each subkey.
+
+    hivemind's ``get(latest=True)`` returns the one stored dictionary whose newest subkey is newest,
+    so with several writers refreshing their own subkeys it can hide another writer's fresh subkey
+    behind a stale copy. Membership and rendezvous keys are small and read by small swarms, so this
+    asks the local store and every routing-table peer directly and merges subkey by subkey.
+    """
+    key_id = DHTID.generate(source=key)
+    dictionaries = []
+    local = dht.protocol.storage.get(key_id)
+    if local is not None:
+        dictionaries.append(local.value)
+    peers = list(dht.protocol.routing_table.peer_id_to_uid)
+
+    async def ask(peer):
+        try:
+            return await asyncio.wait_for(dht.protocol.call_find(peer, [key_id]), timeout)
+        except (asyncio.TimeoutError, Exception):
+            return None
+
+    def collect(responses) -> None:
+        for response in responses:
+            if response and response.get(key_id) and response[key_id][0] is not None:
+                dictionaries.append(response[key_id][0].value)
+
+    collect(await asyncio.gather(*(ask(p) for p in peers)))
+    # owners of subkeys we learned about but did not ask yet (e.g. a client that knows one peer)
+    asked = {str(p) for p in peers} | {str(dht.peer_id)}
+    owners = set()
+    for dictionary in dictionaries:
+        if isinstance(dictionary, DictionaryDHTValue):
+            with dictionary.freeze():
+                owners |= {o for o in (_peer_of_subkey(sk) for sk, _ in dictionary.items()) if o and o not in asked}
+    extra = []
+    for owner in owners:
+        try:
+            extra.append(PeerID.from_base58(owner))
+        except Exception:
+            continue
+    collect(await asyncio.gather(*(ask(p) for p in extra)))
+    freshest: dict[object, tuple[bytes, float]] = {}
+    for dictionary in dictionaries:
+        if not isinstance(dictionary, DictionaryDHTValue):
+            continue
+        with dictionary.freeze():
+            for subkey, item in dictionary.items():
+                if subkey not in freshest or item.expiration_time > freshest[subkey][1]:
+                    freshest[subkey] = (item.value, item.expiration_time)
+    validator = dht.protocol.record_validator
     out: dict[str, tuple[object, float]] = {}
-    for subkey, item in found.value.items():
+    for subkey, (raw, expiration) in freshest.items():
         peer = _peer_of_subkey(subkey)
-        if peer is not None:
-            out[peer] = (item.value, item.expiration_time)
+        if peer is None:
+            continue
+        record = DHTRecord(key_id.to_bytes(), dht.protocol.serializer.dumps(subkey), raw, expiration)
+        if validator is not None:
+            if not validator.validate(record):
+                continue
+            raw = validator.strip_value(record)
+        try:
+            out[peer] = (dht.protocol.serializer.loads(raw), expiration)
+        except Exception:
+            continue
     return out
+
+
+async def reconnect_routing_table(dht: DHTNode, peer_ids: list, timeout: float = 3.0) -> int:
+    """Ping connected peers missing from the DHT routing table; returns how many were (re)added.
+
+    hivemind drops a peer from its routing table after one unanswered request and re-adds it only
+    when that peer contacts us. In a small swarm two nodes can end up storing records only locally,
+    each seeing a stale mix of the other's dictionary subkeys. Pinging every connected peer that is
+    not in the table keeps stores replicated on every member.
+    """
+    missing = [p for p in peer_ids if p != dht.peer_id and p not in dht.protocol.routing_table]
+    if not missing:
+        return 0
+
+    async def ping(peer) -> bool:
+        try:
+            return await asyncio.wait_for(dht.protocol.call_ping(peer), timeout) is not None
+        except (asyncio.TimeoutError, Exception):
+            return False
+
+    return sum(await asyncio.gather(*(ping(p) for p in missing)))
 
 
 async def publish_peer(dht: DHTNode, validator: RSASignatureValidator, run_id: str, record: PeerRecord, ttl: float) -> bool:

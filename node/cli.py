@@ -63,7 +63,8 @@ def join_flags(
     checkpoint_dir: Annotated[Optional[Path], opt("Directory for the (atomic) checkpoint; resumed from on restart", OPS, "checkpoint_dir")] = None,
     max_steps: Annotated[Optional[int], opt("Stop cleanly after this many inner steps", OPS, "max_steps")] = None,
     duration: Annotated[Optional[float], opt("Stop cleanly after this many seconds", OPS, "duration")] = None,
-    eval_batches: Annotated[Optional[int], opt("Validation batches for the final evaluation (default: 16)", OPS, "eval_batches")] = None,
+    eval_batches: Annotated[Optional[int], opt("Validation batches per evaluation (default: 16)", OPS, "eval_batches")] = None,
+    eval_every: Annotated[Optional[int], opt("Evaluate on the held-out split every N outer rounds, 0 = only at exit (default: 5)", OPS, "eval_every")] = None,
     info_file: Annotated[Optional[Path], opt("Write a JSON summary here when up and again on exit", OPS, "info_file")] = None,
     log_level: Annotated[Optional[str], opt("debug | info | warning | error (default: info)", OPS, "log_level")] = None,
 ) -> tuple[dict[str, Any], Optional[Path]]:

@@ -58,6 +58,7 @@ class NodeConfig(BaseModel):
     threads: int | None = Field(None, ge=1, le=1024)
     seed: int = 0
     eval_batches: int = Field(16, ge=1)
+    eval_every: int = Field(5, ge=0, description="evaluate on the held-out split every N outer rounds (0 = only at exit)")
     info_file: Path | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -33,7 +33,7 @@ from gossip.exchange import RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter
 from gossip.partition import part_shapes
-from gossip.rendezvous import list_peers, publish_peer
+from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from node import __version__
 from node.checkpoint import CHECKPOINT_NAME, newest_valid, save_atomic
@@ -277,9 +277,13 @@ class Daemon:
         return False
 
     def _download_from(self, peer: str):
+        logged = [-1]
+
         def progress(done: int, total: int) -> None:
-            if total and (done == total or done % (8 << 20) < (1 << 20)):
-                logger.info("downloading state from %s: %.0f%% of %.1f MB", peer, 100 * done / total, total / 1e6)
+            quarter = 4 * done // max(total, 1)
+            if quarter > logged[0]:
+                logged[0] = quarter
+                logger.info("downloading state from %s: %d%% of %.1f MB", peer, 25 * quarter, total / 1e6)
 
         got = self.net.call(download_state(self.net.transport, peer, self.cfg.run_id, self._state_layout(), progress), timeout=120)
         snap = got.snapshot
@@ -375,16 +379,40 @@ class Daemon:
             self.trainer.load_weights(self.phi)
             if result.failures:
                 self.event("round_partial", round=result.round, failures=result.failures)
+        self.inner_step = 0
+        self._catch_up()
         record["fingerprint"] = fingerprint(self.phi)
         self.summary.rounds.append(record)
-        self.inner_step = 0
         m.outer_round.set(self.round)
         self._publish_snapshot()
         if self.cfg.checkpoint_dir is not None:
             self._save_checkpoint()
+        if self.cfg.eval_every and self.summary.outer_rounds % self.cfg.eval_every == 0 and result.in_sync:
+            record["val_loss"] = self.summary.val_loss = self.trainer.evaluate(self.val)
+            self.metrics.val_loss.set(self.summary.val_loss)
         self._write_info()
         logger.info("round %d done: %d/%d peers averaged in %.2fs (waited %.2fs), loss %.3f",
                     result.round, len(result.contributors), len(result.group), result.duration_s, result.gather_s, self.last_loss)
+
+    def _catch_up(self) -> None:
+        """A node whose round fell behind a live peer's (it finished a round alone, e.g. right after
+        joining, or after a partition) adopts the newest state, so the swarm meets again."""
+        try:
+            peers = self.net.call(list_peers(self.net.dht, self.cfg.run_id), timeout=30)
+        except Exception as e:
+            logger.info("could not list peers after the round: %s", e)
+            return
+        ahead = [rec for p, rec in peers.items() if p != self.summary.peer_id and rec.role == "trainer" and rec.round > self.round]
+        if not ahead:
+            return
+        best = max(ahead, key=lambda r: (r.round, r.peer_id))
+        try:
+            got = self._download_from(best.peer_id)
+        except Exception as e:
+            logger.warning("could not catch up with %s (round %d): %s", best.peer_id, best.round, e)
+            return
+        self.inner_step = min(got.inner_step, self.cfg.inner_steps - 1)
+        self.event("caught_up", peer=best.peer_id, round=self.round, inner_step=self.inner_step)
 
     def _resync(self, peer: str | None, failed_round: int) -> None:
         """Re-download the group's state after drifting (the peer publishes it right after its round)."""
@@ -417,6 +445,8 @@ class Daemon:
             tokens_per_s=self.tokens_per_s, loss=self.last_loss, maddrs=self.summary.multiaddrs,
             protocols=self.summary.protocols, version=__version__, started_at=time.time() - (time.monotonic() - self.started),
         )
+        connected = [info.peer_id for info in await net.p2p.list_peers()]
+        await reconnect_routing_table(net.dht, connected)
         await publish_peer(net.dht, net.validator, self.cfg.run_id, record, RECORD_TTL_S)
         peers = await list_peers(net.dht, self.cfg.run_id)
         self.metrics.peers.set(len(peers))

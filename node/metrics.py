@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+TRAFFIC_KINDS = ("average", "state", "status")
+ERROR_KINDS = ("timeout", "connection", "schema", "malformed", "frame_too_large", "version", "auth", "remote",
+               "out_of_sync", "norm_outlier", "internal")
 ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 
 
@@ -36,6 +39,12 @@ class NodeMetrics:
             self.outer_rounds.labels(result)
         for result in ("ok", "failed"):
             self.state_downloads.labels(result)
+        # every known label exists from the start, so dashboards and alerts see 0 rather than no data
+        for kind in TRAFFIC_KINDS:
+            self.bytes_sent.labels(kind)
+            self.bytes_received.labels(kind)
+        for kind in ERROR_KINDS:
+            self.errors.labels(kind)
 
     def serve(self, port: int) -> None:
         start_http_server(port, addr="0.0.0.0", registry=self.registry)

@@ -17,7 +17,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 
-from node.orphans import guard_child
+from node.orphans import guard_child, release
 from protocol.hivemind_transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -149,5 +149,4 @@ class NetworkThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
         if self._watchdog is not None:
-            self._watchdog.kill()
-            self._watchdog.wait()
+            release(self._watchdog)

@@ -23,6 +23,15 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
+def release(watchdog: subprocess.Popen) -> None:
+    """Stop a watchdog after a clean shutdown (its whole group: the shell and its sleeping child)."""
+    try:
+        os.killpg(watchdog.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    watchdog.wait()
+
+
 def guard_child(pid: int) -> subprocess.Popen | None:
     """Kill ``pid`` when this process dies; returns the watchdog (None where prctl is unavailable)."""
     parent = os.getpid()
@@ -34,7 +43,7 @@ def guard_child(pid: int) -> subprocess.Popen | None:
     )
     try:
         return subprocess.Popen(["/bin/sh", "-c", script], preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     except (OSError, AttributeError) as e:
         logger.warning("cannot guard child %d against orphaning: %s", pid, e)
         return None
