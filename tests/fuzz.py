@@ -23,7 +23,6 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-import msgpack
 import torch
 
 from compression import Payload, get_codec

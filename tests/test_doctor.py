@@ -24,7 +24,7 @@ def test_doctor_passes_here_and_names_the_fix_for_a_taken_port(tmp_path):
         code, checks = _doctor("--listen-port", str(port))
     assert code == 1
     assert not checks["listen port"]["ok"] and "in use" in checks["listen port"]["detail"]
-    assert f"--listen /ip4/0.0.0.0/tcp/" in checks["listen port"]["fix"]
+    assert "--listen /ip4/0.0.0.0/tcp/" in checks["listen port"]["fix"]
     assert all(c["ok"] for name, c in checks.items() if name != "listen port")
 
 

@@ -24,15 +24,7 @@ from protocol.errors import SchemaError
 from protocol.hivemind_transport import Transport
 from protocol.records import PeerRecord, RoundEntry
 from tests.fuzz import _FakeTransport, _frames
-from tests.swarm_utils import FAST_ARGS, kill_group, start_node
-
-
-@pytest.fixture
-def nodes():
-    started = []
-    yield started
-    for handle in started:
-        kill_group(handle)
+from tests.swarm_utils import FAST_ARGS, start_node
 
 
 async def _client(boot: str, swarm_key: bytes | None = None) -> tuple[P2P, Transport]:

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
@@ -17,15 +16,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from gossip.rendezvous import list_peers, owned_subkey, publish_peer
 from node import checkpoint
 from protocol.records import PeerRecord, peers_key
-from tests.swarm_utils import FAST_ARGS, kill_group, start_node
-
-
-@pytest.fixture
-def nodes():
-    started = []
-    yield started
-    for handle in started:
-        kill_group(handle)
+from tests.swarm_utils import FAST_ARGS, start_node
 
 
 def test_peers_of_another_run_never_enter_a_group(tmp_path, nodes):

@@ -9,15 +9,7 @@ from urllib.request import urlopen
 
 import pytest
 
-from tests.swarm_utils import FAST_ARGS, alive, descendants, kill_group, start_node
-
-
-@pytest.fixture
-def nodes():
-    started = []
-    yield started
-    for handle in started:
-        kill_group(handle)
+from tests.swarm_utils import FAST_ARGS, alive, descendants, start_node
 
 
 def _rounds_by_number(info):
