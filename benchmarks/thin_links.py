@@ -102,7 +102,7 @@ def run_case(n: int, rate: float, codec: str, duration: float, directory: Path, 
         for i in range(1, n):
             procs.append(start(i, directory, args, [boot]))
         victim = n - 1
-        cut_at, cut_for = duration * 0.35, timeout * 2
+        cut_at, cut_for = duration * 0.3, timeout * 2
         cut_done = False
         while time.time() - t0 < duration:
             if partition and not cut_done and time.time() - t0 >= cut_at:
@@ -151,7 +151,7 @@ def run_case(n: int, rate: float, codec: str, duration: float, directory: Path, 
         "per_node": nodes,
     }
     if partition:
-        result["victim_resynced"] = "resynced" in nodes[-1]["events"] or "out_of_sync" in nodes[-1]["events"]
+        result["victim_rejoined"] = bool({"resynced", "caught_up"} & set(nodes[-1]["events"]))
     return result
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from typing import Awaitable, Callable
 
 from hivemind.dht.crypto import RSASignatureValidator
@@ -103,6 +104,22 @@ async def _read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[st
         except Exception:
             continue
     return out
+
+
+def rejoin_target(my_round: int, other_rounds: list[int]) -> int | None:
+    """The round this node should move to, or None to stay.
+
+    The target is the round most live trainers are in (ties go to the higher round). A node behind it
+    moves forward; a node that raced ahead alone by two rounds or more while the majority was
+    elsewhere (a partition) moves back to the majority. Records lag by up to one heartbeat, so being
+    one round ahead of the majority is normal and left alone.
+    """
+    counts = Counter(other_rounds)
+    counts[my_round] += 1
+    target, target_count = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+    if target > my_round or (my_round - target >= 2 and target_count > counts[my_round]):
+        return target
+    return None
 
 
 async def reconnect_routing_table(dht: DHTNode, peer_ids: list, timeout: float = 3.0) -> int:

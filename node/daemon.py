@@ -33,7 +33,7 @@ from gossip.exchange import RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter
 from gossip.partition import part_shapes
-from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
+from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table, rejoin_target
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from node import __version__
 from node.checkpoint import CHECKPOINT_NAME, newest_valid, save_atomic
@@ -395,24 +395,27 @@ class Daemon:
                     result.round, len(result.contributors), len(result.group), result.duration_s, result.gather_s, self.last_loss)
 
     def _catch_up(self) -> None:
-        """A node whose round fell behind a live peer's (it finished a round alone, e.g. right after
-        joining, or after a partition) adopts the newest state, so the swarm meets again."""
+        """Rejoin the swarm's round after drifting away from it (see ``gossip.rendezvous.rejoin_target``):
+        forward after finishing a round alone, back to the majority after racing ahead in a partition."""
+        if self.stop.is_set():
+            return
         try:
             peers = self.net.call(list_peers(self.net.dht, self.cfg.run_id), timeout=30)
         except Exception as e:
             logger.info("could not list peers after the round: %s", e)
             return
-        ahead = [rec for p, rec in peers.items() if p != self.summary.peer_id and rec.role == "trainer" and rec.round > self.round]
-        if not ahead:
+        others = [rec for p, rec in peers.items() if p != self.summary.peer_id and rec.role == "trainer"]
+        target = rejoin_target(self.round, [rec.round for rec in others])
+        if target is None:
             return
-        best = max(ahead, key=lambda r: (r.round, r.peer_id))
+        direction = "forward" if target > self.round else "back_to_majority"
+        source = max((rec for rec in others if rec.round == target), key=lambda r: r.peer_id)
         try:
-            got = self._download_from(best.peer_id)
+            self._download_from(source.peer_id)
         except Exception as e:
-            logger.warning("could not catch up with %s (round %d): %s", best.peer_id, best.round, e)
+            logger.warning("could not rejoin round %d through %s: %s", target, source.peer_id, e)
             return
-        self.inner_step = min(got.inner_step, self.cfg.inner_steps - 1)
-        self.event("caught_up", peer=best.peer_id, round=self.round, inner_step=self.inner_step)
+        self.event("caught_up", peer=source.peer_id, round=self.round, direction=direction)
 
     def _resync(self, peer: str | None, failed_round: int) -> None:
         """Re-download the group's state after drifting (the peer publishes it right after its round)."""

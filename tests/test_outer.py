@@ -115,3 +115,23 @@ def test_fingerprint_sensitive_to_any_change():
     assert fingerprint([x.clone() for x in t]) == fp
     t[0][57] = 1e-30
     assert fingerprint(t) != fp
+
+
+@pytest.mark.parametrize(
+    "mine, others, expected",
+    [
+        (5, [5, 5], None),  # in step with everyone
+        (6, [5, 5], None),  # one round ahead: records lag a heartbeat
+        (3, [7, 7], 7),  # finished a round alone after joining: move forward
+        (20, [8, 8, 8], 8),  # raced ahead alone in a partition: back to the majority
+        (8, [20, 8, 8], None),  # the majority does not follow one isolated node
+        (4, [6, 6, 4], 6),  # behind the majority
+        (5, [7], 7),  # a tie goes to the higher round
+        (7, [5], None),
+        (9, [], None),  # alone
+    ],
+)
+def test_rejoin_target(mine, others, expected):
+    from gossip.rendezvous import rejoin_target
+
+    assert rejoin_target(mine, others) == expected
