@@ -57,7 +57,7 @@ async def _read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[st
     async def ask(peer):
         try:
             return await asyncio.wait_for(dht.protocol.call_find(peer, [key_id]), timeout)
-        except (asyncio.TimeoutError, Exception):
+        except Exception:  # a slow or gone peer only means one copy fewer
             return None
 
     def collect(responses) -> None:
@@ -137,7 +137,7 @@ async def reconnect_routing_table(dht: DHTNode, peer_ids: list, timeout: float =
     async def ping(peer) -> bool:
         try:
             return await asyncio.wait_for(dht.protocol.call_ping(peer), timeout) is not None
-        except (asyncio.TimeoutError, Exception):
+        except Exception:
             return False
 
     return sum(await asyncio.gather(*(ping(p) for p in missing)))

@@ -19,7 +19,7 @@ from protocol import ids
 from protocol.errors import SchemaError
 from protocol.frames import FramedStream, require
 from protocol.hivemind_transport import Transport
-from protocol.tensors import WIRE_DTYPES, check_shape, dtype_name, tensor_bytes
+from protocol.tensors import check_shape, dtype_name, tensor_bytes
 
 logger = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
@@ -154,4 +154,4 @@ async def download_state(
         await stream.close()
 
 
-__all__ = ["DownloadedState", "StateServer", "StateSnapshot", "download_state", "WIRE_DTYPES"]
+__all__ = ["DownloadedState", "StateServer", "StateSnapshot", "download_state"]

@@ -31,12 +31,12 @@ def save_atomic(state: dict[str, Any], path: Path) -> Path:
         finally:
             os.close(dir_fd)
     except BaseException:
-        with_suppress_unlink(tmp)
+        _unlink_quietly(tmp)
         raise
     return path
 
 
-def with_suppress_unlink(path: str) -> None:
+def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:

@@ -258,7 +258,6 @@ class Daemon:
                     self.metrics.state_downloads.labels("failed").inc()
                     continue
                 self.summary.joined_round = got.snapshot.round
-                self.inner_step = min(got.inner_step, self.cfg.inner_steps - 1)
                 # announce at once, so members finishing this round wait for us at the rendezvous
                 self.net.call(self._heartbeat(), timeout=30)
                 self.event("joined", peer=rec.peer_id, round=got.snapshot.round, inner_step=got.inner_step, bytes=got.nbytes,
@@ -291,7 +290,8 @@ class Daemon:
         self.outer.load_state_tensors(snap.tensors["outer_momentum"])
         self.trainer.load_weights(self.phi)
         self.round = snap.round
-        self.inner_step = 0
+        # take over the peer's progress into the round, so this node runs only the steps left
+        self.inner_step = min(got.inner_step, self.cfg.inner_steps - 1)
         self.metrics.state_downloads.labels("ok").inc()
         self.metrics.outer_round.set(self.round)
         return got

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,14 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from node.launcher import free_port
+
 FAST_ARGS = ["--model", "nano", "--batch-size", "8", "--inner-steps", "15", "--threads", "1", "--warmup-steps", "10",
              "--eval-batches", "4", "--averaging-timeout", "20"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
