@@ -2,15 +2,20 @@
 
 One round, for a member holding φ (agreed weights) and θ (weights after its inner steps):
 
-1. Δ = φ − θ, cut into wire parts and encoded with the run's codec. The member keeps the decoded
+1. Δ = φ − θ (of the round's parameters: all of them, or one fragment in streaming DiLoCo), cut
+   into wire parts and encoded with the run's codec (with error feedback for lossy codecs). The member keeps the decoded
    version of its own parts so that it averages exactly what its peers receive.
 2. It publishes the contribution, registers in the DHT rendezvous for (run, round) and waits until
-   every live member of that round registered, or the gather deadline passed.
+   every live member of that round registered, or the gather deadline passed. The deadline adapts
+   to the waits of recent complete rounds (``gossip.deadline``).
 3. It fetches every other member's contribution (each fetch bounded by the fetch timeout); a member
    that fails is left out of this round and counted.
 4. Contributions whose φ fingerprint differs from the group's majority are dropped. The rest are
    averaged, weighted by samples, in peer-id order (bit-identical on every member), and the outer
    optimizer steps φ. A member in the minority reports ``in_sync = False`` and re-downloads state.
+
+SparseLoCo is this round with a top-k + quantizing codec, error feedback and a plain SGD outer
+step (momentum 0, η = 1): the error-feedback buffer acts as the momentum.
 
 Reference: Douillard et al. 2023, DiLoCo, https://arxiv.org/abs/2311.08105.
 """
@@ -28,12 +33,14 @@ import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 
+from compression import ErrorFeedback
 from gossip.aggregate import aggregate
+from gossip.deadline import AdaptiveDeadline
 from gossip.exchange import Contribution, RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter, pseudo_gradient
 from gossip.partition import join, split
-from gossip.rendezvous import gather_group, list_peers
+from gossip.rendezvous import gather_group, round_members
 from protocol.records import RoundEntry
 
 logger = logging.getLogger(__name__)
@@ -50,6 +57,7 @@ class RoundResult:
     in_sync: bool = True
     sync_peer: str | None = None
     gather_s: float = 0.0
+    deadline_s: float = 0.0
     exchange_s: float = 0.0
     duration_s: float = 0.0
     samples: int = 0
@@ -64,7 +72,7 @@ class DiLoCoAverager:
     :param validator: signs this node's DHT records
     :param exchange: serves/fetches contributions (owns the codec and the wire partition)
     :param outer: the outer optimizer whose state this member keeps in sync with its group
-    :param gather_timeout: longest wait for late members at the rendezvous
+    :param gather_timeout: longest wait for late members at the rendezvous (the adaptive deadline's ceiling)
     :param fetch_timeout: longest wait for one member's contribution
     :param aggregation: ``mean``, ``median-clip`` or ``trimmed-mean`` (see ``gossip.aggregate``)
     """
@@ -84,13 +92,12 @@ class DiLoCoAverager:
     ) -> None:
         self.dht, self.validator, self.exchange = dht, validator, exchange
         self.run_id, self.peer_id, self.outer = run_id, peer_id, outer
-        self.gather_timeout, self.fetch_timeout, self.part_numel = gather_timeout, fetch_timeout, part_numel
+        self.fetch_timeout, self.part_numel = fetch_timeout, part_numel
+        self.deadline = AdaptiveDeadline(gather_timeout, floor=min(2.0, gather_timeout))
         self.aggregation = aggregation
 
     async def expected_members(self, round_no: int) -> set[str]:
-        """Members whose latest record says they are in this round (or finishing the previous one)."""
-        peers = await list_peers(self.dht, self.run_id)
-        return {p for p, rec in peers.items() if rec.round in (round_no - 1, round_no) and rec.role != "observer"}
+        return await round_members(self.dht, self.run_id, round_no)
 
     async def run_round(
         self,
@@ -99,22 +106,30 @@ class DiLoCoAverager:
         theta: Sequence[torch.Tensor],
         samples: int,
         before_gather: Callable[[], Awaitable[None]] | None = None,
+        indices: Sequence[int] | None = None,
+        feedback: Sequence[ErrorFeedback | None] | None = None,
     ) -> RoundResult:
-        """Average this member's Δ with its group and step ``phi`` in place (when in sync)."""
+        """Average this member's Δ with its group and step ``phi`` in place (when in sync).
+
+        :param indices: which model parameters ``phi``/``theta`` hold (streaming: one fragment)
+        :param feedback: error-feedback buffers of the round's wire parts, if the codec is lossy
+        """
         started = time.monotonic()
         shapes = [tuple(p.shape) for p in phi]
         my_fp = fingerprint(phi)
         delta = pseudo_gradient(phi, theta)
-        blobs, my_decoded = await asyncio.to_thread(self.exchange.encode, split(delta, self.part_numel))
-        self.exchange.publish(Contribution(round_no, samples, my_fp, self.exchange.codec.spec, blobs, self.peer_id, my_decoded))
+        blobs, my_decoded = await asyncio.to_thread(self.exchange.encode, round_no, split(delta, self.part_numel), feedback)
+        self.exchange.publish(Contribution(round_no, samples, my_fp, self.exchange.wire, blobs, self.peer_id, my_decoded))
         if before_gather is not None:
             await before_gather()
 
-        entry = RoundEntry(peer_id=self.peer_id, samples=samples, codec=self.exchange.codec.spec)
-        group = await gather_group(
-            self.dht, self.validator, self.run_id, round_no, entry, lambda: self.expected_members(round_no), self.gather_timeout
+        entry = RoundEntry(peer_id=self.peer_id, samples=samples, codec=self.exchange.wire)
+        deadline, registered = self.deadline.value, time.monotonic()
+        group, complete = await gather_group(
+            self.dht, self.validator, self.run_id, round_no, entry, lambda: self.expected_members(round_no), deadline
         )
         gathered = time.monotonic()
+        self.deadline.observe(gathered - registered, complete)
         others = [e.peer_id for e in group if e.peer_id != self.peer_id]
         got, failures = await self.exchange.gather(others, round_no, self.fetch_timeout)
         exchanged = time.monotonic()
@@ -137,6 +152,7 @@ class DiLoCoAverager:
             in_sync=my_fp == majority_fp,
             sync_peer=None if my_fp == majority_fp else majority,
             gather_s=gathered - started,
+            deadline_s=deadline,
             exchange_s=exchanged - gathered,
             samples=sum(contributions[p].samples for p in used),
         )
@@ -149,6 +165,6 @@ class DiLoCoAverager:
             result.samples = sum(contributions[p].samples for p in agg.used)
             result.update_norm = sum(float(t.pow(2).sum()) for t in agg.update) ** 0.5
             averaged = join(agg.update, shapes, self.part_numel)
-            await asyncio.to_thread(self.outer.step, phi, averaged)
+            await asyncio.to_thread(self.outer.step, phi, averaged, indices)
         result.duration_s = time.monotonic() - started
         return result

@@ -5,6 +5,12 @@ send ``fetch {run_id, round, codec}`` and receive ``contribution {round, samples
 codec, parts}`` followed by one ``part {i, payload}`` frame per wire part. The server waits up to
 its serve timeout for its own contribution to be ready. Everything received is validated (codec,
 part count, shapes, finite values) before it is used.
+
+What travels in round r is the round's *layout*: the shape and codec of every part. It is the same
+on every member (derived from the model and the run's settings), may change from round to round
+(streaming DiLoCo sends one fragment per round) and may mix codecs (NoLoCo sends Δ with the run's
+codec and φ with a near-lossless one). ``wire`` names the run's wire settings; a request for other
+settings is refused.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -39,6 +45,23 @@ class Contribution:
     decoded: list[torch.Tensor] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class PartSpec:
+    """Shape and codec of one wire part."""
+
+    shape: tuple[int, ...]
+    codec: str
+
+
+Layout = Callable[[int], Sequence[PartSpec]]
+
+
+def fixed_layout(codec: str, shapes: Sequence[Sequence[int]]) -> Layout:
+    """Every round sends the same parts with the same codec."""
+    specs = [PartSpec(tuple(s), get_codec(codec).spec) for s in shapes]
+    return lambda _round: specs
+
+
 class ExchangeError(Exception):
     """A member's contribution could not be obtained or was invalid."""
 
@@ -48,26 +71,22 @@ class RoundExchange:
 
     :param transport: the node's protocol transport
     :param run_id: only requests for this run are served
-    :param codec: the codec spec every member of the run must use
-    :param part_shapes: shapes of the wire parts (see ``gossip.partition``), identical on every member
+    :param wire: the run's wire settings (e.g. its codec); every member of the run must use the same
+    :param layout: parts of round r (shape and codec each), identical on every member; a list of
+        shapes means every round sends those shapes with the ``wire`` codec
     :param serve_timeout: how long a request may wait for this node's own contribution
-    :param error_feedback_decay: β of the per-part error-feedback buffers (0 = no error feedback):
-        what a lossy codec drops in one round is added to the next round's update
     """
 
     def __init__(
         self,
         transport: Transport,
         run_id: str,
-        codec: str,
-        part_shapes: Sequence[tuple[int, ...]],
+        wire: str,
+        layout: Layout | Sequence[Sequence[int]],
         serve_timeout: float = 30.0,
-        error_feedback_decay: float = 0.0,
     ) -> None:
-        self.transport, self.run_id = transport, run_id
-        self.codec = get_codec(codec)
-        self.part_shapes = [tuple(s) for s in part_shapes]
-        self.feedback = [ErrorFeedback(error_feedback_decay) for _ in self.part_shapes] if error_feedback_decay > 0 else None
+        self.transport, self.run_id, self.wire = transport, run_id, wire
+        self.layout: Layout = layout if callable(layout) else fixed_layout(wire, layout)
         self.serve_timeout = serve_timeout
         self._contributions: dict[int, Contribution] = {}
         self._ready: dict[int, asyncio.Event] = {}
@@ -88,24 +107,31 @@ class RoundExchange:
             self._contributions.pop(old, None)
             self._ready.pop(old, None)
 
-    def encode(self, update: Sequence[torch.Tensor]) -> tuple[list[bytes], list[torch.Tensor]]:
-        """Encode wire parts; also returns what receivers will decode, so the sender averages the same values."""
+    def encode(
+        self, round_no: int, parts: Sequence[torch.Tensor], feedback: Sequence[ErrorFeedback | None] | None = None
+    ) -> tuple[list[bytes], list[torch.Tensor]]:
+        """Encode round ``round_no``'s parts (with error feedback where given); also returns what
+        receivers will decode, so the sender averages exactly the values its peers see."""
+        specs = self.layout(round_no)
+        if len(parts) != len(specs):
+            raise ValueError(f"round {round_no} sends {len(specs)} parts, got {len(parts)}")
         blobs, decoded = [], []
-        for i, part in enumerate(update):
-            payload = self.codec.encode(part, state=self.feedback[i] if self.feedback else None)
+        for i, (part, spec) in enumerate(zip(parts, specs)):
+            codec = get_codec(spec.codec)
+            payload = codec.encode(part, state=feedback[i] if feedback else None)
             blobs.append(payload.to_bytes())
-            decoded.append(self.codec.decode(payload))
+            decoded.append(codec.decode(payload))
         return blobs, decoded
 
     async def _handle(self, stream: FramedStream) -> None:
         msg = await stream.recv(expect="fetch")
         run_id = require(msg.body, "run_id", str)
         round_no = require(msg.body, "round", int)
-        codec = require(msg.body, "codec", str)
+        wire = require(msg.body, "codec", str)
         if run_id != self.run_id:
             raise SchemaError(f"this node trains run {self.run_id!r}, not {run_id!r}")
-        if codec != self.codec.spec:
-            raise SchemaError(f"codec mismatch: this run averages with {self.codec.spec!r}, request asked for {codec!r}")
+        if wire != self.wire:
+            raise SchemaError(f"wire mismatch: this run averages with {self.wire!r}, request asked for {wire!r}")
         latest = max(self._contributions, default=-1)
         if round_no <= latest - KEEP_ROUNDS:
             raise SchemaError(f"round {round_no} is over (this node is at round {latest})")
@@ -127,7 +153,7 @@ class RoundExchange:
         """Download and decode ``peer``'s contribution for ``round_no``; raises on anything invalid."""
         stream = await self.transport.open(peer, ids.AVERAGE)
         try:
-            await stream.send("fetch", {"run_id": self.run_id, "round": round_no, "codec": self.codec.spec})
+            await stream.send("fetch", {"run_id": self.run_id, "round": round_no, "codec": self.wire})
             head = await stream.recv(expect="contribution")
             got_round = require(head.body, "round", int)
             samples = require(head.body, "samples", int)
@@ -136,22 +162,24 @@ class RoundExchange:
             fp = require(head.body, "fingerprint", str)
             if got_round != round_no:
                 raise SchemaError(f"asked for round {round_no}, got {got_round}")
-            if codec != self.codec.spec:
-                raise SchemaError(f"codec mismatch: peer sent {codec!r}, this run uses {self.codec.spec!r}")
-            if n_parts != len(self.part_shapes):
-                raise SchemaError(f"peer sent {n_parts} parts, this model has {len(self.part_shapes)}")
+            if codec != self.wire:
+                raise SchemaError(f"wire mismatch: peer sent {codec!r}, this run uses {self.wire!r}")
+            specs = self.layout(round_no)
+            if n_parts != len(specs):
+                raise SchemaError(f"peer sent {n_parts} parts, round {round_no} has {len(specs)}")
             if samples <= 0:
                 raise SchemaError(f"a contribution must carry a positive sample count, got {samples}")
             parts, decoded = [], []
-            for i, shape in enumerate(self.part_shapes):
+            for i, spec in enumerate(specs):
+                shape, part_codec = spec.shape, get_codec(spec.codec)
                 msg = await stream.recv(expect="part")
                 if require(msg.body, "i", int) != i:
                     raise SchemaError(f"part {msg.body.get('i')} arrived where part {i} was expected")
                 blob = require(msg.body, "payload", bytes)
                 payload = Payload.from_bytes(blob, max_bytes=stream.max_frame, expected_shape=shape)
-                if payload.codec != self.codec.spec:
-                    raise SchemaError(f"part {i} is encoded with {payload.codec!r}, expected {self.codec.spec!r}")
-                value = self.codec.decode(payload)
+                if payload.codec != part_codec.spec:
+                    raise SchemaError(f"part {i} is encoded with {payload.codec!r}, expected {part_codec.spec!r}")
+                value = part_codec.decode(payload)
                 if tuple(value.shape) != shape:
                     raise SchemaError(f"part {i} has shape {list(value.shape)}, expected {list(shape)}")
                 if not torch.isfinite(value).all():

@@ -1,4 +1,5 @@
-"""Outer optimizers of DiLoCo-style training (Douillard et al. 2023, https://arxiv.org/abs/2311.08105).
+"""Outer optimizers of DiLoCo-style training (Douillard et al. 2023, https://arxiv.org/abs/2311.08105)
+and NoLoCo (Kolehmainen et al. 2025, https://arxiv.org/abs/2506.10911).
 
 Notation (shared/design/ALGORITHMS.md): φ = the slow weights the group last agreed on, θ = the
 fast weights after the inner steps, Δ = φ − θ (the pseudo-gradient). The DiLoCo outer step is SGD
@@ -7,7 +8,14 @@ with Nesterov momentum on Δ, torch form::
     v ← μ·v + Δ
     φ ← φ − η·(Δ + μ·v)      (nesterov)     or     φ ← φ − η·v     (heavy ball)
 
-Pure tensor math with explicit state: callers own the lists of tensors, tests can drive it step by step.
+NoLoCo averages in small groups G and pulls each member toward the group's mean weights, with
+u_j = θ_j − φ_j = −Δ_j::
+
+    δ ← α·δ + β·ū + γ·(φ̄ − φ)      φ ← φ + δ
+
+Optimizer state lives per parameter index, so streaming DiLoCo can step one fragment (a subset of
+the parameters) at a time: ``step(..., indices=[...])`` names the parameters the lists hold.
+Pure tensor math with explicit state: callers own the tensors, tests can drive it step by step.
 """
 
 from __future__ import annotations
@@ -17,41 +25,96 @@ from typing import Sequence
 import torch
 
 
-class NesterovOuter:
+class _IndexedState:
+    """One fp32 buffer per parameter index, created (as zeros) on first use."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def _buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(index)
+        if buf is None or buf.shape != like.shape:
+            buf = self.buffers[index] = torch.zeros_like(like, dtype=torch.float32)
+        return buf
+
+    def state_tensors(self, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The buffers of every parameter (zeros where none was stepped yet), for checkpoints and state transfer."""
+        return [self.buffers[i].clone() if i in self.buffers else torch.zeros_like(p, dtype=torch.float32) for i, p in enumerate(like)]
+
+    def load_state_tensors(self, buffers: Sequence[torch.Tensor]) -> None:
+        self.buffers = {i: b.detach().to(torch.float32).clone() for i, b in enumerate(buffers)}
+
+
+def _indices(indices: Sequence[int] | None, n: int) -> Sequence[int]:
+    if indices is None:
+        return range(n)
+    if len(indices) != n:
+        raise ValueError(f"{n} tensors but {len(indices)} parameter indices")
+    return indices
+
+
+class NesterovOuter(_IndexedState):
     """SGD with (Nesterov) momentum over a list of parameter tensors.
 
     :param lr: outer learning rate η (DiLoCo default 0.7)
-    :param momentum: μ (default 0.9); 0 gives plain outer SGD
+    :param momentum: μ (default 0.9); 0 gives plain outer SGD (SparseLoCo's EF-SGD step)
     :param nesterov: Nesterov (default, as in DiLoCo) or heavy-ball momentum
     """
 
     def __init__(self, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> None:
+        super().__init__()
         if lr <= 0 or not 0 <= momentum < 1:
             raise ValueError(f"outer lr must be > 0 and momentum in [0, 1), got lr={lr}, momentum={momentum}")
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
-        self.buffers: list[torch.Tensor] | None = None
 
     @torch.no_grad()
-    def step(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor]) -> None:
+    def step(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
         """Update ``phi`` in place from the (averaged) pseudo-gradient ``delta``."""
         if len(phi) != len(delta):
             raise ValueError(f"{len(phi)} parameters but {len(delta)} pseudo-gradients")
-        if self.buffers is None:
-            self.buffers = [torch.zeros_like(p, dtype=torch.float32) for p in phi]
-        for p, d, v in zip(phi, delta, self.buffers):
+        for i, p, d in zip(_indices(indices, len(phi)), phi, delta):
+            v = self._buffer(i, p)
             d = d.to(v.dtype)
             v.mul_(self.momentum).add_(d)
             update = d.add(v, alpha=self.momentum) if self.nesterov else v
             p.sub_(update.to(p.dtype), alpha=self.lr)
 
-    def state_tensors(self, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Momentum buffers (zeros before the first step), for checkpoints and state transfer."""
-        if self.buffers is None:
-            return [torch.zeros_like(p, dtype=torch.float32) for p in like]
-        return [b.clone() for b in self.buffers]
 
-    def load_state_tensors(self, buffers: Sequence[torch.Tensor]) -> None:
-        self.buffers = [b.detach().to(torch.float32).clone() for b in buffers]
+class NoLoCoOuter(_IndexedState):
+    """NoLoCo's outer step for one member (reference code's form; the paper's Eq. 2 has a sign typo).
+
+    :param lr: β, weight of the group's mean progress (default 0.7)
+    :param pull: γ, pull toward the group's mean weights (default 0.7, = β as in the reference code)
+    :param momentum: α (default 0.5). Stable for n = 2 when α < γ < sqrt(2 + α²) and β > α.
+    """
+
+    def __init__(self, lr: float = 0.7, pull: float | None = None, momentum: float = 0.5) -> None:
+        super().__init__()
+        pull = lr if pull is None else pull
+        if lr <= 0 or pull < 0 or not 0 <= momentum < 1:
+            raise ValueError(f"NoLoCo needs β > 0, γ ≥ 0 and α in [0, 1), got β={lr}, γ={pull}, α={momentum}")
+        self.lr, self.pull, self.momentum = lr, pull, momentum
+
+    @torch.no_grad()
+    def step(
+        self,
+        phi: Sequence[torch.Tensor],
+        group_phi: Sequence[torch.Tensor],
+        group_progress: Sequence[torch.Tensor],
+        indices: Sequence[int] | None = None,
+    ) -> None:
+        """δ ← α·δ + β·ū + γ·(φ̄ − φ); φ ← φ + δ, in place.
+
+        :param group_phi: φ̄, the group's mean slow weights (this member included)
+        :param group_progress: ū, the group's mean progress θ − φ (= −mean Δ)
+        """
+        if not len(phi) == len(group_phi) == len(group_progress):
+            raise ValueError(f"{len(phi)} parameters, {len(group_phi)} mean weights, {len(group_progress)} mean updates")
+        for i, p, mean_p, u in zip(_indices(indices, len(phi)), phi, group_phi, group_progress):
+            d = self._buffer(i, p)
+            pull = mean_p.to(torch.float32) - p.to(torch.float32)
+            d.mul_(self.momentum).add_(u.to(torch.float32), alpha=self.lr).add_(pull, alpha=self.pull)
+            p.add_(d.to(p.dtype))
 
 
 @torch.no_grad()

@@ -171,6 +171,33 @@ async def list_peers_with_expiry(dht: DHTNode, run_id: str) -> dict[str, tuple[P
     return peers
 
 
+async def round_members(dht: DHTNode, run_id: str, round_no: int) -> set[str]:
+    """Trainers whose latest record says they are in this round (or finishing the previous one)."""
+    peers = await list_peers(dht, run_id)
+    return {p for p, rec in peers.items() if rec.round in (round_no - 1, round_no) and rec.role == "trainer"}
+
+
+async def read_round_entries(dht: DHTNode, run_id: str, round_no: int) -> dict[str, tuple[RoundEntry, float]]:
+    """{peer: (its entry, the entry's expiration time)} of round ``round_no``'s rendezvous."""
+    entries: dict[str, tuple[RoundEntry, float]] = {}
+    for peer, (value, expiration) in (await _read_subkeys(dht, round_key(run_id, round_no))).items():
+        try:
+            candidate = RoundEntry.from_value(value)
+        except SchemaError as e:
+            logger.warning("ignoring malformed round entry of %s: %s", peer, e)
+            continue
+        if candidate.peer_id == peer:
+            entries[peer] = (candidate, expiration)
+    return entries
+
+
+async def register_round(
+    dht: DHTNode, validator: RSASignatureValidator, run_id: str, round_no: int, entry: RoundEntry, ttl: float
+) -> bool:
+    """Store this member's entry in round ``round_no``'s rendezvous, expiring ``ttl`` seconds from now."""
+    return await dht.store(round_key(run_id, round_no), entry.to_value(), get_dht_time() + ttl, subkey=owned_subkey(entry.peer_id, validator))
+
+
 async def gather_group(
     dht: DHTNode,
     validator: RSASignatureValidator,
@@ -180,27 +207,20 @@ async def gather_group(
     expected: Callable[[], Awaitable[set[str]]],
     timeout: float,
     poll_interval: float = 0.2,
-) -> list[RoundEntry]:
-    """Register for round ``round_no`` and return the group (sorted by peer id, self included).
+) -> tuple[list[RoundEntry], bool]:
+    """Register for round ``round_no``; returns the group (sorted by peer id, self included) and
+    whether it is complete.
 
-    Returns once every peer in ``expected()`` has registered, or after ``timeout`` seconds.
+    Returns once every peer in ``expected()`` has registered (complete), or after ``timeout`` seconds.
     """
-    key = round_key(run_id, round_no)
-    await dht.store(key, entry.to_value(), get_dht_time() + max(60.0, 4 * timeout), subkey=owned_subkey(entry.peer_id, validator))
+    await register_round(dht, validator, run_id, round_no, entry, max(60.0, 4 * timeout))
     deadline = time.monotonic() + timeout
     entries: dict[str, RoundEntry] = {entry.peer_id: entry}
     while True:
-        for peer, (value, _) in (await _read_subkeys(dht, key)).items():
-            try:
-                candidate = RoundEntry.from_value(value)
-            except SchemaError as e:
-                logger.warning("ignoring malformed round entry of %s: %s", peer, e)
-                continue
-            if candidate.peer_id == peer:
-                entries[peer] = candidate
+        entries.update({peer: e for peer, (e, _) in (await read_round_entries(dht, run_id, round_no)).items()})
         waiting_for = (await expected()) - set(entries)
         if not waiting_for or time.monotonic() >= deadline:
             if waiting_for:
                 logger.info("round %d: gave up waiting for %s", round_no, sorted(waiting_for))
-            return [entries[p] for p in sorted(entries)]
+            return [entries[p] for p in sorted(entries)], not waiting_for
         await asyncio.sleep(poll_interval)

@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "LOCOMESH_"
 
@@ -36,16 +36,23 @@ class NodeConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     model: str = "tiny"
     data: Path | None = None
-    algorithm: Literal["diloco"] = "diloco"
-    compression: str = "none"
+    algorithm: Literal["diloco", "noloco", "sparseloco"] = "diloco"
+    compression: str | None = Field(None, description="pseudo-gradient codec; default none, topk:64/4096+q2 for sparseloco")
     error_feedback_decay: float | None = Field(None, ge=0, le=1, description="β of error feedback; default 0.95 for lossy codecs, 0 for none/fp16/bf16")
-    inner_steps: int = Field(50, ge=1, le=1_000_000)
+    inner_steps: int | Literal["auto"] = Field(50, description="local steps per round, or auto: sized from this peer's speed")
+    round_steps: int = Field(50, ge=1, le=1_000_000, description="with --inner-steps auto: steps the swarm's median peer takes per round")
     batch_size: int = Field(16, ge=1, le=65536)
     lr: float = Field(1e-3, gt=0, le=10)
     warmup_steps: int = Field(50, ge=0)
     weight_decay: float = Field(0.1, ge=0)
-    outer_lr: float = Field(0.7, gt=0, le=10)
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    outer_lr: float | None = Field(None, gt=0, le=10, description="η (β for noloco); default 0.7, 1.0 for sparseloco")
+    outer_momentum: float | None = Field(None, ge=0, lt=1, description="μ (α for noloco); default 0.9, 0.5 for noloco, 0 for sparseloco")
+    noloco_pull: float | None = Field(None, ge=0, le=10, description="γ of noloco: pull toward the group's mean weights; default = outer lr")
+    group_size: int = Field(2, ge=2, le=64, description="members per noloco group")
+    fragments: int = Field(1, ge=1, le=64, description="streaming: parameter fragments synchronised in rotation")
+    overlap: bool = Field(False, description="keep training while a round's exchange runs")
+    overlap_mode: Literal["asap", "delayed"] = Field("asap", description="apply a round's result as soon as it arrives, or at the next round (one-step delay)")
+    fragment_alpha: float = Field(0.0, ge=0, le=1, description="θ_f ← (1−α)·φ_f + α·θ_f when a round's result is applied")
     aggregate: Literal["mean", "median-clip", "trimmed-mean"] = "mean"
     join_timeout: float = Field(60.0, gt=0, description="how long a joiner keeps trying to download the swarm's state")
     stream_timeout: float = Field(30.0, gt=0, description="a peer that stalls mid-request this long is refused, seconds")
@@ -72,16 +79,59 @@ class NodeConfig(BaseModel):
 
     @field_validator("compression")
     @classmethod
-    def _codec(cls, value: str) -> str:
+    def _codec(cls, value: str | None) -> str | None:
         from compression import get_codec
 
-        return get_codec(value).spec  # raises ValueError naming the valid forms
+        return None if value is None else get_codec(value).spec  # raises ValueError naming the valid forms
+
+    @field_validator("inner_steps", mode="before")
+    @classmethod
+    def _inner_steps(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        try:
+            steps = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a number of steps or 'auto', got {value!r}") from None
+        if not 1 <= steps <= 1_000_000:
+            raise ValueError(f"must lie in [1, 1000000], got {steps}")
+        return steps
+
+    @model_validator(mode="after")
+    def _fits_together(self) -> "NodeConfig":
+        if self.fragments > 1 and self.algorithm == "noloco":
+            raise ValueError("--fragments works with diloco and sparseloco; noloco sends whole models (use --fragments 1)")
+        from node.model import PRESETS
+
+        layers = PRESETS[self.model].n_layer
+        if self.fragments > layers:
+            raise ValueError(f"--fragments {self.fragments}: model {self.model!r} has only {layers} blocks to split")
+        steps = self.round_steps if self.inner_steps == "auto" else self.inner_steps
+        if self.fragments > steps:
+            raise ValueError(f"--fragments {self.fragments} needs at least as many inner steps per round, got {steps}")
+        return self
+
+    @property
+    def codec(self) -> str:
+        """The pseudo-gradient codec in force."""
+        if self.compression is not None:
+            return self.compression
+        return "topk:64/4096+q2" if self.algorithm == "sparseloco" else "none"
+
+    @property
+    def outer_hyper(self) -> tuple[float, float]:
+        """(outer lr, outer momentum) in force for the algorithm."""
+        lr_default, momentum_default = {"diloco": (0.7, 0.9), "noloco": (0.7, 0.5), "sparseloco": (1.0, 0.0)}[self.algorithm]
+        return (
+            self.outer_lr if self.outer_lr is not None else lr_default,
+            self.outer_momentum if self.outer_momentum is not None else momentum_default,
+        )
 
     def feedback_decay(self) -> float:
         """The error-feedback β in force: explicit, else 0.95 for lossy codecs and 0 for (near-)lossless ones."""
         if self.error_feedback_decay is not None:
             return self.error_feedback_decay
-        return 0.0 if self.compression in ("none", "fp16", "bf16") else 0.95
+        return 0.0 if self.codec in ("none", "fp16", "bf16") else 0.95
 
     @field_validator("model")
     @classmethod
@@ -133,6 +183,7 @@ def load_config(flags: dict[str, Any], config_file: Path | None = None) -> NodeC
         return NodeConfig(**merged)
     except ValidationError as e:
         problems = "; ".join(
-            f"--{'.'.join(str(x) for x in err['loc']).replace('_', '-')}: {err['msg']}" for err in e.errors()
+            (f"--{'.'.join(str(x) for x in err['loc'][:1]).replace('_', '-')}: " if err["loc"] else "") + err["msg"].removeprefix("Value error, ")
+            for err in e.errors()
         )
         raise ConfigError(f"invalid configuration: {problems}") from None

@@ -7,19 +7,24 @@ Lifecycle of ``node join``:
 2. With ``--initial-peers``: download the swarm's current weights, outer-optimizer state and round
    from a live peer, and run only what is left of that round's inner steps. Without: resume from
    the checkpoint in ``--checkpoint-dir`` if there is one, else start a new swarm.
-3. Loop: inner steps → outer round (rendezvous, all-gather, outer step) → publish the new state.
+3. Loop: inner steps → outer round (rendezvous, exchange, outer step) → publish the new state.
+   ``--algorithm`` picks the round (diloco: whole group; noloco: small random groups; sparseloco:
+   top-k + EF-SGD), ``--fragments`` syncs one fragment per round (streaming), ``--overlap`` keeps
+   training while a round runs, ``--inner-steps auto`` sizes each round from this peer's speed.
 4. On SIGTERM/SIGINT, ``--max-steps`` or ``--duration``: stop at a step boundary, evaluate, write
    the checkpoint atomically, leave the DHT and stop p2pd.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import math
 import os
 import random
 import signal
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,10 +33,13 @@ from typing import Any
 
 import torch
 
+from compression import ErrorFeedback
 from gossip.diloco import DiLoCoAverager, RoundResult
-from gossip.exchange import RoundExchange
+from gossip.exchange import PartSpec, RoundExchange
 from gossip.fingerprint import fingerprint
-from gossip.outer import NesterovOuter
+from gossip.fragments import assign_fragments, fragment_of_round, merge_fragment, sync_interval
+from gossip.noloco import NoLoCoAverager
+from gossip.outer import NesterovOuter, NoLoCoOuter
 from gossip.partition import part_shapes
 from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table, rejoin_target
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
@@ -50,6 +58,17 @@ from protocol.records import PeerRecord
 logger = logging.getLogger("locomesh.node")
 HEARTBEAT_S = 2.0
 RECORD_TTL_S = 8.0
+AUTO_STEPS_MAX_FACTOR = 20  # --inner-steps auto never goes past this × --round-steps
+
+
+@dataclass
+class PendingRound:
+    """An outer round running on the network thread while training goes on (``--overlap``)."""
+
+    round: int
+    fragment: int
+    steps: int
+    future: concurrent.futures.Future
 
 
 class JoinRefused(Exception):
@@ -75,6 +94,8 @@ class Summary:
     bytes_received_by_kind: dict[str, int] = field(default_factory=dict)
     checkpoint: str = ""
     joined_round: int | None = None
+    comm_wait_s: float = 0.0
+    wall_s: float = 0.0
     rounds: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     state: str = "starting"
@@ -93,6 +114,10 @@ class Daemon:
         self.inner_step = 0  # inner steps taken in the current round
         self.last_loss = math.nan
         self.tokens_per_s = 0.0
+        self.compute_tokens_per_s = 0.0  # inner steps only, announced for --inner-steps auto
+        self.peer_rates: dict[str, float] = {}
+        self.round_target = 1
+        self.pending: PendingRound | None = None
         self.bytes_lock = threading.Lock()
         self.role = "trainer"  # announced in the DHT; "leaving" once the node stops
 
@@ -148,7 +173,11 @@ class Daemon:
         self.val = validation_batches(corpus.val, cfg.batch_size, model_cfg.context, max_batches=cfg.eval_batches)
         self.trainer = LocalTrainer(model_cfg, device, cfg.lr, cfg.weight_decay, cfg.warmup_steps, seed=cfg.seed)
         self.phi = [p.detach().to("cpu", torch.float32).clone() for p in self.trainer.parameters()]
-        self.outer = NesterovOuter(cfg.outer_lr, cfg.outer_momentum, nesterov=True)
+        outer_lr, outer_momentum = cfg.outer_hyper
+        if cfg.algorithm == "noloco":
+            self.outer: NesterovOuter | NoLoCoOuter = NoLoCoOuter(outer_lr, cfg.noloco_pull, outer_momentum)
+        else:
+            self.outer = NesterovOuter(outer_lr, outer_momentum, nesterov=cfg.algorithm == "diloco")
         self.started = time.monotonic()
         try:
             self.net.start(
@@ -178,24 +207,29 @@ class Daemon:
         assert net.transport is not None and net.dht is not None and net.p2p is not None
         peer_id = net.transport.peer_id
         self.summary.peer_id = peer_id
+        self._setup_fragments()
         maddrs = [str(a) if "/p2p/" in str(a) else f"{a}/p2p/{peer_id}" for a in net.call(net.p2p.get_visible_maddrs())]
         self.summary.multiaddrs = maddrs
-        self.metrics.info.labels(peer_id, cfg.run_id, device.type, cfg.model, cfg.algorithm, cfg.compression, __version__).set(1)
+        self.metrics.info.labels(peer_id, cfg.run_id, device.type, cfg.model, cfg.algorithm, cfg.codec, __version__).set(1)
         self.batches = ByteBatches(corpus.train, cfg.batch_size, self.trainer.model.cfg.context, seed=cfg.seed)
 
-        shapes = [tuple(p.shape) for p in self.phi]
-        self.exchange = RoundExchange(net.transport, cfg.run_id, cfg.compression, part_shapes(shapes),
-                                      serve_timeout=cfg.averaging_timeout * 2, error_feedback_decay=cfg.feedback_decay())
+        self.exchange = RoundExchange(net.transport, cfg.run_id, self._wire(), self._layout, serve_timeout=cfg.averaging_timeout * 2)
         self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.inner_step)
         self.status = StatusService(net.transport, self.status_snapshot)
         net.call(self.exchange.start())
         net.call(self.state_server.start())
         net.call(self.status.start())
         self.summary.protocols = list(net.transport.protocols)
-        self.averager = DiLoCoAverager(
-            net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer,
-            gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregate,
-        )
+        if isinstance(self.outer, NoLoCoOuter):
+            self.averager: DiLoCoAverager | NoLoCoAverager = NoLoCoAverager(
+                net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, group_size=cfg.group_size,
+                gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregate,
+            )
+        else:
+            self.averager = DiLoCoAverager(
+                net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer,
+                gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregate,
+            )
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
 
@@ -221,6 +255,52 @@ class Daemon:
             logger.info("interrupted during an outer round")
         self._finish()
         return 0
+
+    # ---- what travels ------------------------------------------------------------------------
+    def _setup_fragments(self) -> None:
+        cfg = self.cfg
+        names = [name for name, _ in self.trainer.model.named_parameters()]
+        self.fragments = assign_fragments(names, cfg.fragments)
+        shapes = [tuple(p.shape) for p in self.phi]
+        self.fragment_parts = [part_shapes([shapes[i] for i in fragment]) for fragment in self.fragments]
+        decay = cfg.feedback_decay()
+        self.feedback: list[list[ErrorFeedback | None] | None] = [
+            [ErrorFeedback(decay) for _ in parts] if decay > 0 else None for parts in self.fragment_parts
+        ]
+        # NoLoCo also sends φ: near-lossless, since the pull toward the group's mean weights would turn
+        # a lossy codec's error into weight noise
+        self.phi_codec = "none" if cfg.codec == "none" else "fp16"
+
+    def _wire(self) -> str:
+        """Names everything that shapes the bytes of a round; members of a run must agree on it."""
+        cfg = self.cfg
+        wire = cfg.codec
+        if cfg.fragments > 1:
+            wire += f"|fragments={cfg.fragments}"
+        if cfg.algorithm == "noloco":
+            wire += f"|noloco:phi={self.phi_codec}"
+        return wire
+
+    def _layout(self, round_no: int) -> list[PartSpec]:
+        parts = self.fragment_parts[fragment_of_round(round_no, self.cfg.fragments)]
+        specs = [PartSpec(shape, self.cfg.codec) for shape in parts]
+        if self.cfg.algorithm == "noloco":
+            specs += [PartSpec(shape, self.phi_codec) for shape in parts]
+        return specs
+
+    def _round_steps(self) -> int:
+        """Inner steps until this node's next outer round: H/P, with H sized from this node's speed
+        relative to the swarm's median under ``--inner-steps auto`` (so peers finish together)."""
+        cfg = self.cfg
+        if cfg.inner_steps != "auto":
+            return sync_interval(cfg.inner_steps, cfg.fragments)
+        rates = [r for p, r in self.peer_rates.items() if r > 0 and p != self.summary.peer_id]
+        mine = self.compute_tokens_per_s
+        steps = cfg.round_steps
+        if mine > 0 and rates:
+            median = statistics.median(rates + [mine])
+            steps = min(max(1, round(cfg.round_steps * mine / median)), AUTO_STEPS_MAX_FACTOR * cfg.round_steps)
+        return sync_interval(max(steps, cfg.fragments), cfg.fragments)
 
     # ---- joining -----------------------------------------------------------------------------
     def _state_layout(self) -> dict[str, list[tuple[tuple[int, ...], torch.dtype]]]:
@@ -291,7 +371,8 @@ class Daemon:
         self.trainer.load_weights(self.phi)
         self.round = snap.round
         # take over the peer's progress into the round, so this node runs only the steps left
-        self.inner_step = min(got.inner_step, self.cfg.inner_steps - 1)
+        self.round_target = self._round_steps()
+        self.inner_step = min(got.inner_step, self.round_target - 1)
         self.metrics.state_downloads.labels("ok").inc()
         self.metrics.outer_round.set(self.round)
         return got
@@ -329,9 +410,14 @@ class Daemon:
         tokens_per_step = cfg.batch_size * self.trainer.model.cfg.context
         window_start, window_tokens = time.monotonic(), 0
         samples = 0
+        self.round_target = max(self._round_steps(), self.inner_step + 1)
+        self.metrics.round_inner_steps.set(self.round_target)
         while not self.stop.is_set() and not self._deadline_reached():
             x, y = self.batches.next()
+            step_started = time.monotonic()
             loss = self.trainer.step(x, y)
+            rate = tokens_per_step / max(time.monotonic() - step_started, 1e-6)
+            self.compute_tokens_per_s = rate if self.compute_tokens_per_s == 0 else 0.9 * self.compute_tokens_per_s + 0.1 * rate
             self.inner_step += 1
             samples += x.shape[0]
             self.summary.steps += 1
@@ -347,39 +433,83 @@ class Daemon:
                 self.tokens_per_s = window_tokens / elapsed
                 self.metrics.tokens_per_second.set(self.tokens_per_s)
                 window_start, window_tokens = time.monotonic(), 0
-            if self.inner_step >= cfg.inner_steps:
-                self._outer_round(samples)
+            if self.pending is not None and cfg.overlap_mode == "asap" and self.pending.future.done():
+                self._finish_pending()
+            if self.inner_step >= self.round_target:
+                self._finish_pending()
+                self._start_round(samples)
                 samples = 0
+                self.round_target = self._round_steps()
+                self.metrics.round_inner_steps.set(self.round_target)
+        self._finish_pending(final=True)
 
-    def _outer_round(self, samples: int) -> None:
-        net = self.net
-        theta = [p.detach().to("cpu", torch.float32) for p in self.trainer.parameters()]
-        result: RoundResult = net.run(
-            self.averager.run_round(self.round, self.phi, theta, samples, before_gather=self._heartbeat), self.stop
+    def _start_round(self, samples: int) -> None:
+        """Run the outer round of the fragment that is due: in the background with ``--overlap``,
+        else right away (the training loop waits)."""
+        fragment = fragment_of_round(self.round, self.cfg.fragments)
+        indices = self.fragments[fragment]
+        params = self.trainer.parameters()
+        theta = [params[i].detach().to("cpu", torch.float32).clone() for i in indices]
+        phi = [self.phi[i] for i in indices]  # stepped in place by the round
+        coro = self.averager.run_round(
+            self.round, phi, theta, samples, before_gather=self._heartbeat, indices=indices, feedback=self.feedback[fragment]
         )
+        self.pending = PendingRound(self.round, fragment, self.inner_step, self.net.submit(coro))
+        self.inner_step = 0
+        if not self.cfg.overlap:
+            self._finish_pending()
+
+    def _finish_pending(self, final: bool = False) -> None:
+        """Wait for the round in flight (counted as communication wait) and apply its result."""
+        pending = self.pending
+        if pending is None:
+            return
+        waited = time.monotonic()
+        limit = None if not final else 2 * self.cfg.averaging_timeout + 30
+        try:
+            while True:
+                try:
+                    result: RoundResult = pending.future.result(timeout=0.2)
+                    break
+                except concurrent.futures.TimeoutError:
+                    if (self.stop.is_set() and not final) or (limit is not None and time.monotonic() - waited > limit):
+                        pending.future.cancel()
+                        raise Interrupted() from None
+        finally:
+            wait = time.monotonic() - waited
+            self.summary.comm_wait_s += wait
+            self.metrics.comm_wait.inc(wait)
+            self.pending = None
+        self._apply_round(result, pending)
+
+    def _apply_round(self, result: RoundResult, pending: PendingRound) -> None:
         m = self.metrics
         for kind in result.failures.values():
             m.errors.labels(kind).inc()
         m.round_duration.observe(result.duration_s)
         m.round_wait.set(result.gather_s)
+        m.round_deadline.set(result.deadline_s)
         m.group_size.set(len(result.contributors))
-        record = {"round": result.round, "group": len(result.group), "contributors": len(result.contributors),
-                  "failures": result.failures, "duration_s": round(result.duration_s, 3), "gather_s": round(result.gather_s, 3),
-                  "in_sync": result.in_sync, "fingerprint": "", "loss": self.last_loss,
+        record = {"round": result.round, "fragment": pending.fragment, "steps": pending.steps, "group": len(result.group),
+                  "contributors": len(result.contributors), "failures": result.failures, "duration_s": round(result.duration_s, 3),
+                  "gather_s": round(result.gather_s, 3), "deadline_s": round(result.deadline_s, 3), "in_sync": result.in_sync,
+                  "fingerprint": "", "loss": self.last_loss, "tokens": self.summary.steps * self.cfg.batch_size * self.trainer.model.cfg.context,
                   "norms": {p[-8:]: round(n, 6) for p, n in result.norms.items()}, "update_norm": round(result.update_norm, 6)}
         if not result.in_sync:
             m.outer_rounds.labels("failed").inc()
             m.errors.labels("out_of_sync").inc()
             self.event("out_of_sync", round=result.round, majority_peer=result.sync_peer)
             self._resync(result.sync_peer, result.round)
+            self.inner_step = 0
         else:
             m.outer_rounds.labels("alone" if len(result.contributors) == 1 else "completed").inc()
             self.round += 1
             self.summary.outer_rounds += 1
-            self.trainer.load_weights(self.phi)
+            indices = self.fragments[pending.fragment]
+            params = self.trainer.parameters()
+            merge_fragment([params[i].data for i in indices], [self.phi[i] for i in indices], self.cfg.fragment_alpha)
             if result.failures:
                 self.event("round_partial", round=result.round, failures=result.failures)
-        self.inner_step = 0
         self._catch_up()
         record["fingerprint"] = fingerprint(self.phi)
         self.summary.rounds.append(record)
@@ -409,6 +539,11 @@ class Daemon:
         if target is None:
             return
         direction = "forward" if target > self.round else "back_to_majority"
+        if self.cfg.algorithm == "noloco":
+            # NoLoCo replicas differ by design: keep the weights, meet the others in their round
+            self.event("caught_up", peer="", round=target, direction=direction, from_round=self.round)
+            self.round = target
+            return
         source = max((rec for rec in others if rec.round == target), key=lambda r: r.peer_id)
         try:
             self._download_from(source.peer_id)
@@ -436,7 +571,8 @@ class Daemon:
             round=self.round,
             tensors={"params": [t.clone() for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
             fingerprint=fingerprint(self.phi),
-            meta={"model": self.cfg.model, "algorithm": self.cfg.algorithm, "compression": self.cfg.compression},
+            meta={"model": self.cfg.model, "algorithm": self.cfg.algorithm, "compression": self.cfg.codec,
+                  "fragments": self.cfg.fragments, "error_feedback_decay": self.cfg.feedback_decay()},
         )
         self.state_server.publish(snap)
 
@@ -444,14 +580,15 @@ class Daemon:
         net = self.net
         record = PeerRecord(
             peer_id=self.summary.peer_id, role=self.role, device=self.trainer.device.type, model=self.cfg.model,
-            algorithm=self.cfg.algorithm, compression=self.cfg.compression, round=self.round, inner_step=self.inner_step,
-            tokens_per_s=self.tokens_per_s, loss=self.last_loss, maddrs=self.summary.multiaddrs,
+            algorithm=self.cfg.algorithm, compression=self.cfg.codec, round=self.round, inner_step=self.inner_step,
+            tokens_per_s=self.compute_tokens_per_s, loss=self.last_loss, maddrs=self.summary.multiaddrs,
             protocols=self.summary.protocols, version=__version__, started_at=time.time() - (time.monotonic() - self.started),
         )
         connected = [info.peer_id for info in await net.p2p.list_peers()]
         await reconnect_routing_table(net.dht, connected)
         await publish_peer(net.dht, net.validator, self.cfg.run_id, record, RECORD_TTL_S)
         peers = await list_peers(net.dht, self.cfg.run_id)
+        self.peer_rates = {p: rec.tokens_per_s for p, rec in peers.items() if rec.role == "trainer"}
         self.metrics.peers.set(len(peers))
 
     def status_snapshot(self) -> dict[str, Any]:
@@ -459,7 +596,8 @@ class Daemon:
             "peer_id": self.summary.peer_id, "run_id": self.cfg.run_id, "round": self.round, "inner_step": self.inner_step,
             "steps": self.summary.steps, "loss": self.last_loss, "tokens_per_s": self.tokens_per_s,
             "device": self.trainer.device.type, "model": self.cfg.model, "algorithm": self.cfg.algorithm,
-            "compression": self.cfg.compression, "protocols": self.summary.protocols, "version": __version__,
+            "compression": self.cfg.codec, "fragments": self.cfg.fragments, "round_steps": self.round_target,
+            "protocols": self.summary.protocols, "version": __version__,
             "state": self.summary.state, "time": time.time(),
         }
 
@@ -483,6 +621,7 @@ class Daemon:
 
     def _finish(self) -> None:
         self.summary.state = "stopping"
+        self.summary.wall_s = time.monotonic() - self.started
         self.role = "leaving"
         try:
             self.net.call(self._heartbeat(), timeout=10)

@@ -221,6 +221,8 @@ class SwarmLauncher:
                 "metrics_port": node.metrics_port,
                 "protocols": info.get("protocols", []),
                 "joined_round": info.get("joined_round"),
+                "wall_s": info.get("wall_s"),
+                "comm_wait_s": info.get("comm_wait_s"),
                 "rounds": info.get("rounds", []),
                 "log": str(node.directory / "log.txt"),
             })

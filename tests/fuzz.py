@@ -145,14 +145,14 @@ def build_targets() -> list[Target]:
     transport = _FakeTransport()
     exchange = RoundExchange(transport, "run", "topk:8/64+q2", PART_SHAPES, serve_timeout=0.05)  # type: ignore[arg-type]
     parts = [torch.randn(s, generator=g) for s in PART_SHAPES]
-    blobs, decoded = exchange.encode(parts)
-    exchange.publish(Contribution(5, 32, "fp", exchange.codec.spec, blobs, "me", decoded))
+    blobs, decoded = exchange.encode(5, parts)
+    exchange.publish(Contribution(5, 32, "fp", exchange.wire, blobs, "me", decoded))
 
     async def average_server(data: bytes) -> None:
         stream, _ = _stream(data)
         await exchange._handle(stream)
 
-    targets.append(Target("handler:average", average_server, [_frames(("fetch", {"run_id": "run", "round": 5, "codec": exchange.codec.spec}))]))
+    targets.append(Target("handler:average", average_server, [_frames(("fetch", {"run_id": "run", "round": 5, "codec": exchange.wire}))]))
 
     state = StateServer(transport, "run", progress=lambda: 3)  # type: ignore[arg-type]
     tensors = {"params": [torch.randn(s, generator=g) for s in PART_SHAPES], "outer_momentum": [torch.zeros(s) for s in PART_SHAPES]}
@@ -178,7 +178,7 @@ def build_targets() -> list[Target]:
         await handler(stream)
         return bytes(sink.data)
 
-    good_contribution = asyncio.run(served(exchange._handle, _frames(("fetch", {"run_id": "run", "round": 5, "codec": exchange.codec.spec}))))
+    good_contribution = asyncio.run(served(exchange._handle, _frames(("fetch", {"run_id": "run", "round": 5, "codec": exchange.wire}))))
     good_state = asyncio.run(served(state._handle, _frames(("get_state", {"run_id": "run"}))))
 
     async def average_client(data: bytes) -> None:

@@ -10,7 +10,44 @@ from node.config import ConfigError, NodeConfig, load_config
 def test_defaults():
     cfg = parse_join_args([])
     assert cfg == NodeConfig()
-    assert cfg.inner_steps == 50 and cfg.outer_lr == 0.7 and cfg.outer_momentum == 0.9 and cfg.algorithm == "diloco"
+    assert cfg.inner_steps == 50 and cfg.outer_hyper == (0.7, 0.9) and cfg.algorithm == "diloco" and cfg.codec == "none"
+
+
+def test_algorithm_defaults_follow_the_papers():
+    noloco = parse_join_args(["--algorithm", "noloco"])
+    assert noloco.outer_hyper == (0.7, 0.5) and noloco.group_size == 2 and noloco.codec == "none"
+    sparse = parse_join_args(["--algorithm", "sparseloco"])
+    assert sparse.outer_hyper == (1.0, 0.0) and sparse.codec == "topk:64/4096+q2" and sparse.feedback_decay() == 0.95
+    # an explicit value always wins over the algorithm's default
+    assert parse_join_args(["--algorithm", "sparseloco", "--compression", "q4", "--outer-lr", "0.5"]).outer_hyper == (0.5, 0.0)
+    assert parse_join_args(["--algorithm", "sparseloco", "--compression", "q4"]).codec == "q4"
+
+
+def test_streaming_and_auto_steps_options():
+    cfg = parse_join_args(["--fragments", "4", "--overlap", "--overlap-mode", "delayed", "--inner-steps", "auto", "--round-steps", "40"])
+    assert cfg.fragments == 4 and cfg.overlap and cfg.overlap_mode == "delayed"
+    assert cfg.inner_steps == "auto" and cfg.round_steps == 40
+    assert parse_join_args(["--inner-steps", "AUTO"]).inner_steps == "auto"
+    assert parse_join_args(["--inner-steps", "12"]).inner_steps == 12
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--inner-steps", "soon"], "number of steps or 'auto'"),
+        (["--inner-steps", "0"], "[1, 1000000]"),
+        (["--algorithm", "noloco", "--fragments", "2"], "noloco sends whole models"),
+        (["--fragments", "4", "--inner-steps", "3"], "at least as many inner steps"),
+        (["--fragments", "3", "--model", "nano"], "only 2 blocks"),
+        (["--algorithm", "allreduce"], "--algorithm"),
+        (["--group-size", "1"], "--group-size"),
+        (["--overlap-mode", "eventually"], "--overlap-mode"),
+    ],
+)
+def test_bad_algorithm_settings_are_named(args, message):
+    with pytest.raises((ConfigError, typer.Exit, SystemExit)) as err:
+        load_config(dict(zip([a.lstrip("-").replace("-", "_") for a in args[::2]], args[1::2])))
+    assert message in str(err.value)
 
 
 def test_precedence_flag_over_env_over_file(tmp_path, monkeypatch):

@@ -126,7 +126,7 @@ def test_nan_contributions_are_rejected_before_they_touch_the_model():
     transport = _FakeTransport()
     shapes = [(4, 4)]
     exchange = RoundExchange(transport, "run", "none", shapes)
-    blobs, decoded = exchange.encode([torch.full((4, 4), 1.5)])
+    blobs, decoded = exchange.encode(0, [torch.full((4, 4), 1.5)])
     poisoned = blobs[0].replace(struct.pack("<f", 1.5), struct.pack("<f", float("nan")))
     assert poisoned != blobs[0]
     exchange.publish(Contribution(0, 8, "fp", "none", [poisoned], "me", decoded))

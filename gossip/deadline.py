@@ -1,0 +1,39 @@
+"""Backup-worker deadline for a round's rendezvous that adapts to how long rounds really take.
+
+A round closes when every expected member arrived or the deadline passed. A fixed deadline is either
+too short for a slow link (members are dropped for nothing) or too long when a member died (its
+group idles). The deadline here is ``multiplier`` × the median of the recent waits of rounds that
+completed, kept within [floor, ceiling]; until a round completes it is the ceiling.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+
+class AdaptiveDeadline:
+    """How long a member waits for the rest of its group.
+
+    :param ceiling: the longest wait ever (``--averaging-timeout``)
+    :param floor: the shortest deadline, so a lucky streak of instant rounds cannot starve a slow peer
+    :param multiplier: deadline = multiplier × median of recent complete waits
+    :param window: how many recent rounds the median looks at
+    """
+
+    def __init__(self, ceiling: float, floor: float = 2.0, multiplier: float = 3.0, window: int = 8) -> None:
+        if not 0 < floor <= ceiling or multiplier < 1 or window < 1:
+            raise ValueError(f"need 0 < floor ≤ ceiling, multiplier ≥ 1, window ≥ 1; got {floor}, {ceiling}, {multiplier}, {window}")
+        self.ceiling, self.floor, self.multiplier = ceiling, floor, multiplier
+        self.waits: deque[float] = deque(maxlen=window)
+
+    def observe(self, wait_s: float, complete: bool) -> None:
+        """Record one round's wait; only rounds where everybody arrived say how long waiting takes."""
+        if complete and wait_s >= 0:
+            self.waits.append(wait_s)
+
+    @property
+    def value(self) -> float:
+        if not self.waits:
+            return self.ceiling
+        return min(self.ceiling, max(self.floor, self.multiplier * statistics.median(self.waits)))
