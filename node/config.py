@@ -63,6 +63,7 @@ class NodeConfig(BaseModel):
     max_steps: int | None = Field(None, ge=1)
     duration: float | None = Field(None, gt=0)
     threads: int | None = Field(None, ge=1, le=1024)
+    slowdown: float = Field(1.0, ge=1, le=100, description="experiments: make every inner step this many times slower (emulates slower hardware)")
     seed: int = 0
     eval_batches: int = Field(16, ge=1)
     eval_every: int = Field(5, ge=0, description="evaluate on the held-out split every N outer rounds (0 = only at exit)")

@@ -85,11 +85,13 @@ class SwarmLauncher:
         join_args: list[str],
         config: NodeConfig,
         join_interval: float = 0.5,
+        node_args: dict[int, list[str]] | None = None,
     ) -> None:
         if nodes < 1:
             raise ValueError("--nodes must be at least 1")
         self.duration, self.report, self.join_args, self.config = duration, Path(report), join_args, config
         self.join_interval = join_interval
+        self.node_args = node_args or {}
         self.events: list[dict[str, Any]] = []
         self.nodes = [
             NodeProcess(i, Path(run_dir) / f"node{i}", metrics_port + i if metrics_port else free_port()) for i in range(nodes)
@@ -103,12 +105,13 @@ class SwarmLauncher:
     def _spawn(self, node: NodeProcess, initial_peers: list[str]) -> None:
         node.directory.mkdir(parents=True, exist_ok=True)
         node.info_file.unlink(missing_ok=True)
-        args = [sys.executable, "-m", "node", "join", *self.join_args,
+        own = [*self.join_args, *self.node_args.get(node.index, [])]
+        args = [sys.executable, "-m", "node", "join", *own,
                 "--listen", "/ip4/127.0.0.1/tcp/0", "--metrics-port", str(node.metrics_port),
                 "--checkpoint-dir", str(node.directory), "--info-file", str(node.info_file)]
-        if "--seed" not in self.join_args:
+        if "--seed" not in own:
             args += ["--seed", str(self.config.seed + node.index)]
-        if "--threads" not in self.join_args:
+        if "--threads" not in own:
             args += ["--threads", str(max(1, (os.cpu_count() or 1) // len(self.nodes)))]
         for peer in initial_peers:
             args += ["--initial-peers", peer]
@@ -230,7 +233,8 @@ class SwarmLauncher:
                 self.events.append({**ev, "t": round(ev["t"] - self.t0, 3), "node": node.index})
         report = {
             "duration_s": round(time.time() - self.t0, 3),
-            "config": {**json.loads(self.config.model_dump_json()), "nodes": len(self.nodes), "join_args": self.join_args},
+            "config": {**json.loads(self.config.model_dump_json()), "nodes": len(self.nodes), "join_args": self.join_args,
+                       "node_args": {str(i): a for i, a in self.node_args.items()}},
             "nodes": nodes,
             "events": sorted(self.events, key=lambda e: e["t"]),
         }
