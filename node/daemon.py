@@ -25,6 +25,7 @@ import os
 import random
 import signal
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -72,7 +73,14 @@ class PendingRound:
 
 
 class JoinRefused(Exception):
-    """Every peer of the run refused this node's credentials."""
+    """Every peer of the run refused this node's credentials, or the run trains with other settings."""
+
+
+def settings_mismatch(mine: dict[str, Any], swarm: dict[str, Any]) -> str | None:
+    """What differs between this node's training settings and the swarm's (from its state's meta)."""
+    keys = ("model", "algorithm", "compression", "fragments")
+    diffs = [f"--{k} {swarm[k]} (this node: {mine[k]})" for k in keys if k in swarm and swarm[k] != mine.get(k)]
+    return ", ".join(diffs) or None
 
 
 @dataclass
@@ -327,6 +335,8 @@ class Daemon:
             for rec in candidates:
                 try:
                     got = self._download_from(rec.peer_id)
+                except JoinRefused:
+                    raise
                 except RemoteError as e:
                     logger.warning("state download from %s refused: %s", rec.peer_id, e)
                     self.metrics.state_downloads.labels("failed").inc()
@@ -356,16 +366,34 @@ class Daemon:
         return False
 
     def _download_from(self, peer: str):
+        """Download and adopt a peer's state; shows a progress bar on a terminal, else logs quarters."""
         logged = [-1]
+        bar = None
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+            bar = Progress("state from " + peer[-8:], BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True)
+            task = bar.add_task("download", total=None)
+            bar.start()
 
         def progress(done: int, total: int) -> None:
+            if bar is not None:
+                bar.update(task, completed=done, total=total)
+                return
             quarter = 4 * done // max(total, 1)
             if quarter > logged[0]:
                 logged[0] = quarter
                 logger.info("downloading state from %s: %d%% of %.1f MB", peer, 25 * quarter, total / 1e6)
 
-        got = self.net.call(download_state(self.net.transport, peer, self.cfg.run_id, self._state_layout(), progress), timeout=120)
+        try:
+            got = self.net.call(download_state(self.net.transport, peer, self.cfg.run_id, self._state_layout(), progress), timeout=120)
+        finally:
+            if bar is not None:
+                bar.stop()
         snap = got.snapshot
+        mismatch = settings_mismatch(self._settings(), snap.meta)
+        if mismatch:
+            raise JoinRefused(f"run {self.cfg.run_id!r} trains with {mismatch}; restart with the swarm's settings")
         self.phi = [t.clone() for t in snap.tensors["params"]]
         self.outer.load_state_tensors(snap.tensors["outer_momentum"])
         self.trainer.load_weights(self.phi)
@@ -568,13 +596,16 @@ class Daemon:
                 logger.warning("resync from %s failed: %s", peer, e)
             time.sleep(0.5)
 
+    def _settings(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {"model": cfg.model, "algorithm": cfg.algorithm, "compression": cfg.codec, "fragments": cfg.fragments}
+
     def _publish_snapshot(self) -> None:
         snap = StateSnapshot(
             round=self.round,
             tensors={"params": [t.clone() for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
             fingerprint=fingerprint(self.phi),
-            meta={"model": self.cfg.model, "algorithm": self.cfg.algorithm, "compression": self.cfg.codec,
-                  "fragments": self.cfg.fragments, "error_feedback_decay": self.cfg.feedback_decay()},
+            meta={**self._settings(), "error_feedback_decay": self.cfg.feedback_decay()},
         )
         self.state_server.publish(snap)
 

@@ -91,3 +91,25 @@ def test_sparseloco_and_streaming_overlap_train(tmp_path, nodes):
             per_round = infos[0]["bytes_sent_by_kind"]["average"] / max(1, infos[0]["outer_rounds"])
             assert per_round < 20_000, f"top-k + 2-bit payloads of the nano model are a few kB, got {per_round:.0f} B"
         time.sleep(0.5)
+
+
+def test_settings_mismatch_names_every_difference():
+    from node.daemon import settings_mismatch
+
+    mine = {"model": "nano", "algorithm": "noloco", "compression": "none", "fragments": 1}
+    assert settings_mismatch(mine, dict(mine)) is None
+    assert settings_mismatch(mine, {}) is None  # an older peer's state carries no settings
+    swarm = {**mine, "algorithm": "diloco", "compression": "q4"}
+    assert settings_mismatch(mine, swarm) == "--algorithm diloco (this node: noloco), --compression q4 (this node: none)"
+
+
+def test_a_joiner_with_other_settings_is_told_what_to_change(tmp_path, nodes):
+    run = ["--run-id", "algo-mismatch"]
+    a = start_node(tmp_path, "a", [*FAST_ARGS, *run])
+    nodes.append(a)
+    b = start_node(tmp_path, "b", [*FAST_ARGS, *run, "--algorithm", "noloco"], [a.multiaddr()])
+    nodes.append(b)
+    assert b.process.wait(timeout=120) == 3
+    assert "trains with --algorithm diloco (this node: noloco)" in b.log()
+    assert a.process.poll() is None, "the swarm is unaffected"
+    assert a.stop() == 0
