@@ -12,8 +12,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,lite]'
 	$(PY) -c "import hivemind, torch, node, protocol, compression, gossip, swarm; print('locomesh ready: torch', torch.__version__, 'hivemind', hivemind.__version__)"
+	$(PY) -c "import libp2p, protocol.libp2p_transport; print('light client ready: libp2p', libp2p.__version__)"  # its own process: libp2p and hivemind cannot share one
 	touch $(STAMP)
 
 # A local swarm of 3 daemons on loopback training on the embedded corpus.

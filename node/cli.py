@@ -158,8 +158,11 @@ def swarm(
 def status(
     initial_peers: Annotated[list[str], typer.Option("--initial-peers", help="Multiaddr of any peer of the run (repeatable)", envvar=_env("initial_peers"))],
     run_id: Annotated[str, typer.Option(help="Run to list", envvar=_env("run_id"))] = "locomesh-demo",
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table (with --watch: one line per refresh)")] = False,
     swarm_key: Annotated[Optional[Path], typer.Option(help="Secret file of a private swarm", envvar=_env("swarm_key"))] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh until Ctrl-C instead of printing once")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes with --watch", min=0.5)] = 5.0,
+    count: Annotated[int, typer.Option(help="With --watch: stop after this many refreshes (0 = until Ctrl-C)", min=0)] = 0,
 ) -> None:
     """List the run's peers: role, device, throughput, outer round, last loss, age of their record."""
     from node.status import collect_status, render_status
@@ -174,6 +177,8 @@ def status(
     except ConfigError as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
+    if watch:
+        raise typer.Exit(_watch_status(initial_peers, run_id, key, as_json, interval, count))
     try:
         result = collect_status(initial_peers, run_id, swarm_key=key)
     except Exception as e:
@@ -183,6 +188,63 @@ def status(
         print(json.dumps(result, indent=2, default=str))
     else:
         render_status(result)
+
+
+def _watch_status(initial_peers: list[str], run_id: str, key: Optional[bytes], as_json: bool, interval: float, count: int) -> int:
+    """``node status --watch``: a table refreshed in place (rich.live), or one JSON line per refresh."""
+    import time
+
+    from node.status import status_table, watch_status
+
+    try:
+        if as_json:
+            watch_status(initial_peers, run_id, lambda r: print(json.dumps(r, default=str), flush=True), interval, count, swarm_key=key)
+            return 0
+        from rich.console import Group
+        from rich.live import Live
+        from rich.text import Text
+
+        with Live(Text(f"joining the DHT through {initial_peers[0]} ..."), auto_refresh=False) as live:
+            def show(result: dict[str, Any]) -> None:
+                note = Text(f"updated {time.strftime('%H:%M:%S')}, every {interval:g}s; Ctrl-C to stop", style="dim")
+                live.update(Group(status_table(result), note), refresh=True)
+
+            watch_status(initial_peers, run_id, show, interval, count, swarm_key=key)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except Exception as e:
+        typer.secho(f"error: could not reach the swarm through {initial_peers}: {e}", fg="red", err=True)
+        return 1
+
+
+@app.command("probe")
+def probe_cmd(
+    maddr: Annotated[str, typer.Argument(metavar="MADDR", help="The node's multiaddr with its peer id: /ip4/HOST/tcp/PORT/p2p/PEER_ID", show_default=False)],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
+    swarm_key_file: Annotated[Optional[Path], typer.Option("--swarm-key-file", help="Secret file of the node's private swarm", envvar=_env("swarm_key"))] = None,
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds", min=0.1)] = 10.0,
+) -> None:
+    """Ask one node what it is doing over py-libp2p: no DHT, no hivemind, no torch (needs the lite extra)."""
+    from node.config import read_swarm_key
+    from node.probe import ProbeError, probe, render_probe
+
+    try:
+        key = read_swarm_key(swarm_key_file) if swarm_key_file else None
+    except ConfigError as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    try:
+        result = probe(maddr, key, timeout, swarm_key_file)
+    except ProbeError as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    if as_json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        render_probe(result)
 
 
 @app.command("eval")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Callable
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
@@ -16,24 +16,47 @@ from node.status_service import fetch_status
 from protocol.hivemind_transport import Transport
 
 
-async def _collect(initial_peers: list[str], run_id: str, timeout: float, swarm_key: bytes | None) -> dict[str, Any]:
-    p2p = await P2P.create(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dht = await DHTNode.create(p2p=p2p, initial_peers=initial_peers, client_mode=True, record_validator=RSASignatureValidator())
-    try:
-        transport = Transport(p2p, swarm_key=swarm_key)
-        records = await asyncio.wait_for(list_peers_with_expiry(dht, run_id), timeout=30)
+class StatusClient:
+    """A DHT client of the run that can list its peers repeatedly (``node status --watch`` keeps one open)."""
+
+    def __init__(self, initial_peers: list[str], run_id: str, timeout: float = 5.0, swarm_key: bytes | None = None) -> None:
+        self.initial_peers, self.run_id, self.timeout, self.swarm_key = initial_peers, run_id, timeout, swarm_key
+        self.p2p: P2P | None = None
+        self.dht: DHTNode | None = None
+
+    async def __aenter__(self) -> "StatusClient":
+        self.p2p = await P2P.create(initial_peers=self.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=self.initial_peers, client_mode=True,
+                                            record_validator=RSASignatureValidator())
+        except BaseException:
+            await self.p2p.shutdown()
+            raise
+        self.transport = Transport(self.p2p, swarm_key=self.swarm_key)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.dht is not None:
+            await self.dht.shutdown()
+        if self.p2p is not None:
+            await self.p2p.shutdown()
+
+    async def collect(self) -> dict[str, Any]:
+        """The run's peers from the DHT, each also asked for its live status."""
+        from node.daemon import RECORD_TTL_S
+
+        assert self.dht is not None
+        records = await asyncio.wait_for(list_peers_with_expiry(self.dht, self.run_id), timeout=30)
         now = get_dht_time()
-        rows = []
 
         async def one(peer: str) -> dict[str, Any] | None:
             try:
-                return await asyncio.wait_for(fetch_status(transport, peer), timeout)
+                return await asyncio.wait_for(fetch_status(self.transport, peer), self.timeout)
             except Exception:
                 return None
 
         live = await asyncio.gather(*(one(p) for p in records))
-        from node.daemon import RECORD_TTL_S
-
+        rows = []
         for (peer, (rec, expiration)), st in zip(records.items(), live):
             rows.append({
                 "peer_id": peer, "role": rec.role, "device": rec.device, "model": rec.model, "algorithm": rec.algorithm,
@@ -41,18 +64,40 @@ async def _collect(initial_peers: list[str], run_id: str, timeout: float, swarm_
                 "inner_step": rec.inner_step, "loss": rec.loss, "record_age_s": max(0.0, RECORD_TTL_S - (expiration - now)),
                 "maddrs": rec.maddrs, "protocols": rec.protocols, "reachable": st is not None, "live": st,
             })
-        return {"run_id": run_id, "time": time.time(), "peers": sorted(rows, key=lambda r: r["peer_id"])}
-    finally:
-        await dht.shutdown()
-        await p2p.shutdown()
+        return {"run_id": self.run_id, "time": time.time(), "peers": sorted(rows, key=lambda r: r["peer_id"])}
+
+
+async def _collect(initial_peers: list[str], run_id: str, timeout: float, swarm_key: bytes | None) -> dict[str, Any]:
+    async with StatusClient(initial_peers, run_id, timeout, swarm_key) as client:
+        return await client.collect()
 
 
 def collect_status(initial_peers: list[str], run_id: str, timeout: float = 5.0, swarm_key: bytes | None = None) -> dict[str, Any]:
     return asyncio.run(_collect(initial_peers, run_id, timeout, swarm_key))
 
 
-def render_status(result: dict[str, Any]) -> None:
-    from rich.console import Console
+async def _watch(initial_peers: list[str], run_id: str, interval: float, count: int, timeout: float,
+                 swarm_key: bytes | None, show: Callable[[dict[str, Any]], None]) -> None:
+    async with StatusClient(initial_peers, run_id, timeout, swarm_key) as client:
+        done = 0
+        while True:
+            started = time.monotonic()
+            show(await client.collect())
+            done += 1
+            if count and done >= count:
+                return
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+
+def watch_status(initial_peers: list[str], run_id: str, show: Callable[[dict[str, Any]], None], interval: float = 5.0,
+                 count: int = 0, timeout: float = 5.0, swarm_key: bytes | None = None) -> None:
+    """Call ``show(result)`` every ``interval`` seconds, ``count`` times (0 = until interrupted), over one DHT client."""
+    asyncio.run(_watch(initial_peers, run_id, interval, count, timeout, swarm_key, show))
+
+
+def status_table(result: dict[str, Any]) -> Any:
+    """The rich renderable of a status result: the peers' table, and a hint when there are none."""
+    from rich.console import Group
     from rich.table import Table
 
     table = Table(title=f"run {result['run_id']}: {len(result['peers'])} peers")
@@ -61,6 +106,12 @@ def render_status(result: dict[str, Any]) -> None:
     for r in result["peers"]:
         table.add_row(r["peer_id"][-12:], r["role"], r["device"], f"{r['tokens_per_s']:.0f}", str(r["round"]),
                       str(r["inner_step"]), f"{r['loss']:.3f}", f"{r['record_age_s']:.1f}s")
-    Console().print(table)
     if not result["peers"]:
-        Console().print("No live peers: check --run-id and that the multiaddr is of a running node.")
+        return Group(table, "No live peers: check --run-id and that the multiaddr is of a running node.")
+    return table
+
+
+def render_status(result: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    Console().print(status_table(result))

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from protocol import ids
 from protocol.frames import FramedStream
-from protocol.hivemind_transport import Transport
+
+if TYPE_CHECKING:  # the light client (py-libp2p) fetches status too: no hivemind import here
+    from protocol.hivemind_transport import Transport
+
+
+class Opener(Protocol):
+    """Any transport that opens a locomesh stream to a peer (hivemind's or py-libp2p's adapter)."""
+
+    def open(self, peer_id: str, protocol: str) -> Awaitable[FramedStream]: ...
 
 
 class StatusService:
@@ -23,8 +31,8 @@ class StatusService:
         await stream.send("status", self.snapshot())
 
 
-async def fetch_status(transport: Transport, peer: str) -> dict[str, Any]:
-    """Ask ``peer`` for its status."""
+async def fetch_status(transport: Opener, peer: str) -> dict[str, Any]:
+    """Ask ``peer`` for its status (over either transport adapter)."""
     stream = await transport.open(peer, ids.STATUS)
     try:
         await stream.send("get_status", {})

@@ -152,10 +152,7 @@ class FramedStream:
             hello = await self.recv(expect="hello")
             if not isinstance(hello.body.get("mac"), bytes) or not hmac.compare_digest(hello.body["mac"], proof):
                 raise AuthError(f"peer {self.peer} did not prove it holds the swarm key")
-        try:
-            data = await asyncio.wait_for(read_frame(self.reader, self.max_frame), self.idle_timeout)
-        except asyncio.TimeoutError:
-            raise StreamTimeout(f"no complete frame from {self.peer} within {self.idle_timeout:.0f}s") from None
+        data = await self._next_frame()
         self.bytes_received += len(data) + _LENGTH.size
         msg = decode_message(data, self.max_frame)
         if msg.kind == ERROR_KIND:
@@ -165,6 +162,14 @@ class FramedStream:
             if msg.kind not in allowed:
                 raise SchemaError(f"expected a {' or '.join(sorted(allowed))} message, got {msg.kind!r}")
         return msg
+
+    async def _next_frame(self) -> bytes:
+        """The next frame's bytes, within ``idle_timeout``. The only asyncio-specific part of receiving:
+        an adapter for another event loop (``protocol.libp2p_transport`` runs on trio) overrides it."""
+        try:
+            return await asyncio.wait_for(read_frame(self.reader, self.max_frame), self.idle_timeout)
+        except asyncio.TimeoutError:
+            raise StreamTimeout(f"no complete frame from {self.peer} within {self.idle_timeout:.0f}s") from None
 
     async def wait_peer_closed(self, timeout: float = 10.0) -> None:
         """Wait until the peer closes its side (it has read everything), so closing ours cannot cut a reply short."""

@@ -9,14 +9,13 @@ A handler receives a :class:`FramedStream`; exceptions it raises are logged, cou
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 from typing import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
-from protocol.errors import AuthError, ProtocolError
+from protocol.auth import client_hello, server_hello
+from protocol.errors import ProtocolError
 from protocol.frames import DEFAULT_MAX_FRAME, FramedStream
 
 logger = logging.getLogger(__name__)
@@ -35,8 +34,8 @@ class Transport:
         refused (slow-loris guard)
     :param swarm_key: shared secret of a private swarm. Each stream then opens with ``hello`` frames
         carrying HMAC-SHA256(key, role | protocol | client id | server id) in both directions; libp2p
-        already authenticates the peer ids, so a proof cannot be replayed by anyone else. Peers
-        without the key are refused before any handler runs.
+        already authenticates the peer ids, so a proof cannot be replayed by anyone else (see
+        ``protocol.auth``). Peers without the key are refused before any handler runs.
     """
 
     def __init__(
@@ -60,19 +59,6 @@ class Transport:
     def peer_id(self) -> str:
         return self.p2p.peer_id.to_base58()
 
-    def _proof(self, role: str, protocol: str, client: str, server: str) -> bytes:
-        assert self.swarm_key is not None
-        msg = "|".join(("locomesh-swarm", role, protocol, client, server)).encode()
-        return hmac.new(self.swarm_key, msg, hashlib.sha256).digest()
-
-    async def _accept_hello(self, stream: FramedStream, protocol: str) -> None:
-        msg = await stream.recv()
-        mac = msg.body.get("mac") if msg.kind == "hello" else None
-        expected = self._proof("client", protocol, stream.peer, self.peer_id)
-        if not isinstance(mac, bytes) or not hmac.compare_digest(mac, expected):
-            raise AuthError("this is a private swarm: the request did not prove it holds the swarm key (--swarm-key)")
-        await stream.send("hello", {"mac": self._proof("server", protocol, stream.peer, self.peer_id)})
-
     async def serve(self, protocol: str, handler: Handler) -> None:
         """Register ``handler`` for streams opened with ``protocol``."""
 
@@ -81,7 +67,7 @@ class Transport:
             stream = FramedStream(reader, writer, peer=peer, max_frame=self.max_frame, idle_timeout=self.idle_timeout)
             try:
                 if self.swarm_key is not None:
-                    await self._accept_hello(stream, protocol)
+                    await server_hello(stream, self.swarm_key, protocol, peer, self.peer_id)
                 await handler(stream)
                 await stream.wait_peer_closed()
             except ProtocolError as e:
@@ -111,8 +97,7 @@ class Transport:
         # client side: the caller bounds the whole exchange (a server may legitimately wait for its own data)
         stream = FramedStream(reader, writer, peer=peer_id, max_frame=self.max_frame)
         if self.swarm_key is not None:
-            await stream.send("hello", {"mac": self._proof("client", protocol, self.peer_id, peer_id)})
-            stream.expected_hello = self._proof("server", protocol, self.peer_id, peer_id)
+            await client_hello(stream, self.swarm_key, protocol, self.peer_id, peer_id)
         return stream
 
     def account(self, protocol: str, stream: FramedStream) -> None:
