@@ -89,15 +89,17 @@ class DiLoCoAverager:
         fetch_timeout: float = 30.0,
         part_numel: int = 1 << 20,
         aggregation: str = "mean",
+        member_role: str = "trainer",
     ) -> None:
         self.dht, self.validator, self.exchange = dht, validator, exchange
+        self.member_role = member_role
         self.run_id, self.peer_id, self.outer = run_id, peer_id, outer
         self.fetch_timeout, self.part_numel = fetch_timeout, part_numel
         self.deadline = AdaptiveDeadline(gather_timeout, floor=min(2.0, gather_timeout))
         self.aggregation = aggregation
 
     async def expected_members(self, round_no: int) -> set[str]:
-        return await round_members(self.dht, self.run_id, round_no)
+        return await round_members(self.dht, self.run_id, round_no, self.member_role)
 
     async def run_round(
         self,

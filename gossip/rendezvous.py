@@ -171,10 +171,10 @@ async def list_peers_with_expiry(dht: DHTNode, run_id: str) -> dict[str, tuple[P
     return peers
 
 
-async def round_members(dht: DHTNode, run_id: str, round_no: int) -> set[str]:
-    """Trainers whose latest record says they are in this round (or finishing the previous one)."""
+async def round_members(dht: DHTNode, run_id: str, round_no: int, role: str = "trainer") -> set[str]:
+    """Members (of ``role``) whose latest record says they are in this round (or finishing the previous one)."""
     peers = await list_peers(dht, run_id)
-    return {p for p, rec in peers.items() if rec.round in (round_no - 1, round_no) and rec.role == "trainer"}
+    return {p for p, rec in peers.items() if rec.round in (round_no - 1, round_no) and rec.role == role}
 
 
 async def read_round_entries(dht: DHTNode, run_id: str, round_no: int) -> dict[str, tuple[RoundEntry, float]]:

@@ -22,7 +22,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-SWARM, TRAIN, AVG, OPS = "Swarm", "Training", "Averaging", "Operations"
+SWARM, TRAIN, AVG, PIPE, OPS = "Swarm", "Training", "Averaging", "Pipeline", "Operations"
 
 
 def _env(name: str) -> str:
@@ -44,21 +44,37 @@ def join_flags(
     device: Annotated[Optional[str], opt("auto | cpu | cuda (default: auto)", TRAIN, "device")] = None,
     model: Annotated[Optional[str], opt("Model preset: nano, tiny, small, medium (default: tiny)", TRAIN, "model")] = None,
     data: Annotated[Optional[Path], opt("Text file or folder to train on (default: the embedded Shakespeare corpus)", TRAIN, "data")] = None,
-    inner_steps: Annotated[Optional[int], opt("Local steps between outer rounds (H) (default: 50)", TRAIN, "inner_steps")] = None,
+    inner_steps: Annotated[Optional[str], opt("Local steps between outer rounds (H), or auto: sized from this peer's measured speed so that fast and slow peers finish a round together (default: 50)", TRAIN, "inner_steps")] = None,
+    round_steps: Annotated[Optional[int], opt("With --inner-steps auto: steps the swarm's median-speed peer takes per round (default: 50)", TRAIN, "round_steps")] = None,
     batch_size: Annotated[Optional[int], opt("Sequences per inner step (default: 16)", TRAIN, "batch_size")] = None,
     lr: Annotated[Optional[float], opt("Inner AdamW learning rate (default: 1e-3)", TRAIN, "lr")] = None,
     warmup_steps: Annotated[Optional[int], opt("Linear warmup of the inner lr (default: 50)", TRAIN, "warmup_steps")] = None,
     threads: Annotated[Optional[int], opt("torch CPU threads (default: torch's choice)", TRAIN, "threads")] = None,
+    slowdown: Annotated[Optional[float], opt("Experiments: make every inner step this many times slower, to emulate slower hardware (default: 1)", OPS, "slowdown")] = None,
     seed: Annotated[Optional[int], opt("Seed for init and data order (default: 0)", TRAIN, "seed")] = None,
-    algorithm: Annotated[Optional[str], opt("Averaging algorithm: diloco (default: diloco)", AVG, "algorithm")] = None,
-    compression: Annotated[Optional[str], opt("Codec for pseudo-gradients: none, fp16, bf16, q8, q4, q2, int8-block, topk:64/4096+q2, dct:32/4096, seed:r=1024 (default: none)", AVG, "compression")] = None,
+    algorithm: Annotated[Optional[str], opt("diloco (whole-group rounds, Nesterov outer step) | noloco (random groups of --group-size, no global barrier) | sparseloco (top-k + 2-bit pseudo-gradients, error feedback, SGD outer step) (default: diloco)", AVG, "algorithm")] = None,
+    compression: Annotated[Optional[str], opt("Codec for pseudo-gradients: none, fp16, bf16, q8, q4, q2, int8-block, topk:64/4096+q2, dct:32/4096, seed:r=1024 (default: none; topk:64/4096+q2 for sparseloco)", AVG, "compression")] = None,
+    group_size: Annotated[Optional[int], opt("noloco: members per averaging group (default: 2)", AVG, "group_size")] = None,
+    noloco_pull: Annotated[Optional[float], opt("noloco: γ, pull toward the group's mean weights (default: the outer lr)", AVG, "noloco_pull")] = None,
+    fragments: Annotated[Optional[int], opt("Streaming: split the model into P fragments synchronised in rotation, one every H/P steps (default: 1)", AVG, "fragments")] = None,
+    overlap: Annotated[Optional[bool], opt("Keep training while a round's exchange runs (default: off)", AVG, "overlap")] = None,
+    overlap_mode: Annotated[Optional[str], opt("With --overlap: asap (apply a round's result when it arrives) | delayed (at the next round: one-step delay) (default: asap)", AVG, "overlap_mode")] = None,
+    fragment_alpha: Annotated[Optional[float], opt("α in θ ← (1−α)·φ + α·θ when a round's result is applied; 0 replaces local weights (default: 0)", AVG, "fragment_alpha")] = None,
     error_feedback_decay: Annotated[Optional[float], opt("β of error feedback for lossy codecs (default: 0.95; 0 for none/fp16/bf16)", AVG, "error_feedback_decay")] = None,
-    outer_lr: Annotated[Optional[float], opt("Outer Nesterov learning rate (default: 0.7)", AVG, "outer_lr")] = None,
-    outer_momentum: Annotated[Optional[float], opt("Outer Nesterov momentum (default: 0.9)", AVG, "outer_momentum")] = None,
+    outer_lr: Annotated[Optional[float], opt("Outer learning rate η (β for noloco) (default: 0.7; 1.0 for sparseloco)", AVG, "outer_lr")] = None,
+    outer_momentum: Annotated[Optional[float], opt("Outer momentum μ (α for noloco) (default: 0.9 Nesterov; 0.5 for noloco; 0 for sparseloco)", AVG, "outer_momentum")] = None,
     aggregate: Annotated[Optional[str], opt("mean | median-clip | trimmed-mean: robust aggregation against broken or malicious peers (default: mean)", AVG, "aggregate")] = None,
+    stages: Annotated[Optional[int], opt("Pipeline: cut the model into S stages served by different peers (1 = whole-model replicas) (default: 1)", PIPE, "stages")] = None,
+    role: Annotated[Optional[str], opt("Pipeline: auto | stage | trainer; auto takes what the swarm needs (default: auto)", PIPE, "role")] = None,
+    stage: Annotated[Optional[int], opt("Pipeline: with --role stage, the stage to serve (default: the one the swarm needs)", PIPE, "stage")] = None,
+    activation_compression: Annotated[Optional[str], opt("Pipeline: codec for activations and their gradients: none, fp16, bf16, int8-block, q8 (default: none)", PIPE, "activation_compression")] = None,
+    stage_queue: Annotated[Optional[int], opt("Pipeline: requests a stage server lets wait before answering busy (default: 8)", PIPE, "stage_queue")] = None,
+    sync_every: Annotated[Optional[float], opt("Pipeline: seconds between averaging rounds of a stage's replicas (default: 30)", PIPE, "sync_every")] = None,
+    rebalance_period: Annotated[Optional[float], opt("Pipeline: seconds between rebalancing checks, 0 = never (default: 300)", PIPE, "rebalance_period")] = None,
+    rebalance_margin: Annotated[Optional[float], opt("Pipeline: move only if pipeline throughput rises by more than this fraction (default: 0.1)", PIPE, "rebalance_margin")] = None,
     join_timeout: Annotated[Optional[float], opt("How long a joiner keeps trying to download the swarm's state, seconds (default: 60)", SWARM, "join_timeout")] = None,
     stream_timeout: Annotated[Optional[float], opt("Refuse a peer that stalls mid-request this long, seconds (default: 30)", OPS, "stream_timeout")] = None,
-    averaging_timeout: Annotated[Optional[float], opt("Longest wait for late peers in a round, seconds (default: 30)", AVG, "averaging_timeout")] = None,
+    averaging_timeout: Annotated[Optional[float], opt("Longest wait for late peers in a round, seconds; the deadline adapts below it to recent rounds (default: 30)", AVG, "averaging_timeout")] = None,
     metrics_port: Annotated[Optional[int], opt("Prometheus /metrics port, 0 = off (default: 0)", OPS, "metrics_port")] = None,
     checkpoint_dir: Annotated[Optional[Path], opt("Directory for the (atomic) checkpoint; resumed from on restart", OPS, "checkpoint_dir")] = None,
     max_steps: Annotated[Optional[int], opt("Stop cleanly after this many inner steps", OPS, "max_steps")] = None,
@@ -136,6 +152,7 @@ def swarm(
     metrics_port: Annotated[int, typer.Option(help="Node i serves /metrics on P+i; 0 = pick free ports")] = 0,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Node i checkpoints under DIR/node<i> (default: next to the report)")] = None,
     join_interval: Annotated[float, typer.Option(help="Seconds between launching volunteers after the bootstrap node")] = 0.5,
+    node_args: Annotated[Optional[list[str]], typer.Option("--node-args", help="Extra join options for one node, as INDEX:OPTIONS (repeatable), e.g. '1:--slowdown 3'")] = None,
 ) -> None:
     """Launch N daemons on loopback (any `node join` option is passed to each), show progress, write a report.
 
@@ -145,11 +162,21 @@ def swarm(
     from node.logs import setup_logging
 
     setup_logging("info")
+    import shlex
+
     extra = list(ctx.args)
     cfg = parse_join_args(extra)
+    per_node: dict[int, list[str]] = {}
+    for spec in node_args or []:
+        index, _, options = spec.partition(":")
+        if not index.isdigit() or int(index) >= nodes:
+            typer.secho(f"error: --node-args {spec!r}: expected INDEX:OPTIONS with INDEX below --nodes {nodes}", fg="red", err=True)
+            raise typer.Exit(2)
+        per_node.setdefault(int(index), []).extend(shlex.split(options))
+        parse_join_args(extra + per_node[int(index)])  # fail now, not in a child process
     launcher = SwarmLauncher(
         nodes=nodes, duration=duration, report=report, metrics_port=metrics_port,
-        run_dir=checkpoint_dir or report.parent, join_args=extra, config=cfg, join_interval=join_interval,
+        run_dir=checkpoint_dir or report.parent, join_args=extra, config=cfg, join_interval=join_interval, node_args=per_node,
     )
     raise typer.Exit(launcher.run())
 

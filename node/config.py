@@ -57,6 +57,15 @@ class NodeConfig(BaseModel):
     join_timeout: float = Field(60.0, gt=0, description="how long a joiner keeps trying to download the swarm's state")
     stream_timeout: float = Field(30.0, gt=0, description="a peer that stalls mid-request this long is refused, seconds")
     averaging_timeout: float = Field(30.0, gt=0, description="longest wait for late peers at a round, seconds")
+    # pipeline (SWARM)
+    stages: int = Field(1, ge=1, le=64, description="pipeline stages the model is cut into (1 = whole-model replicas)")
+    role: Literal["auto", "stage", "trainer"] = Field("auto", description="pipeline role")
+    stage: int | None = Field(None, ge=0, description="with --role stage: which stage to serve (default: the one the swarm needs)")
+    activation_compression: str = Field("none", description="codec for activations and their gradients between stages")
+    stage_queue: int = Field(8, ge=1, le=1024, description="requests a stage server lets wait before answering busy")
+    sync_every: float = Field(30.0, gt=0, description="seconds between averaging rounds of a stage's replicas")
+    rebalance_period: float = Field(300.0, ge=0, description="seconds between rebalancing checks of a stage server (0 = never)")
+    rebalance_margin: float = Field(0.1, ge=0, description="move only when pipeline throughput rises by more than this fraction")
     # operations
     metrics_port: int = Field(0, ge=0, le=65535)
     checkpoint_dir: Path | None = None
@@ -105,6 +114,12 @@ class NodeConfig(BaseModel):
         from node.model import PRESETS
 
         layers = PRESETS[self.model].n_layer
+        if self.stages > layers:
+            raise ValueError(f"--stages {self.stages}: model {self.model!r} has only {layers} blocks to split")
+        if self.stage is not None and self.stage >= self.stages:
+            raise ValueError(f"--stage {self.stage} does not exist in a {self.stages}-stage pipeline (stages are 0..{self.stages - 1})")
+        if self.stages > 1 and self.algorithm != "diloco":
+            raise ValueError("pipeline stages average with --algorithm diloco (any --compression)")
         if self.fragments > layers:
             raise ValueError(f"--fragments {self.fragments}: model {self.model!r} has only {layers} blocks to split")
         steps = self.round_steps if self.inner_steps == "auto" else self.inner_steps
@@ -133,6 +148,16 @@ class NodeConfig(BaseModel):
         if self.error_feedback_decay is not None:
             return self.error_feedback_decay
         return 0.0 if self.codec in ("none", "fp16", "bf16") else 0.95
+
+    @field_validator("activation_compression")
+    @classmethod
+    def _activation_codec(cls, value: str) -> str:
+        from compression import get_codec
+
+        spec = get_codec(value).spec
+        if spec.split(":")[0] not in ("none", "fp16", "bf16", "int8-block", "q8"):
+            raise ValueError(f"{value!r} is not an activation codec: use none, fp16, bf16, int8-block or q8")
+        return spec
 
     @field_validator("model")
     @classmethod

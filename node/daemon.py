@@ -670,6 +670,10 @@ class Daemon:
 
 
 def run_daemon(cfg: NodeConfig) -> int:
+    if cfg.stages > 1:
+        from node.pipeline import run_pipeline_node
+
+        return run_pipeline_node(cfg)
     daemon = Daemon(cfg)
     daemon.install_signal_handlers()
     return daemon.run()

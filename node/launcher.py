@@ -74,6 +74,13 @@ class NodeProcess:
         return self.info
 
 
+def pipeline_role(index: int, nodes: int, stages: int) -> int | None:
+    """Role of node ``index`` in a local pipeline swarm: the last ⌊N/(S+1)⌋ (at least 1) nodes are
+    trainers, the others serve stages round-robin (node 0, the bootstrap, serves stage 0)."""
+    trainers = max(1, nodes // (stages + 1))
+    return index % stages if index < nodes - trainers else None
+
+
 class SwarmLauncher:
     def __init__(
         self,
@@ -111,6 +118,9 @@ class SwarmLauncher:
                 "--checkpoint-dir", str(node.directory), "--info-file", str(node.info_file)]
         if "--seed" not in own:
             args += ["--seed", str(self.config.seed + node.index)]
+        if self.config.stages > 1 and "--role" not in own:
+            role = pipeline_role(node.index, len(self.nodes), self.config.stages)
+            args += ["--role", "trainer"] if role is None else ["--role", "stage", "--stage", str(role)]
         if "--threads" not in own:
             args += ["--threads", str(max(1, (os.cpu_count() or 1) // len(self.nodes)))]
         for peer in initial_peers:

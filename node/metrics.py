@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-TRAFFIC_KINDS = ("average", "state", "status")
+TRAFFIC_KINDS = ("average", "state", "status", "stage")
 ERROR_KINDS = ("timeout", "connection", "schema", "malformed", "frame_too_large", "version", "auth", "remote",
                "out_of_sync", "norm_outlier", "internal")
 ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
@@ -33,6 +33,11 @@ class NodeMetrics:
         self.comm_wait = Counter("locomesh_comm_wait_seconds", "Time the training loop stood still waiting for outer rounds", registry=r)
         self.round_deadline = Gauge("locomesh_round_deadline_seconds", "Adaptive deadline of the last round's rendezvous", registry=r)
         self.round_inner_steps = Gauge("locomesh_round_inner_steps", "Inner steps this node takes in the current round (varies with --inner-steps auto)", registry=r)
+        self.stage = Gauge("locomesh_stage", "Pipeline stage this node serves (-1: trainer or whole-model replica)", registry=r)
+        self.stage_queue = Gauge("locomesh_stage_queue", "Requests waiting at this stage server", registry=r)
+        self.stage_moves = Counter("locomesh_stage_moves", "Times this node moved to another stage (rebalancing)", registry=r)
+        self.pipeline_steps = Counter("locomesh_pipeline_steps", "Pipeline microbatches of a trainer, by result (ok, failed)", ["result"], registry=r)
+        self.microbatch_retries = Counter("locomesh_microbatch_retries", "Stage calls retried on another replica", registry=r)
         self.round_wait = Gauge("locomesh_round_wait_seconds", "Time the last round spent waiting for peers at the rendezvous", registry=r)
         self.errors = Counter("locomesh_errors", "Errors by kind (timeout, connection, schema, out_of_sync, ...)", ["kind"], registry=r)
         self.peers = Gauge("locomesh_peers", "Live members of this run seen in the DHT (self included)", registry=r)
@@ -42,6 +47,8 @@ class NodeMetrics:
             self.outer_rounds.labels(result)
         for result in ("ok", "failed"):
             self.state_downloads.labels(result)
+            self.pipeline_steps.labels(result)
+        self.stage.set(-1)
         # every known label exists from the start, so dashboards and alerts see 0 rather than no data
         for kind in TRAFFIC_KINDS:
             self.bytes_sent.labels(kind)

@@ -63,8 +63,22 @@ class StatusClient:
                 "compression": rec.compression, "tokens_per_s": rec.tokens_per_s, "round": rec.round,
                 "inner_step": rec.inner_step, "loss": rec.loss, "record_age_s": max(0.0, RECORD_TTL_S - (expiration - now)),
                 "maddrs": rec.maddrs, "protocols": rec.protocols, "reachable": st is not None, "live": st,
+                "stage": rec.stage, "queue": rec.queue,
             })
-        return {"run_id": self.run_id, "time": time.time(), "peers": sorted(rows, key=lambda r: r["peer_id"])}
+        return {"run_id": self.run_id, "time": time.time(), "peers": sorted(rows, key=lambda r: r["peer_id"]), "stages": stage_map(rows)}
+
+
+def stage_map(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pipeline runs: per stage its servers, summed throughput and queued requests (empty otherwise)."""
+    servers = [r for r in rows if r["role"] == "stage" and r.get("stage", -1) >= 0]
+    if not servers:
+        return []
+    out = []
+    for stage in range(max(r["stage"] for r in servers) + 1):
+        members = [r for r in servers if r["stage"] == stage]
+        out.append({"stage": stage, "peers": [r["peer_id"] for r in members], "tokens_per_s": sum(r["tokens_per_s"] for r in members),
+                    "queue": sum(r["queue"] for r in members)})
+    return out
 
 
 async def _collect(initial_peers: list[str], run_id: str, timeout: float, swarm_key: bytes | None) -> dict[str, Any]:
@@ -104,10 +118,19 @@ def status_table(result: dict[str, Any]) -> Any:
     for col in ("peer", "role", "device", "tok/s", "round", "step", "loss", "age"):
         table.add_column(col, justify="right" if col not in ("peer", "role", "device") else "left")
     for r in result["peers"]:
-        table.add_row(r["peer_id"][-12:], r["role"], r["device"], f"{r['tokens_per_s']:.0f}", str(r["round"]),
+        role = r["role"] + (f" {r['stage']}" if r.get("stage", -1) >= 0 else "")
+        table.add_row(r["peer_id"][-12:], role, r["device"], f"{r['tokens_per_s']:.0f}", str(r["round"]),
                       str(r["inner_step"]), f"{r['loss']:.3f}", f"{r['record_age_s']:.1f}s")
     if not result["peers"]:
         return Group(table, "No live peers: check --run-id and that the multiaddr is of a running node.")
+    if result.get("stages"):
+        stages = Table(title="pipeline stages")
+        for col in ("stage", "servers", "tok/s", "queued"):
+            stages.add_column(col, justify="right")
+        for st in result["stages"]:
+            stages.add_row(str(st["stage"]), str(len(st["peers"])) + ("  (none: lost!)" if not st["peers"] else ""),
+                           f"{st['tokens_per_s']:.0f}", str(st["queue"]))
+        return Group(table, stages)
     return table
 
 

@@ -14,3 +14,4 @@ def protocol_id(name: str, major: int = PROTOCOL_MAJOR, minor: int = PROTOCOL_MI
 STATE = protocol_id("state")  # joiners download weights, outer-optimizer state and round
 AVERAGE = protocol_id("average")  # members of an outer round fetch each other's pseudo-gradients
 STATUS = protocol_id("status")  # anyone may ask a node what it is doing
+STAGE = protocol_id("stage")  # pipeline trainers send activations through stage servers

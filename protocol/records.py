@@ -53,6 +53,9 @@ class PeerRecord:
     protocols: list[str] = field(default_factory=list)
     version: str = ""
     started_at: float = 0.0
+    stage: int = -1  # pipeline stage served (-1: none)
+    queue: int = 0  # requests waiting at a stage server
+    grad_norm: float = 0.0  # a stage server's last gradient norm
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,11 +80,14 @@ class PeerRecord:
             protocols=list(_typed(value, "protocols", list, [])),
             version=_typed(value, "version", str, ""),
             started_at=float(_typed(value, "started_at", number, 0.0)),
+            stage=_typed(value, "stage", int, -1),
+            queue=_typed(value, "queue", int, 0),
+            grad_norm=float(_typed(value, "grad_norm", number, 0.0)),
         )
         if not all(isinstance(x, str) for x in rec.maddrs + rec.protocols):
             raise SchemaError("record fields 'maddrs' and 'protocols' must hold strings")
-        if rec.round < 0 or rec.inner_step < 0:
-            raise SchemaError("record round and inner_step must be non-negative")
+        if rec.round < 0 or rec.inner_step < 0 or rec.queue < 0 or rec.stage < -1:
+            raise SchemaError("record round, inner_step and queue must be non-negative, stage ≥ -1")
         return rec
 
 

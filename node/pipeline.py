@@ -1,0 +1,479 @@
+"""The daemon of a pipeline swarm (``node join --stages S``): a stage server or a trainer.
+
+- A **stage server** holds one stage of the model (``swarm.stages``), serves forward/backward passes
+  on ``/locomesh/stage/1.0`` from a bounded queue, takes one optimizer step per backward request,
+  and every ``--inner-steps`` steps averages its stage with the other replicas of that stage
+  (DiLoCo over the stage's own sub-run ``<run>.s<i>``, while it keeps serving). It announces (stage,
+  throughput, queue length, gradient norm) in the run's DHT records. Every ``--rebalance-period`` it
+  checks whether moving to the bottleneck stage would speed the pipeline up (``swarm.rebalance``)
+  and moves, downloading that stage's weights from one of its replicas.
+- A **trainer** holds the data and pushes microbatches through randomized pipelines
+  (``swarm.router``, ``swarm.pipeline``), retrying failed calls on other replicas.
+
+``--role auto`` picks what the swarm needs: a stage nobody serves, else a trainer when trainers are
+fewer than the thinnest stage's replicas, else the stage with the least total throughput.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gossip.diloco import DiLoCoAverager, RoundResult
+from gossip.exchange import RoundExchange
+from gossip.fingerprint import fingerprint
+from gossip.outer import NesterovOuter
+from gossip.partition import part_shapes
+from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
+from gossip.state_transfer import StateServer, StateSnapshot, download_state
+from node import __version__
+from node.config import NodeConfig, read_swarm_key
+from node.daemon import HEARTBEAT_S, RECORD_TTL_S, Summary
+from node.data import ByteBatches, load_corpus, validation_batches
+from node.metrics import NodeMetrics
+from node.model import preset
+from node.network import Interrupted, NetworkThread
+from node.status_service import StatusService
+from node.trainer import pick_device
+from protocol.records import PeerRecord
+from swarm.pipeline import PipelineClient, PipelineStepFailed
+from swarm.rebalance import plan_move
+from swarm.router import Router
+from swarm.service import StageService
+from swarm.stages import Stage, model_seed
+from swarm.worker import StageWorker
+
+logger = logging.getLogger("locomesh.pipeline")
+
+
+def stage_run(run_id: str, stage: int) -> str:
+    """The sub-run in which the replicas of one stage average and share state."""
+    return f"{run_id}.s{stage}"
+
+
+def choose_role(records: list[PeerRecord], stages: int) -> int | None:
+    """``--role auto``: the stage to serve, or None to be a trainer (see the module docstring)."""
+    servers = [r for r in records if r.role == "stage" and 0 <= r.stage < stages]
+    per_stage = [[r for r in servers if r.stage == s] for s in range(stages)]
+    empty = [s for s in range(stages) if not per_stage[s]]
+    if empty:
+        return empty[0]
+    trainers = sum(1 for r in records if r.role == "trainer")
+    if trainers < min(len(p) for p in per_stage):
+        return None
+    totals = [sum(max(r.tokens_per_s, 1e-3) for r in p) for p in per_stage]
+    return min(range(stages), key=lambda s: (totals[s], s))
+
+
+class PipelineNode:
+    """One pipeline volunteer. ``run()`` blocks until it stops and returns the exit code."""
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.stop = threading.Event()
+        self.metrics = NodeMetrics()
+        self.summary = Summary(metrics_port=cfg.metrics_port)
+        self.net = NetworkThread()
+        self.stage: int | None = None
+        self.worker: StageWorker | None = None
+        self.round = 0
+        self.last_loss = math.nan
+        self.throughput = 0.0
+        self.role = "starting"
+
+    # ---- shared plumbing (same conventions as the DiLoCo daemon) ---------------------------------
+    def event(self, kind: str, **fields: Any) -> None:
+        self.summary.events.append({"t": time.time(), "event": kind, **fields})
+        logger.info("%s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
+
+    def _on_bytes(self, protocol: str, direction: str, nbytes: int) -> None:
+        kind = protocol.split("/")[2] if protocol.count("/") >= 3 else protocol
+        counter = self.metrics.bytes_sent if direction == "sent" else self.metrics.bytes_received
+        counter.labels(kind).inc(nbytes)
+        by_kind = self.summary.bytes_sent_by_kind if direction == "sent" else self.summary.bytes_received_by_kind
+        by_kind[kind] = by_kind.get(kind, 0) + nbytes
+        if direction == "sent":
+            self.summary.bytes_sent += nbytes
+        else:
+            self.summary.bytes_received += nbytes
+
+    def _write_info(self) -> None:
+        from node.daemon import Daemon
+
+        Daemon._write_info(self)  # type: ignore[arg-type]
+
+    def install_signal_handlers(self) -> None:
+        from node.daemon import Daemon
+
+        Daemon.install_signal_handlers(self)  # type: ignore[arg-type]
+
+    def _deadline_reached(self) -> bool:
+        cfg = self.cfg
+        if cfg.max_steps is not None and self.summary.steps >= cfg.max_steps:
+            return True
+        return cfg.duration is not None and time.monotonic() - self.started >= cfg.duration
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def run(self) -> int:
+        cfg = self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        random.seed(cfg.seed)
+        self.device = pick_device(cfg.device)
+        self.model_cfg = preset(cfg.model)
+        self.started = time.monotonic()
+        try:
+            self.net.start(cfg.initial_peers, cfg.listen, cfg.announce, str(cfg.identity) if cfg.identity else None,
+                           on_bytes=self._on_bytes, on_error=lambda p, code, peer: self.metrics.errors.labels(code).inc(),
+                           swarm_key=read_swarm_key(cfg.swarm_key) if cfg.swarm_key else None, stream_timeout=cfg.stream_timeout)
+        except Exception as e:
+            logger.error("could not start networking: %s. Check --listen/--initial-peers and that the port is free.", e)
+            self.net.shutdown()
+            return 2
+        try:
+            return self._run_joined()
+        except Interrupted:
+            self._finish()
+            return 0
+        finally:
+            self.net.shutdown()
+            self.summary.state = "stopped"
+            self._write_info()
+            logger.info("stopped cleanly")
+
+    def _run_joined(self) -> int:
+        cfg, net = self.cfg, self.net
+        assert net.transport is not None and net.p2p is not None
+        peer_id = self.summary.peer_id = net.transport.peer_id
+        self.summary.multiaddrs = [str(a) if "/p2p/" in str(a) else f"{a}/p2p/{peer_id}" for a in net.call(net.p2p.get_visible_maddrs())]
+        self.metrics.info.labels(peer_id, cfg.run_id, self.device.type, cfg.model, f"pipeline:{cfg.algorithm}", cfg.codec, __version__).set(1)
+        self.status = StatusService(net.transport, self.status_snapshot)
+        net.call(self.status.start())
+        self.service = StageService(net.transport, cfg.run_id, lambda: self.worker, cfg.activation_compression, queue_limit=cfg.stage_queue)
+        net.call(self.service.start())
+        self.state_server = StateServer(net.transport, stage_run(cfg.run_id, 0), progress=lambda: 0)
+        net.call(self.state_server.start())
+        self.outer = NesterovOuter(*cfg.outer_hyper)
+        self.exchange = RoundExchange(net.transport, stage_run(cfg.run_id, 0), cfg.codec, [(1,)], serve_timeout=cfg.averaging_timeout * 2)
+        net.call(self.exchange.start())
+        self.averager = DiLoCoAverager(net.dht, net.validator, self.exchange, stage_run(cfg.run_id, 0), peer_id, self.outer,
+                                       gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout,
+                                       aggregation=cfg.aggregate, member_role="stage")
+        self.summary.protocols = list(net.transport.protocols)
+        if cfg.metrics_port:
+            self.metrics.serve(cfg.metrics_port)
+        target = self._pick_role()
+        if target is None:
+            self.role = "trainer"
+        else:
+            self._become_stage(target)
+        net.call(self._heartbeat(), timeout=30)
+        net.every(HEARTBEAT_S, self._heartbeat, "heartbeat")
+        self.summary.state = "training"
+        self._write_info()
+        what = "a trainer" if self.stage is None else f"stage {self.stage} of {cfg.stages}"
+        print(f"locomesh node {peer_id} is up as {what}. Others can join with:\n  node join --run-id {cfg.run_id} --stages {cfg.stages} "
+              + " ".join(f"--initial-peers {a}" for a in self.summary.multiaddrs[:2]), flush=True)
+        if self.stage is None:
+            self._train()
+        else:
+            self._serve()
+        self._finish()
+        return 0
+
+    def _pick_role(self) -> int | None:
+        cfg = self.cfg
+        if cfg.role == "trainer":
+            return None
+        if cfg.role == "stage" and cfg.stage is not None:
+            return cfg.stage
+        records: list[PeerRecord] = []
+        if cfg.initial_peers:
+            for _ in range(3):  # let the DHT fill in
+                records = list(self.net.call(list_peers(self.net.dht, cfg.run_id), timeout=30).values())
+                if records:
+                    break
+                time.sleep(1.0)
+        choice = choose_role(records, cfg.stages)
+        if cfg.role == "stage" and choice is None:
+            totals = [sum(r.tokens_per_s for r in records if r.role == "stage" and r.stage == s) for s in range(cfg.stages)]
+            choice = min(range(cfg.stages), key=lambda s: (totals[s], s))
+        self.event("role_chosen", stage=choice if choice is not None else "trainer", peers=len(records))
+        return choice
+
+    # ---- stage server ----------------------------------------------------------------------------
+    def _stage_layout(self, stage: Stage) -> dict[str, list[tuple[tuple[int, ...], torch.dtype]]]:
+        shapes = [(tuple(p.shape), torch.float32) for p in stage.parameters()]
+        return {"params": shapes, "outer_momentum": shapes}
+
+    def _become_stage(self, index: int) -> None:
+        """Serve stage ``index``: its weights from a live replica if there is one, else the run's init."""
+        cfg, net = self.cfg, self.net
+        previous, self.worker = self.stage, None
+        module = Stage(self.model_cfg, index, cfg.stages, model_seed(cfg.run_id))
+        sub = stage_run(cfg.run_id, index)
+        self.outer = NesterovOuter(*cfg.outer_hyper)
+        self.round = 0
+        source = None
+        if cfg.initial_peers or previous is not None:
+            source = self._download_stage(module, sub, net.call(list_peers(net.dht, sub), timeout=30))
+        self.phi = [p.detach().to("cpu", torch.float32).clone() for p in module.parameters()]
+        self.round = max(self.round, int(time.time() // cfg.sync_every))  # first averaging at the next boundary
+        self.state_server.run_id = sub
+        self.exchange.run_id, self.exchange.layout = sub, RoundExchange(net.transport, sub, cfg.codec, part_shapes([p.shape for p in self.phi])).layout
+        self.averager.run_id, self.averager.outer = sub, self.outer
+        self.stage = index
+        self.worker = StageWorker(module, self.device, cfg.lr, cfg.weight_decay, cfg.warmup_steps)
+        self.role = "stage"
+        self.metrics.stage.set(index)
+        self._publish_stage_state()
+        self.event("stage_joined" if previous is None else "stage_moved", stage=index, previous=previous, source=source, round=self.round)
+
+    def _download_stage(self, module: Stage, sub: str, peers: dict[str, PeerRecord]) -> str | None:
+        """Load a live replica's weights, outer momentum and round into ``module``; returns its peer id."""
+        net = self.net
+        for rec in sorted(peers.values(), key=lambda r: (-r.round, r.peer_id)):
+            if rec.peer_id == self.summary.peer_id or rec.role != "stage":
+                continue
+            try:
+                got = net.call(download_state(net.transport, rec.peer_id, sub, self._stage_layout(module)), timeout=120)
+            except Exception as e:
+                logger.warning("could not download %s from %s: %s", sub, rec.peer_id, e)
+                continue
+            with torch.no_grad():
+                for p, t in zip(module.parameters(), got.snapshot.tensors["params"]):
+                    p.copy_(t)
+            self.outer.load_state_tensors(got.snapshot.tensors["outer_momentum"])
+            self.round = got.snapshot.round
+            self.metrics.state_downloads.labels("ok").inc()
+            return rec.peer_id
+        return None
+
+    def _publish_stage_state(self) -> None:
+        self.state_server.publish(StateSnapshot(
+            round=self.round,
+            tensors={"params": [t.clone() for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
+            fingerprint=fingerprint(self.phi),
+            meta={"model": self.cfg.model, "stage": self.stage, "stages": self.cfg.stages},
+        ))
+
+    def _serve(self) -> None:
+        cfg = self.cfg
+        pending = None
+        next_rebalance = time.monotonic() + cfg.rebalance_period
+        last_steps = 0
+        while not self.stop.is_set() and not self._deadline_reached():
+            time.sleep(0.1)
+            worker = self.worker
+            if worker is None:
+                continue
+            new_steps = worker.steps - last_steps
+            if new_steps:
+                last_steps = worker.steps
+                self.summary.steps += new_steps
+                self.metrics.inner_steps.inc(new_steps)
+                if worker.stage.last and not math.isnan(worker.last_loss):
+                    self.last_loss = worker.last_loss
+                    if math.isnan(self.summary.train_loss_first):
+                        self.summary.train_loss_first = worker.last_loss
+                    self.summary.train_loss_last = worker.last_loss
+                    self.metrics.train_loss.set(worker.last_loss)
+            self.throughput = self.service.throughput
+            self.metrics.tokens_per_second.set(self.throughput * self.model_cfg.context)
+            self.metrics.stage_queue.set(self.service.queue_length)
+            if pending is not None and pending[0].done():
+                self._apply_round(pending[0].result(), pending[1])
+                pending = None
+            epoch = int(time.time() // cfg.sync_every)
+            if pending is None and epoch > self.round:
+                # replicas of a stage average on a shared wall-clock schedule, so they meet at the
+                # rendezvous however unevenly the router spread the microbatches among them
+                self.round = epoch
+                theta = worker.snapshot()
+                samples = max(1, worker.samples)
+                worker.samples = 0
+                pending = (self.net.submit(self.averager.run_round(epoch, self.phi, theta, samples)), worker)
+            if pending is None and cfg.rebalance_period and time.monotonic() >= next_rebalance:
+                next_rebalance = time.monotonic() + cfg.rebalance_period
+                self._maybe_rebalance()
+                last_steps = self.worker.steps if self.worker else 0
+        if pending is not None:
+            try:
+                self._apply_round(pending[0].result(timeout=2 * cfg.averaging_timeout + 10), pending[1])
+            except Exception as e:
+                logger.info("last stage round did not finish: %s", e)
+
+    def _apply_round(self, result: RoundResult, worker: StageWorker) -> None:
+        m = self.metrics
+        m.round_duration.observe(result.duration_s)
+        m.group_size.set(len(result.contributors))
+        for kind in result.failures.values():
+            m.errors.labels(kind).inc()
+        record = {"round": result.round, "stage": self.stage, "contributors": len(result.contributors), "in_sync": result.in_sync,
+                  "duration_s": round(result.duration_s, 3), "loss": self.last_loss}
+        if result.in_sync and worker is self.worker:
+            self.summary.outer_rounds += 1
+            m.outer_rounds.labels("alone" if len(result.contributors) == 1 else "completed").inc()
+            worker.load_weights(self.phi)
+            self._publish_stage_state()
+        elif worker is self.worker and self.stage is not None:
+            m.outer_rounds.labels("failed").inc()
+            self.event("out_of_sync", stage=self.stage, round=result.round, majority_peer=result.sync_peer)
+            peers = self.net.call(list_peers(self.net.dht, stage_run(self.cfg.run_id, self.stage)), timeout=30)
+            preferred = {p: r for p, r in peers.items() if p == result.sync_peer} or peers
+            if self._download_stage(worker.stage, stage_run(self.cfg.run_id, self.stage), preferred):
+                self.phi = worker.snapshot()
+                self.round = max(self.round, result.round)
+                self._publish_stage_state()
+        record["fingerprint"] = fingerprint(self.phi)
+        self.summary.rounds.append(record)
+        m.outer_round.set(self.round)
+        self._write_info()
+
+    def _stage_map(self, records: dict[str, PeerRecord]) -> list[dict[str, float]]:
+        stages: list[dict[str, float]] = [{} for _ in range(self.cfg.stages)]
+        for rec in records.values():
+            if rec.role == "stage" and 0 <= rec.stage < self.cfg.stages:
+                stages[rec.stage][rec.peer_id] = rec.tokens_per_s
+        return stages
+
+    def _maybe_rebalance(self) -> None:
+        records = self.net.call(list_peers(self.net.dht, self.cfg.run_id), timeout=30)
+        stages = [{p: max(tp, 1e-3) for p, tp in members.items()} for members in self._stage_map(records)]
+        me = self.summary.peer_id
+        if self.stage is not None:
+            stages[self.stage][me] = max(self.throughput * self.model_cfg.context, 1e-3)
+        target = plan_move(stages, me, self.cfg.rebalance_margin)
+        if target is None:
+            return
+        before = [round(sum(s.values())) for s in stages]
+        self.metrics.stage_moves.inc()
+        self.event("rebalance", from_stage=self.stage, to_stage=target, stage_throughput=before)
+        self._become_stage(target)
+
+    # ---- trainer -----------------------------------------------------------------------------------
+    def _train(self) -> None:
+        cfg = self.cfg
+        corpus = load_corpus(str(cfg.data) if cfg.data else None, context=self.model_cfg.context)
+        val = validation_batches(corpus.val, cfg.batch_size, self.model_cfg.context, max_batches=cfg.eval_batches)
+        batches = ByteBatches(corpus.train, cfg.batch_size, self.model_cfg.context, seed=cfg.seed)
+        self.router = Router(seed=cfg.seed, ban_s=RECORD_TTL_S)
+        client = PipelineClient(self.net.transport, cfg.run_id, cfg.stages, self.router, cfg.activation_compression,
+                                timeout=cfg.averaging_timeout)
+        tokens_per_step = cfg.batch_size * self.model_cfg.context
+        self._wait_for_stages()
+        window, window_tokens = time.monotonic(), 0
+        x, y = batches.next()
+        while not self.stop.is_set() and not self._deadline_reached():
+            try:
+                result = self.net.run(client.step(x, y), self.stop)
+            except PipelineStepFailed as e:
+                self.metrics.pipeline_steps.labels("failed").inc()
+                self.event("step_failed", step=self.summary.steps, reason=str(e)[:300])
+                time.sleep(1.0)  # wait for the DHT to show a live replica, then retry the same microbatch
+                continue
+            self.metrics.pipeline_steps.labels("ok").inc()
+            self.metrics.microbatch_retries.inc(result.retries)
+            if result.retries:
+                self.event("rerouted", step=self.summary.steps, retries=result.retries, error=result.errors[-1][:200])
+            self.summary.steps += 1
+            self.last_loss = result.loss
+            if math.isnan(self.summary.train_loss_first):
+                self.summary.train_loss_first = result.loss
+            self.summary.train_loss_last = result.loss
+            self.metrics.train_loss.set(result.loss)
+            self.metrics.inner_steps.inc()
+            self.metrics.tokens.inc(tokens_per_step)
+            window_tokens += tokens_per_step
+            if time.monotonic() - window >= 2.0:
+                self.throughput = window_tokens / (time.monotonic() - window)
+                self.metrics.tokens_per_second.set(self.throughput)
+                window, window_tokens = time.monotonic(), 0
+            if cfg.eval_every and self.summary.steps % (cfg.eval_every * 10) == 0:
+                self._evaluate(client, val)
+            x, y = batches.next()
+        self.val_batches, self.client = val, client
+
+    def _wait_for_stages(self) -> None:
+        """Before the first microbatch: wait (up to --join-timeout) until every stage has a server."""
+        deadline = time.monotonic() + self.cfg.join_timeout
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            self.net.call(self._heartbeat(), timeout=30)
+            missing = [s for s in range(self.cfg.stages) if not self.router.peers(s)]
+            if not missing:
+                return
+            logger.info("waiting for servers of stages %s", missing)
+            time.sleep(1.0)
+
+    def _evaluate(self, client: PipelineClient, val: list, final: bool = False) -> None:
+        try:
+            if final:
+                losses = [self.net.call(client.evaluate(vx, vy), timeout=60) for vx, vy in val]
+            else:
+                losses = [self.net.run(client.evaluate(vx, vy), self.stop) for vx, vy in val]
+        except (PipelineStepFailed, TimeoutError) as e:
+            logger.info("evaluation skipped: %s", e)
+            return
+        self.summary.val_loss = sum(losses) / len(losses)
+        self.metrics.val_loss.set(self.summary.val_loss)
+        self.summary.rounds.append({"step": self.summary.steps, "val_loss": self.summary.val_loss, "loss": self.last_loss})
+        self._write_info()
+
+    # ---- announcements -----------------------------------------------------------------------------
+    async def _heartbeat(self) -> None:
+        net, cfg = self.net, self.cfg
+        worker = self.worker
+        record = PeerRecord(
+            peer_id=self.summary.peer_id, role=self.role if self.role != "starting" else "trainer", device=self.device.type,
+            model=cfg.model, algorithm=f"pipeline:{cfg.algorithm}", compression=cfg.codec, round=self.round,
+            inner_step=worker.steps if worker else self.summary.steps,
+            tokens_per_s=self.throughput * self.model_cfg.context if self.stage is not None else self.throughput,
+            loss=self.last_loss, maddrs=self.summary.multiaddrs, protocols=self.summary.protocols, version=__version__,
+            started_at=time.time() - (time.monotonic() - self.started), stage=self.stage if self.stage is not None else -1,
+            queue=self.service.queue_length, grad_norm=worker.last_grad_norm if worker else 0.0,
+        )
+        connected = [info.peer_id for info in await net.p2p.list_peers()]
+        await reconnect_routing_table(net.dht, connected)
+        await publish_peer(net.dht, net.validator, cfg.run_id, record, RECORD_TTL_S)
+        if self.stage is not None and self.role == "stage":
+            await publish_peer(net.dht, net.validator, stage_run(cfg.run_id, self.stage), record, RECORD_TTL_S)
+        peers = await list_peers(net.dht, cfg.run_id)
+        self.metrics.peers.set(len(peers))
+        if self.stage is None and hasattr(self, "router"):
+            for s, members in enumerate(self._stage_map(peers)):
+                self.router.update(s, members)
+
+    def status_snapshot(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.summary.peer_id, "run_id": self.cfg.run_id, "role": self.role, "stage": self.stage,
+            "stages": self.cfg.stages, "round": self.round, "steps": self.summary.steps, "loss": self.last_loss,
+            "tokens_per_s": self.throughput, "queue": self.service.queue_length, "device": self.device.type,
+            "model": self.cfg.model, "protocols": self.summary.protocols, "version": __version__, "state": self.summary.state,
+            "time": time.time(),
+        }
+
+    def _finish(self) -> None:
+        self.summary.state = "stopping"
+        self.summary.wall_s = time.monotonic() - self.started
+        self.role = "leaving"
+        try:
+            self.net.call(self._heartbeat(), timeout=10)
+        except Exception as e:
+            logger.info("could not announce leaving: %s", e)
+        if self.stage is None and hasattr(self, "client"):
+            self._evaluate(self.client, self.val_batches, final=True)
+        logger.info("final: %d steps, %d outer rounds, loss %.3f → %.3f, val %.3f", self.summary.steps, self.summary.outer_rounds,
+                    self.summary.train_loss_first, self.summary.train_loss_last, self.summary.val_loss)
+
+
+def run_pipeline_node(cfg: NodeConfig) -> int:
+    node = PipelineNode(cfg)
+    node.install_signal_handlers()
+    return node.run()

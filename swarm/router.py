@@ -1,0 +1,65 @@
+"""Throughput-weighted stochastic wiring (SWARM): which peer of a stage gets the next microbatch.
+
+Per stage each peer carries a virtual load. The peer with the smallest load takes the task and its
+load grows by task_size / throughput, an interleaved weighted round-robin: over many tasks each peer
+receives a share proportional to its throughput. A new peer enters at the stage's current minimum
+(it neither floods nor starves), a peer that fails is banned until its DHT record would expire, and
+peers that left the DHT are forgotten. Ties are broken at random (seeded).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable, Iterable
+
+
+class NoPeerAvailable(Exception):
+    """Every peer of a stage is banned, excluded or gone."""
+
+
+class Router:
+    """Chooses stage peers for microbatches.
+
+    :param ban_s: how long a failing peer is avoided (default: a peer record's lifetime)
+    """
+
+    def __init__(self, seed: int = 0, ban_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rng = random.Random(seed)
+        self.ban_s, self.clock = ban_s, clock
+        self.loads: dict[int, dict[str, float]] = {}
+        self.throughput: dict[str, float] = {}
+        self.banned: dict[str, float] = {}
+
+    def update(self, stage: int, peers: dict[str, float]) -> None:
+        """The stage's live peers with their announced throughput. A peer that has not measured its
+        throughput yet (≤ 0) counts as the stage's median peer, so it is neither flooded nor starved."""
+        loads = self.loads.setdefault(stage, {})
+        floor = min(loads.values(), default=0.0)
+        for gone in set(loads) - set(peers):
+            del loads[gone]
+        known = sorted(tp for tp in peers.values() if tp > 0)
+        default = known[len(known) // 2] if known else 1.0
+        for peer, tp in peers.items():
+            self.throughput[peer] = tp if tp > 0 else default
+            loads.setdefault(peer, floor)
+
+    def peers(self, stage: int) -> list[str]:
+        return sorted(self.loads.get(stage, {}))
+
+    def available(self, stage: int, exclude: Iterable[str] = ()) -> list[str]:
+        now, excluded = self.clock(), set(exclude)
+        return [p for p in self.loads.get(stage, {}) if p not in excluded and self.banned.get(p, 0.0) <= now]
+
+    def choose(self, stage: int, task_size: float = 1.0, exclude: Iterable[str] = ()) -> str:
+        candidates = self.available(stage, exclude)
+        if not candidates:
+            raise NoPeerAvailable(f"no live peer serves stage {stage} (known: {len(self.loads.get(stage, {}))}, all banned or excluded)")
+        loads = self.loads[stage]
+        least = min(loads[p] for p in candidates)
+        peer = self.rng.choice(sorted(p for p in candidates if loads[p] == least))
+        loads[peer] += task_size / self.throughput.get(peer, 1.0)
+        return peer
+
+    def ban(self, peer: str, seconds: float | None = None) -> None:
+        self.banned[peer] = self.clock() + (self.ban_s if seconds is None else seconds)

@@ -1,0 +1,236 @@
+"""``/locomesh/stage/1.0``: stage servers serve forward and backward passes; trainers call them.
+
+Requests (one per stream): ``forward {run_id, stage, x}`` → ``activation {y}``;
+``backward {run_id, stage, x, grad}`` → ``grad {g}``; ``loss {run_id, stage, x, y}`` (last stage:
+loss, backward and step) → ``loss {loss, g}``; ``evaluate {run_id, stage, x, y}`` → ``loss {loss}``.
+Token ids travel as raw tensors; activations and gradients as payloads of the run's activation codec
+(``none``, ``fp16``, ``bf16``, ``int8-block``...). Everything is validated before it is computed on.
+
+Requests wait in a bounded queue; a full queue answers ``busy`` at once so the trainer tries another
+replica. Queued forward (and backward) requests of the same shape are run as one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from compression import CodecError, Payload, get_codec
+from protocol import ids
+from protocol.errors import SchemaError
+from protocol.frames import FramedStream, require
+from protocol.hivemind_transport import Transport
+from protocol.tensors import tensor_from_wire, tensor_to_wire
+from swarm.worker import StageWorker
+
+logger = logging.getLogger(__name__)
+KINDS = ("forward", "backward", "loss", "evaluate")
+MAX_BATCH = 1024
+
+
+def encode_activation(t: torch.Tensor, codec: str) -> bytes:
+    return get_codec(codec).encode(t.float().contiguous()).to_bytes()
+
+
+def decode_activation(blob: Any, codec: str, shape: tuple[int, ...] | None, max_numel: int) -> torch.Tensor:
+    if not isinstance(blob, (bytes, bytearray)):
+        raise SchemaError("activation must be a codec payload (bytes)")
+    try:
+        payload = Payload.from_bytes(blob, max_bytes=max_numel * 8 + 65536, max_numel=max_numel, expected_shape=shape)
+    except CodecError as e:
+        raise SchemaError(f"bad activation payload: {e}") from None
+    if payload.codec != get_codec(codec).spec:
+        raise SchemaError(f"activation encoded with {payload.codec!r}, this run uses {codec!r}")
+    value = get_codec(codec).decode(payload)
+    if not torch.isfinite(value).all():
+        raise SchemaError("activation holds NaN or Inf")
+    return value
+
+
+@dataclass
+class _Job:
+    kind: str
+    x: torch.Tensor
+    extra: torch.Tensor | None
+    future: asyncio.Future = field(repr=False)
+
+
+class StageService:
+    """Serves one stage (the worker may be swapped when the node moves to another stage).
+
+    :param worker: returns the current worker (None while the node is switching stages)
+    :param codec: activation codec of the run
+    :param queue_limit: requests that may wait; more are answered ``busy``
+    """
+
+    def __init__(self, transport: Transport, run_id: str, worker: Callable[[], StageWorker | None], codec: str = "none",
+                 queue_limit: int = 8, max_batch: int = 4) -> None:
+        self.transport, self.run_id, self.worker, self.codec = transport, run_id, worker, get_codec(codec).spec
+        self.queue_limit, self.max_batch = queue_limit, max_batch
+        self.queue: asyncio.Queue[_Job] | None = None
+        self.throughput = 0.0  # samples/s of compute, EMA with bias correction
+        self._ema, self._weight = 0.0, 0.0
+        self.served = 0
+
+    @property
+    def queue_length(self) -> int:
+        return self.queue.qsize() if self.queue is not None else 0
+
+    async def start(self) -> None:
+        self.queue = asyncio.Queue(self.queue_limit)
+        asyncio.get_running_loop().create_task(self._consume())
+        await self.transport.serve(ids.STAGE, self._handle)
+
+    def _limits(self, worker: StageWorker) -> tuple[int, int]:
+        cfg = worker.stage.cfg
+        return cfg.context, MAX_BATCH * cfg.context * max(cfg.d_model, cfg.vocab_size)
+
+    async def _handle(self, stream: FramedStream) -> None:
+        msg = await stream.recv(expect=KINDS)
+        worker = self.worker()
+        if require(msg.body, "run_id", str) != self.run_id:
+            raise SchemaError(f"this node trains run {self.run_id!r}")
+        stage = require(msg.body, "stage", int)
+        if worker is None or stage != worker.stage.index:
+            raise SchemaError(f"this peer serves stage {worker.stage.index if worker else 'none'} now, not stage {stage}")
+        context, max_numel = self._limits(worker)
+        if worker.stage.first:
+            x = tensor_from_wire(msg.body.get("x"), max_numel=MAX_BATCH * context)
+            if x.dtype not in (torch.int64, torch.int32) or x.dim() != 2 or not 0 < x.shape[1] <= context:
+                raise SchemaError(f"stage 0 takes int token ids (batch, ≤{context}), got {x.dtype} {list(x.shape)}")
+            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= worker.stage.cfg.vocab_size):
+                raise SchemaError("token id out of the vocabulary")
+        else:
+            x = decode_activation(msg.body.get("x"), self.codec, None, max_numel)
+            d = worker.stage.cfg.d_model
+            if x.dim() != 3 or x.shape[2] != d or not 0 < x.shape[1] <= context or x.shape[0] > MAX_BATCH:
+                raise SchemaError(f"stage {stage} takes activations (batch, ≤{context}, {d}), got {list(x.shape)}")
+        extra = None
+        if msg.kind in ("loss", "evaluate"):
+            if not worker.stage.last:
+                raise SchemaError(f"{msg.kind} requests go to the last stage; this is stage {stage}")
+            extra = tensor_from_wire(msg.body.get("y"), expected_shape=tuple(x.shape[:2]))
+            if extra.dtype not in (torch.int64, torch.int32) or (extra.numel() and (int(extra.min()) < 0 or int(extra.max()) >= worker.stage.cfg.vocab_size)):
+                raise SchemaError("targets must be token ids of the vocabulary")
+        elif msg.kind == "backward":
+            out_shape = (*x.shape[:2], worker.stage.cfg.d_model)
+            extra = decode_activation(msg.body.get("grad"), self.codec, out_shape, max_numel)
+        elif msg.kind == "forward" and worker.stage.last:
+            raise SchemaError("the last stage answers loss and evaluate requests, not forward")
+        assert self.queue is not None
+        job = _Job(msg.kind, x, extra, asyncio.get_running_loop().create_future())
+        try:
+            self.queue.put_nowait(job)
+        except asyncio.QueueFull:
+            await stream.send_error("busy", f"stage {stage} has {self.queue_limit} requests waiting; try another replica")
+            return
+        result = await job.future
+        if msg.kind == "forward":
+            await stream.send("activation", {"y": encode_activation(result, self.codec)})
+        elif msg.kind == "backward":
+            await stream.send("grad", {"g": None if result is None else encode_activation(result, self.codec)})
+        elif msg.kind == "loss":
+            loss, grad = result
+            await stream.send("loss", {"loss": loss, "g": None if grad is None else encode_activation(grad, self.codec)})
+        else:
+            await stream.send("loss", {"loss": result})
+
+    async def _consume(self) -> None:
+        assert self.queue is not None
+        while True:
+            jobs = [await self.queue.get()]
+            head = jobs[0]
+            if head.kind in ("forward", "backward"):
+                while len(jobs) < self.max_batch and not self.queue.empty():
+                    nxt = self.queue._queue[0]  # type: ignore[attr-defined]  # peek: batch only same-kind, same-shape jobs
+                    if nxt.kind != head.kind or nxt.x.shape[1:] != head.x.shape[1:] or nxt.x.dtype != head.x.dtype:
+                        break
+                    jobs.append(self.queue.get_nowait())
+            started = time.monotonic()
+            try:
+                results = await asyncio.to_thread(self._run, jobs)
+            except Exception as e:  # a failed computation fails its requests, not the node
+                logger.warning("stage request failed: %s: %s", type(e).__name__, e)
+                for job in jobs:
+                    if not job.future.done():
+                        job.future.set_exception(SchemaError(f"stage computation failed: {e}"))
+                continue
+            self._observe(sum(len(j.x) for j in jobs), time.monotonic() - started)
+            for job, result in zip(jobs, results):
+                if not job.future.done():
+                    job.future.set_result(result)
+            self.served += len(jobs)
+
+    def _run(self, jobs: list[_Job]) -> list[Any]:
+        worker = self.worker()
+        if worker is None:
+            raise RuntimeError("the node is switching stages")
+        head = jobs[0]
+        if head.kind in ("forward", "backward"):
+            sizes = [len(j.x) for j in jobs]
+            x = torch.cat([j.x for j in jobs]) if len(jobs) > 1 else head.x
+            if head.kind == "forward":
+                out = worker.forward(x)
+            else:
+                grad = torch.cat([j.extra for j in jobs]) if len(jobs) > 1 else head.extra  # type: ignore[misc]
+                out = worker.backward(x, grad)
+            return [None] * len(jobs) if out is None else list(out.split(sizes))
+        if head.kind == "loss":
+            return [worker.loss_step(head.x, head.extra)]  # type: ignore[arg-type]
+        return [worker.evaluate(head.x, head.extra)]  # type: ignore[arg-type]
+
+    def _observe(self, samples: int, seconds: float, alpha: float = 0.1) -> None:
+        rate = samples / max(seconds, 1e-6)
+        self._ema = (1 - alpha) * self._ema + alpha * rate
+        self._weight = (1 - alpha) * self._weight + alpha
+        self.throughput = self._ema / self._weight
+
+
+class StageCallError(Exception):
+    """A stage call failed (connection, timeout, refusal); the trainer retries on another replica."""
+
+
+async def call_stage(
+    transport: Transport, peer: str, run_id: str, stage: int, kind: str, x: torch.Tensor, *, codec: str,
+    y: torch.Tensor | None = None, grad: torch.Tensor | None = None, timeout: float = 30.0, max_numel: int = 1 << 28,
+) -> dict[str, Any]:
+    """One request to ``peer``; returns the decoded answer ({"y"}, {"g"} or {"loss", "g"})."""
+
+    async def go() -> dict[str, Any]:
+        stream = await transport.open(peer, ids.STAGE)
+        try:
+            body: dict[str, Any] = {"run_id": run_id, "stage": stage}
+            body["x"] = tensor_to_wire(x) if not torch.is_floating_point(x) else encode_activation(x, codec)
+            if y is not None:
+                body["y"] = tensor_to_wire(y)
+            if grad is not None:
+                body["grad"] = encode_activation(grad, codec)
+            await stream.send(kind, body)
+            answer = await stream.recv(expect=("activation", "grad", "loss"))
+            out: dict[str, Any] = {}
+            if "loss" in answer.body:
+                loss = answer.body["loss"]
+                if not isinstance(loss, (int, float)):
+                    raise SchemaError("loss must be a number")
+                out["loss"] = float(loss)
+            for key in ("y", "g"):
+                if answer.body.get(key) is not None:
+                    out[key] = decode_activation(answer.body[key], codec, None, max_numel)
+            return out
+        finally:
+            transport.account(ids.STAGE, stream)
+            await stream.close()
+
+    try:
+        return await asyncio.wait_for(go(), timeout)
+    except asyncio.TimeoutError:
+        raise StageCallError(f"stage {stage} peer {peer[-8:]} did not answer within {timeout:.0f}s") from None
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        raise StageCallError(f"stage {stage} peer {peer[-8:]}: {type(e).__name__}: {e}") from e

@@ -1,0 +1,77 @@
+"""The GPT cut into S contiguous pipeline stages (SWARM parallelism, Ryabinin et al. 2023).
+
+Stage 0 owns the token and position embeddings, the last stage the final norm, the head and the
+loss; blocks are dealt out as evenly as possible (earlier stages get the extra block). Every replica
+of a stage builds it from the same full-model initialisation (seeded by the run, not the node), so
+replicas start identical without a download and stage boundaries match a single-process model.
+The head is untied from the embedding: the two live on different stages.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from node.model import GPT, GPTConfig
+
+
+def block_range(n_layer: int, index: int, count: int) -> tuple[int, int]:
+    """Blocks [start, end) of stage ``index`` of ``count``."""
+    if not 1 <= count <= n_layer:
+        raise ValueError(f"cannot cut {n_layer} blocks into {count} stages (1 ≤ stages ≤ blocks)")
+    if not 0 <= index < count:
+        raise ValueError(f"stage {index} does not exist in a {count}-stage pipeline")
+    base, extra = divmod(n_layer, count)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def model_seed(run_id: str) -> int:
+    """The seed every replica of every stage initialises from (the same for the whole run)."""
+    return zlib.crc32(run_id.encode()) & 0x7FFFFFFF
+
+
+class Stage(nn.Module):
+    """Stage ``index`` of ``count``. ``forward(x)`` maps tokens (stage 0) or activations (B, T, d) to
+    activations, or, on the last stage with ``targets``, to the mean cross-entropy."""
+
+    def __init__(self, cfg: GPTConfig, index: int, count: int, seed: int) -> None:
+        super().__init__()
+        start, end = block_range(cfg.n_layer, index, count)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            full = GPT(cfg)
+        self.cfg, self.index, self.count = cfg, index, count
+        self.first, self.last = index == 0, index == count - 1
+        if self.first:
+            self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
+        self.blocks = nn.ModuleList(full.blocks[start:end])
+        if self.last:
+            self.ln_f = full.ln_f
+            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            with torch.no_grad():
+                self.head.weight.copy_(full.tok_emb.weight)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.first:
+            if x.dtype not in (torch.int64, torch.int32) or x.dim() != 2:
+                raise ValueError(f"stage 0 takes token ids of shape (batch, time), got {x.dtype} {list(x.shape)}")
+            if x.shape[1] > self.cfg.context:
+                raise ValueError(f"sequence of {x.shape[1]} tokens exceeds the model context of {self.cfg.context}")
+            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+        elif x.dim() != 3 or x.shape[-1] != self.cfg.d_model:
+            raise ValueError(f"stage {self.index} takes activations (batch, time, {self.cfg.d_model}), got {list(x.shape)}")
+        for block in self.blocks:
+            x = block(x)
+        if not self.last:
+            return x
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def input_shape(self, batch: int, time: int) -> tuple[int, ...]:
+        return (batch, time) if self.first else (batch, time, self.cfg.d_model)

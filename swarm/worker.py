@@ -1,0 +1,106 @@
+"""The compute side of a stage server: one stage's weights, its optimizer and the three requests.
+
+Requests are stateless: a backward request carries the stage's input again and the worker recomputes
+the forward pass under autograd (activation recomputation), so any replica of a stage can take any
+microbatch's backward pass and a trainer can retry a failed call on another replica. Every backward
+(or loss) request is one optimizer step of this stage; the gradient norm of that step is kept for
+gradient-weighted stage recovery.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import nullcontext
+from typing import Sequence
+
+import torch
+
+from swarm.stages import Stage
+
+
+class StageWorker:
+    """Runs one stage's requests (call from one thread at a time; a lock guards weight swaps)."""
+
+    def __init__(self, stage: Stage, device: torch.device, lr: float = 1e-3, weight_decay: float = 0.1, warmup_steps: int = 50,
+                 clip: float = 1.0) -> None:
+        self.stage = stage.to(device)
+        self.device = device
+        self.base_lr, self.warmup_steps, self.clip = lr, warmup_steps, clip
+        decay = [p for p in self.stage.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.stage.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95)
+        )
+        self.lock = threading.Lock()
+        self.steps = 0
+        self.samples = 0
+        self.last_grad_norm = 0.0
+        self.last_loss = float("nan")
+        self.autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.stage.parameters())
+
+    def _input(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
+        x = x.to(self.device)
+        if self.stage.first:
+            return x.long()
+        return x.float().requires_grad_(grad)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.lock, self.autocast:
+            self.stage.eval()
+            return self.stage(self._input(x, grad=False)).float().cpu()
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Last stage: loss without learning (held-out evaluation through the pipeline)."""
+        with self.lock, self.autocast:
+            self.stage.eval()
+            return float(self.stage(self._input(x, grad=False), y.to(self.device)))
+
+    def backward(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
+        """Recompute the forward pass, backpropagate ``grad_out``, step; returns ∂loss/∂x (None on stage 0)."""
+        with self.lock:
+            inp = self._input(x, grad=True)
+            self.stage.train()
+            with self.autocast:
+                out = self.stage(inp)
+            out.float().backward(grad_out.to(self.device, torch.float32))
+            return self._step(inp, len(x))
+
+    def loss_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+        """Last stage: loss on ``y``, backward and step; returns (loss, ∂loss/∂x)."""
+        with self.lock:
+            inp = self._input(x, grad=True)
+            self.stage.train()
+            with self.autocast:
+                loss = self.stage(inp, y.to(self.device))
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"stage {self.stage.index}: loss became {loss.item()}")
+            loss.backward()
+            self.last_loss = float(loss.detach())
+            return self.last_loss, self._step(inp, len(x))
+
+    def _step(self, inp: torch.Tensor, samples: int) -> torch.Tensor | None:
+        warm = min(1.0, (self.steps + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.base_lr * warm
+        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.stage.parameters(), self.clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        self.samples += samples
+        return None if self.stage.first else inp.grad.detach().float().cpu()
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Sequence[torch.Tensor]) -> None:
+        with self.lock:
+            for p, t in zip(self.parameters(), tensors):
+                p.copy_(t.to(p.device, p.dtype))
+
+    @torch.no_grad()
+    def snapshot(self) -> list[torch.Tensor]:
+        with self.lock:
+            return [p.detach().to("cpu", torch.float32).clone() for p in self.parameters()]
