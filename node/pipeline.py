@@ -230,7 +230,7 @@ class PipelineNode:
         self.exchange.run_id, self.exchange.layout = sub, RoundExchange(net.transport, sub, cfg.codec, part_shapes([p.shape for p in self.phi])).layout
         self.averager.run_id, self.averager.outer = sub, self.outer
         self.stage = index
-        self.worker = StageWorker(module, self.device, cfg.lr, cfg.weight_decay, cfg.warmup_steps)
+        self.worker = StageWorker(module, self.device, cfg.lr, cfg.weight_decay, cfg.warmup_steps, slowdown=cfg.slowdown)
         self.role = "stage"
         self.metrics.stage.set(index)
         self._publish_stage_state()

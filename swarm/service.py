@@ -154,6 +154,9 @@ class StageService:
             started = time.monotonic()
             try:
                 results = await asyncio.to_thread(self._run, jobs)
+                worker = self.worker()
+                if worker is not None and worker.slowdown > 1:
+                    await asyncio.sleep((worker.slowdown - 1) * (time.monotonic() - started))
             except Exception as e:  # a failed computation fails its requests, not the node
                 logger.warning("stage request failed: %s: %s", type(e).__name__, e)
                 for job in jobs:

@@ -22,10 +22,11 @@ class StageWorker:
     """Runs one stage's requests (call from one thread at a time; a lock guards weight swaps)."""
 
     def __init__(self, stage: Stage, device: torch.device, lr: float = 1e-3, weight_decay: float = 0.1, warmup_steps: int = 50,
-                 clip: float = 1.0) -> None:
+                 clip: float = 1.0, slowdown: float = 1.0) -> None:
         self.stage = stage.to(device)
         self.device = device
         self.base_lr, self.warmup_steps, self.clip = lr, warmup_steps, clip
+        self.slowdown = slowdown  # experiments: emulate slower hardware
         decay = [p for p in self.stage.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.stage.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
