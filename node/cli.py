@@ -68,6 +68,7 @@ def join_flags(
     role: Annotated[Optional[str], opt("Pipeline: auto | stage | trainer; auto takes what the swarm needs (default: auto)", PIPE, "role")] = None,
     stage: Annotated[Optional[int], opt("Pipeline: with --role stage, the stage to serve (default: the one the swarm needs)", PIPE, "stage")] = None,
     activation_compression: Annotated[Optional[str], opt("Pipeline: codec for activations and their gradients: none, fp16, bf16, int8-block, q8 (default: none)", PIPE, "activation_compression")] = None,
+    microbatches: Annotated[Optional[int], opt("Pipeline trainer: microbatches in flight at once, so all stages stay busy (default: 4)", PIPE, "microbatches")] = None,
     stage_queue: Annotated[Optional[int], opt("Pipeline: requests a stage server lets wait before answering busy (default: 8)", PIPE, "stage_queue")] = None,
     sync_every: Annotated[Optional[float], opt("Pipeline: seconds between averaging rounds of a stage's replicas (default: 30)", PIPE, "sync_every")] = None,
     rebalance_period: Annotated[Optional[float], opt("Pipeline: seconds between rebalancing checks, 0 = never (default: 300)", PIPE, "rebalance_period")] = None,

@@ -62,6 +62,7 @@ class NodeConfig(BaseModel):
     role: Literal["auto", "stage", "trainer"] = Field("auto", description="pipeline role")
     stage: int | None = Field(None, ge=0, description="with --role stage: which stage to serve (default: the one the swarm needs)")
     activation_compression: str = Field("none", description="codec for activations and their gradients between stages")
+    microbatches: int = Field(4, ge=1, le=256, description="pipeline trainer: microbatches in flight at once")
     stage_queue: int = Field(8, ge=1, le=1024, description="requests a stage server lets wait before answering busy")
     sync_every: float = Field(30.0, gt=0, description="seconds between averaging rounds of a stage's replicas")
     rebalance_period: float = Field(300.0, ge=0, description="seconds between rebalancing checks of a stage server (0 = never)")

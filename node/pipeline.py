@@ -367,39 +367,62 @@ class PipelineNode:
         self.router = Router(seed=cfg.seed, ban_s=RECORD_TTL_S)
         client = PipelineClient(self.net.transport, cfg.run_id, cfg.stages, self.router, cfg.activation_compression,
                                 timeout=cfg.averaging_timeout)
-        tokens_per_step = cfg.batch_size * self.model_cfg.context
+        self.tokens_per_step = cfg.batch_size * self.model_cfg.context
         self._wait_for_stages()
-        window, window_tokens = time.monotonic(), 0
-        x, y = batches.next()
-        while not self.stop.is_set() and not self._deadline_reached():
-            try:
-                result = self.net.run(client.step(x, y), self.stop)
-            except PipelineStepFailed as e:
-                self.metrics.pipeline_steps.labels("failed").inc()
-                self.event("step_failed", step=self.summary.steps, reason=str(e)[:300])
-                time.sleep(1.0)  # wait for the DHT to show a live replica, then retry the same microbatch
-                continue
-            self.metrics.pipeline_steps.labels("ok").inc()
-            self.metrics.microbatch_retries.inc(result.retries)
-            if result.retries:
-                self.event("rerouted", step=self.summary.steps, retries=result.retries, error=result.errors[-1][:200])
-            self.summary.steps += 1
-            self.last_loss = result.loss
-            if math.isnan(self.summary.train_loss_first):
-                self.summary.train_loss_first = result.loss
-            self.summary.train_loss_last = result.loss
-            self.metrics.train_loss.set(result.loss)
-            self.metrics.inner_steps.inc()
-            self.metrics.tokens.inc(tokens_per_step)
-            window_tokens += tokens_per_step
-            if time.monotonic() - window >= 2.0:
-                self.throughput = window_tokens / (time.monotonic() - window)
-                self.metrics.tokens_per_second.set(self.throughput)
-                window, window_tokens = time.monotonic(), 0
-            if cfg.eval_every and self.summary.steps % (cfg.eval_every * 10) == 0:
-                self._evaluate(client, val)
-            x, y = batches.next()
+        self.window, self.window_tokens = time.monotonic(), 0
+        # --microbatches pipelines in flight, so every stage has work while others compute
+        workers = [self.net.submit(self._microbatch_loop(client, batches)) for _ in range(cfg.microbatches)]
+        next_eval = cfg.eval_every * 10
+        try:
+            while not self.stop.is_set() and not self._deadline_reached():
+                time.sleep(0.1)
+                if any(w.done() for w in workers):
+                    for w in workers:
+                        if w.done() and w.exception() is not None:
+                            raise w.exception()  # type: ignore[misc]
+                if cfg.eval_every and self.summary.steps >= next_eval:
+                    next_eval = self.summary.steps + cfg.eval_every * 10
+                    self._evaluate(client, val)
+        finally:
+            for w in workers:
+                w.cancel()
         self.val_batches, self.client = val, client
+
+    async def _microbatch_loop(self, client: PipelineClient, batches: ByteBatches) -> None:
+        """One pipeline in flight: a microbatch goes through every stage; a failed one is retried."""
+        import asyncio
+
+        while not self.stop.is_set():
+            x, y = batches.next()
+            while not self.stop.is_set():
+                try:
+                    result = await client.step(x, y)
+                except PipelineStepFailed as e:
+                    self.metrics.pipeline_steps.labels("failed").inc()
+                    self.event("step_failed", step=self.summary.steps, reason=str(e)[:300])
+                    await asyncio.sleep(1.0)  # wait for the DHT to show a live replica, then retry the same microbatch
+                    continue
+                self._count_step(result)
+                break
+
+    def _count_step(self, result: Any) -> None:
+        self.metrics.pipeline_steps.labels("ok").inc()
+        self.metrics.microbatch_retries.inc(result.retries)
+        if result.retries:
+            self.event("rerouted", step=self.summary.steps, retries=result.retries, error=result.errors[-1][:200])
+        self.summary.steps += 1
+        self.last_loss = result.loss
+        if math.isnan(self.summary.train_loss_first):
+            self.summary.train_loss_first = result.loss
+        self.summary.train_loss_last = result.loss
+        self.metrics.train_loss.set(result.loss)
+        self.metrics.inner_steps.inc()
+        self.metrics.tokens.inc(self.tokens_per_step)
+        self.window_tokens += self.tokens_per_step
+        if time.monotonic() - self.window >= 2.0:
+            self.throughput = self.window_tokens / (time.monotonic() - self.window)
+            self.metrics.tokens_per_second.set(self.throughput)
+            self.window, self.window_tokens = time.monotonic(), 0
 
     def _wait_for_stages(self) -> None:
         """Before the first microbatch: wait (up to --join-timeout) until every stage has a server."""
