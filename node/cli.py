@@ -65,7 +65,7 @@ def join_flags(
     outer_momentum: Annotated[Optional[float], opt("Outer momentum μ (α for noloco) (default: 0.9 Nesterov; 0.5 for noloco; 0 for sparseloco)", AVG, "outer_momentum")] = None,
     aggregate: Annotated[Optional[str], opt("mean | median-clip | trimmed-mean: robust aggregation against broken or malicious peers (default: mean)", AVG, "aggregate")] = None,
     stages: Annotated[Optional[int], opt("Pipeline: cut the model into S stages served by different peers (1 = whole-model replicas) (default: 1)", PIPE, "stages")] = None,
-    role: Annotated[Optional[str], opt("Pipeline: auto | stage | trainer; auto takes what the swarm needs (default: auto)", PIPE, "role")] = None,
+    role: Annotated[Optional[str], opt("Pipeline: auto | stage | trainer | spare; auto takes what the swarm needs; a spare waits to rebuild a lost stage (default: auto)", PIPE, "role")] = None,
     stage: Annotated[Optional[int], opt("Pipeline: with --role stage, the stage to serve (default: the one the swarm needs)", PIPE, "stage")] = None,
     activation_compression: Annotated[Optional[str], opt("Pipeline: codec for activations and their gradients: none, fp16, bf16, int8-block, q8 (default: none)", PIPE, "activation_compression")] = None,
     microbatches: Annotated[Optional[int], opt("Pipeline trainer: microbatches in flight at once, so all stages stay busy (default: 4)", PIPE, "microbatches")] = None,
@@ -73,6 +73,9 @@ def join_flags(
     sync_every: Annotated[Optional[float], opt("Pipeline: seconds between averaging rounds of a stage's replicas (default: 30)", PIPE, "sync_every")] = None,
     rebalance_period: Annotated[Optional[float], opt("Pipeline: seconds between rebalancing checks, 0 = never (default: 300)", PIPE, "rebalance_period")] = None,
     rebalance_margin: Annotated[Optional[float], opt("Pipeline: move only if pipeline throughput rises by more than this fraction (default: 0.1)", PIPE, "rebalance_margin")] = None,
+    checkfree_plus: Annotated[Optional[bool], opt("Pipeline: CheckFree+ (out-of-order microbatches, embedding/head replicas on neighbours) so a lost first or last stage can be restored (default: off)", PIPE, "checkfree_plus")] = None,
+    recovery_grace: Annotated[Optional[float], opt("Pipeline: seconds a stage may have no server before it is declared lost and rebuilt (default: 10)", PIPE, "recovery_grace")] = None,
+    recovery_lr_scale: Annotated[Optional[float], opt("Pipeline: learning-rate factor of a rebuilt stage's fresh optimizer (default: 1.1)", PIPE, "recovery_lr_scale")] = None,
     join_timeout: Annotated[Optional[float], opt("How long a joiner keeps trying to download the swarm's state, seconds (default: 60)", SWARM, "join_timeout")] = None,
     stream_timeout: Annotated[Optional[float], opt("Refuse a peer that stalls mid-request this long, seconds (default: 30)", OPS, "stream_timeout")] = None,
     averaging_timeout: Annotated[Optional[float], opt("Longest wait for late peers in a round, seconds; the deadline adapts below it to recent rounds (default: 30)", AVG, "averaging_timeout")] = None,
@@ -154,6 +157,8 @@ def swarm(
     checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Node i checkpoints under DIR/node<i> (default: next to the report)")] = None,
     join_interval: Annotated[float, typer.Option(help="Seconds between launching volunteers after the bootstrap node")] = 0.5,
     node_args: Annotated[Optional[list[str]], typer.Option("--node-args", help="Extra join options for one node, as INDEX:OPTIONS (repeatable), e.g. '1:--slowdown 3'")] = None,
+    chaos: Annotated[Optional[list[str]], typer.Option("--chaos", help="Fault injection (repeatable): kill:stage=S:at=60s, kill:node=I:at=T, kill:random:every=45s (SIGKILL)")] = None,
+    restart_killed: Annotated[Optional[float], typer.Option("--restart-killed", help="Restart killed nodes after this many seconds (default: leave them dead)")] = None,
 ) -> None:
     """Launch N daemons on loopback (any `node join` option is passed to each), show progress, write a report.
 
@@ -175,9 +180,17 @@ def swarm(
             raise typer.Exit(2)
         per_node.setdefault(int(index), []).extend(shlex.split(options))
         parse_join_args(extra + per_node[int(index)])  # fail now, not in a child process
+    from node.launcher import parse_chaos
+
+    try:
+        actions = [parse_chaos(spec) for spec in chaos or []]
+    except ValueError as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
     launcher = SwarmLauncher(
         nodes=nodes, duration=duration, report=report, metrics_port=metrics_port,
         run_dir=checkpoint_dir or report.parent, join_args=extra, config=cfg, join_interval=join_interval, node_args=per_node,
+        chaos=actions, restart_killed=restart_killed, seed=cfg.seed,
     )
     raise typer.Exit(launcher.run())
 

@@ -59,7 +59,7 @@ class NodeConfig(BaseModel):
     averaging_timeout: float = Field(30.0, gt=0, description="longest wait for late peers at a round, seconds")
     # pipeline (SWARM)
     stages: int = Field(1, ge=1, le=64, description="pipeline stages the model is cut into (1 = whole-model replicas)")
-    role: Literal["auto", "stage", "trainer"] = Field("auto", description="pipeline role")
+    role: Literal["auto", "stage", "trainer", "spare"] = Field("auto", description="pipeline role")
     stage: int | None = Field(None, ge=0, description="with --role stage: which stage to serve (default: the one the swarm needs)")
     activation_compression: str = Field("none", description="codec for activations and their gradients between stages")
     microbatches: int = Field(4, ge=1, le=256, description="pipeline trainer: microbatches in flight at once")
@@ -67,6 +67,9 @@ class NodeConfig(BaseModel):
     sync_every: float = Field(30.0, gt=0, description="seconds between averaging rounds of a stage's replicas")
     rebalance_period: float = Field(300.0, ge=0, description="seconds between rebalancing checks of a stage server (0 = never)")
     rebalance_margin: float = Field(0.1, ge=0, description="move only when pipeline throughput rises by more than this fraction")
+    checkfree_plus: bool = Field(False, description="CheckFree+: out-of-order microbatches and embedding/head replicas on neighbours")
+    recovery_grace: float = Field(10.0, gt=0, description="seconds a stage may have no server before it is declared lost")
+    recovery_lr_scale: float = Field(1.1, gt=0, le=10, description="learning-rate factor of a rebuilt stage's fresh optimizer")
     # operations
     metrics_port: int = Field(0, ge=0, le=65535)
     checkpoint_dir: Path | None = None

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -74,6 +75,45 @@ class NodeProcess:
         return self.info
 
 
+@dataclass
+class ChaosAction:
+    """One fault to inject (``node swarm --chaos SPEC``): SIGKILL a stage's servers, one node, or a
+    random node, once at ``at`` seconds or every ``every`` seconds."""
+
+    target: str  # "stage", "node" or "random"
+    value: int | None
+    at: float | None
+    every: float | None
+    next_t: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.next_t = self.at if self.at is not None else (self.every or 0.0)
+
+
+def parse_chaos(spec: str) -> ChaosAction:
+    """``kill:stage=1:at=60s``, ``kill:node=2:at=30``, ``kill:random:every=45s``."""
+    parts = spec.split(":")
+    if len(parts) < 3 or parts[0] != "kill":
+        raise ValueError(f"--chaos {spec!r}: expected kill:stage=S:at=T, kill:node=I:at=T or kill:random:every=T")
+    target, value = parts[1].partition("=")[0], parts[1].partition("=")[2]
+    if target not in ("stage", "node", "random") or (target != "random" and not value.isdigit()):
+        raise ValueError(f"--chaos {spec!r}: the victim is stage=S, node=I or random")
+    timing: dict[str, float] = {}
+    for part in parts[2:]:
+        key, _, raw = part.partition("=")
+        if key not in ("at", "every"):
+            raise ValueError(f"--chaos {spec!r}: unknown field {key!r} (use at=T or every=T)")
+        try:
+            timing[key] = float(raw.removesuffix("s"))
+        except ValueError:
+            raise ValueError(f"--chaos {spec!r}: {key} needs seconds, e.g. {key}=60s") from None
+        if timing[key] <= 0:
+            raise ValueError(f"--chaos {spec!r}: {key} must be positive")
+    if len(timing) != 1:
+        raise ValueError(f"--chaos {spec!r}: give exactly one of at=T or every=T")
+    return ChaosAction(target, int(value) if value else None, timing.get("at"), timing.get("every"))
+
+
 def pipeline_role(index: int, nodes: int, stages: int) -> int | None:
     """Role of node ``index`` in a local pipeline swarm: the last ⌊N/(S+1)⌋ (at least 1) nodes are
     trainers, the others serve stages round-robin (node 0, the bootstrap, serves stage 0)."""
@@ -93,12 +133,19 @@ class SwarmLauncher:
         config: NodeConfig,
         join_interval: float = 0.5,
         node_args: dict[int, list[str]] | None = None,
+        chaos: list[ChaosAction] | None = None,
+        restart_killed: float | None = None,
+        seed: int = 0,
     ) -> None:
         if nodes < 1:
             raise ValueError("--nodes must be at least 1")
         self.duration, self.report, self.join_args, self.config = duration, Path(report), join_args, config
         self.join_interval = join_interval
         self.node_args = node_args or {}
+        self.chaos, self.restart_killed = chaos or [], restart_killed
+        self.rng = random.Random(seed)
+        self.restarts: list[tuple[float, NodeProcess]] = []
+        self.killed: set[int] = set()
         self.events: list[dict[str, Any]] = []
         self.nodes = [
             NodeProcess(i, Path(run_dir) / f"node{i}", metrics_port + i if metrics_port else free_port()) for i in range(nodes)
@@ -156,12 +203,28 @@ class SwarmLauncher:
         return f"[{time.time() - self.t0:5.0f}s] " + " | ".join(parts)
 
     def _stop_all(self) -> None:
-        for node in self.nodes:
+        # in a pipeline, trainers stop first: their final evaluation needs the stage servers
+        trainers = [n for n in self.nodes if self._is_pipeline_trainer(n)]
+        if trainers:
+            self._stop(trainers)
+        self._stop([n for n in self.nodes if n not in trainers])
+
+    def _is_pipeline_trainer(self, node: NodeProcess) -> bool:
+        if self.config.stages <= 1:
+            return False
+        own = [*self.join_args, *self.node_args.get(node.index, [])]
+        if "--role" in own:
+            last = len(own) - 1 - own[::-1].index("--role")
+            return own[last + 1 : last + 2] == ["trainer"]
+        return pipeline_role(node.index, len(self.nodes), self.config.stages) is None
+
+    def _stop(self, nodes: list[NodeProcess]) -> None:
+        for node in nodes:
             if node.process is not None and node.process.poll() is None:
                 node.process.send_signal(signal.SIGTERM)
                 self.event("sigterm", node=node.index)
         deadline = time.time() + STOP_GRACE_S
-        for node in self.nodes:
+        for node in nodes:
             if node.process is None:
                 continue
             try:
@@ -191,9 +254,10 @@ class SwarmLauncher:
             end = self.t0 + self.duration
             next_line = 0.0
             while time.time() < end:
-                if all(n.process is not None and n.process.poll() is not None for n in self.nodes):
+                if all(n.process is not None and n.process.poll() is not None for n in self.nodes) and not self.restarts:
                     self.event("all_exited_early")
                     break
+                self._inject_faults(bootstrap[:1])
                 if time.time() >= next_line:
                     print(self._progress_line(), flush=True)
                     next_line = time.time() + 10
@@ -208,8 +272,41 @@ class SwarmLauncher:
             self._stop_all()
         report = self.write_report()
         self.print_summary(report)
-        ok = all(n["exit_code"] == 0 for n in report["nodes"]) and not interrupted
+        ok = all(n["exit_code"] == 0 or n["index"] in self.killed for n in report["nodes"]) and not interrupted
         return 0 if ok else 1
+
+    def _live(self) -> list[NodeProcess]:
+        return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
+
+    def _inject_faults(self, bootstrap: list[str]) -> None:
+        now = time.time() - self.t0
+        for action in self.chaos:
+            if action.next_t is None or now < action.next_t:
+                continue
+            action.next_t = now + action.every if action.every else None  # type: ignore[assignment]
+            if action.target == "node":
+                victims = [n for n in self._live() if n.index == action.value]
+            elif action.target == "stage":
+                victims = [n for n in self._live() if scrape(n.metrics_port).get("locomesh_stage") == action.value]
+            else:
+                live = [n for n in self._live() if n.index != 0]
+                victims = [self.rng.choice(live)] if live else []
+            if not victims:
+                self.event("chaos_no_victim", spec=f"{action.target}={action.value}")
+            for node in victims:
+                stage = scrape(node.metrics_port).get("locomesh_stage")
+                os.killpg(node.process.pid, signal.SIGKILL)  # type: ignore[union-attr]
+                node.exit_code = node.process.wait()  # type: ignore[union-attr]
+                self.killed.add(node.index)
+                self.event("chaos_kill", node=node.index, stage=None if stage is None or stage < 0 else int(stage))
+                if self.restart_killed is not None:
+                    self.restarts.append((now + self.restart_killed, node))
+        for due, node in [r for r in self.restarts if r[0] <= now]:
+            self.restarts.remove((due, node))
+            peers = bootstrap if self.nodes[0].process and self.nodes[0].process.poll() is None else [
+                a for n in self._live() for a in n.read_info().get("multiaddrs", [])[:1]]
+            self._spawn(node, peers[:1])
+            self.event("chaos_restart", node=node.index)
 
     def write_report(self) -> dict[str, Any]:
         nodes = []
@@ -217,6 +314,7 @@ class SwarmLauncher:
             info = node.read_info()
             nodes.append({
                 "index": node.index,
+                "killed": node.index in self.killed,
                 "peer_id": info.get("peer_id", ""),
                 "exit_code": node.exit_code,
                 "steps": info.get("steps", 0),

@@ -38,6 +38,9 @@ class NodeMetrics:
         self.stage_moves = Counter("locomesh_stage_moves", "Times this node moved to another stage (rebalancing)", registry=r)
         self.pipeline_steps = Counter("locomesh_pipeline_steps", "Pipeline microbatches of a trainer, by result (ok, failed)", ["result"], registry=r)
         self.microbatch_retries = Counter("locomesh_microbatch_retries", "Stage calls retried on another replica", registry=r)
+        self.stages_lost = Counter("locomesh_stages_lost", "Pipeline stages this node found without any server past the grace period", registry=r)
+        self.recoveries = Counter("locomesh_stage_recoveries", "Lost stages this node rebuilt, by method (checkfree, copy-plus, unrecoverable)", ["method"], registry=r)
+        self.recovery_duration = Histogram("locomesh_stage_recovery_seconds", "Time to rebuild a lost stage once it was declared lost", buckets=ROUND_BUCKETS, registry=r)
         self.round_wait = Gauge("locomesh_round_wait_seconds", "Time the last round spent waiting for peers at the rendezvous", registry=r)
         self.errors = Counter("locomesh_errors", "Errors by kind (timeout, connection, schema, out_of_sync, ...)", ["kind"], registry=r)
         self.peers = Gauge("locomesh_peers", "Live members of this run seen in the DHT (self included)", registry=r)
@@ -49,6 +52,8 @@ class NodeMetrics:
             self.state_downloads.labels(result)
             self.pipeline_steps.labels(result)
         self.stage.set(-1)
+        for method in ("checkfree", "copy-plus", "unrecoverable"):
+            self.recoveries.labels(method)
         # every known label exists from the start, so dashboards and alerts see 0 rather than no data
         for kind in TRAFFIC_KINDS:
             self.bytes_sent.labels(kind)

@@ -29,6 +29,7 @@ class GPTConfig:
 
 PRESETS: dict[str, GPTConfig] = {
     "nano": GPTConfig(n_layer=2, n_head=2, d_model=64, context=64),  # tests: ~0.1 M params
+    "micro": GPTConfig(n_layer=4, n_head=2, d_model=64, context=64),  # pipeline tests (4 blocks): ~0.2 M params
     "tiny": GPTConfig(n_layer=4, n_head=4, d_model=128, context=128),  # ~0.8 M params, CPU demo
     "small": GPTConfig(n_layer=6, n_head=6, d_model=384, context=256),  # ~10.7 M params
     "medium": GPTConfig(n_layer=12, n_head=12, d_model=768, context=512),  # ~85 M params, GPU

@@ -10,6 +10,12 @@
 - A **trainer** holds the data and pushes microbatches through randomized pipelines
   (``swarm.router``, ``swarm.pipeline``), retrying failed calls on other replicas.
 
+- A **spare** serves nothing until a stage has had no server for ``--recovery-grace`` seconds; then it
+  rebuilds that stage from its neighbours (CheckFree: gradient-norm-weighted average of stages i−1
+  and i+1; CheckFree+: a lost first/last stage copied from its neighbour's replica) and serves it
+  with a fresh optimizer (learning rate × ``--recovery-lr-scale``). Without a spare, the slowest
+  server of a stage with two or more replicas does it.
+
 ``--role auto`` picks what the swarm needs: a stage nobody serves, else a trainer when trainers are
 fewer than the thinnest stage's replicas, else the stage with the least total throughput.
 """
@@ -43,6 +49,7 @@ from node.network import Interrupted, NetworkThread
 from node.status_service import StatusService
 from node.trainer import pick_device
 from protocol.records import PeerRecord
+from swarm.checkfree import lost_stages, rebuild_stage, recoverable, restore_from_replica
 from swarm.pipeline import PipelineClient, PipelineStepFailed
 from swarm.rebalance import plan_move
 from swarm.router import Router
@@ -87,6 +94,8 @@ class PipelineNode:
         self.last_loss = math.nan
         self.throughput = 0.0
         self.role = "starting"
+        self.peers: dict[str, PeerRecord] = {}
+        self.last_served: list[float | None] = []
 
     # ---- shared plumbing (same conventions as the DiLoCo daemon) ---------------------------------
     def event(self, kind: str, **fields: Any) -> None:
@@ -169,8 +178,11 @@ class PipelineNode:
         self.summary.protocols = list(net.transport.protocols)
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
-        target = self._pick_role()
-        if target is None:
+        self.last_served = [None] * cfg.stages
+        target = None if cfg.role == "spare" else self._pick_role()
+        if cfg.role == "spare":
+            self.role = "spare"
+        elif target is None:
             self.role = "trainer"
         else:
             self._become_stage(target)
@@ -178,12 +190,14 @@ class PipelineNode:
         net.every(HEARTBEAT_S, self._heartbeat, "heartbeat")
         self.summary.state = "training"
         self._write_info()
-        what = "a trainer" if self.stage is None else f"stage {self.stage} of {cfg.stages}"
+        what = self.role if self.stage is None else f"stage {self.stage} of {cfg.stages}"
         print(f"locomesh node {peer_id} is up as {what}. Others can join with:\n  node join --run-id {cfg.run_id} --stages {cfg.stages} "
               + " ".join(f"--initial-peers {a}" for a in self.summary.multiaddrs[:2]), flush=True)
-        if self.stage is None:
+        if self.role == "spare":
+            self._wait_as_spare()
+        if self.stage is None and self.role == "trainer":
             self._train()
-        else:
+        elif self.stage is not None:
             self._serve()
         self._finish()
         return 0
@@ -213,16 +227,16 @@ class PipelineNode:
         shapes = [(tuple(p.shape), torch.float32) for p in stage.parameters()]
         return {"params": shapes, "outer_momentum": shapes}
 
-    def _become_stage(self, index: int) -> None:
-        """Serve stage ``index``: its weights from a live replica if there is one, else the run's init."""
+    def _become_stage(self, index: int, rebuilt: Stage | None = None, lr_scale: float = 1.0) -> None:
+        """Serve stage ``index``: ``rebuilt`` weights (a recovery), else a live replica's, else the run's init."""
         cfg, net = self.cfg, self.net
         previous, self.worker = self.stage, None
-        module = Stage(self.model_cfg, index, cfg.stages, model_seed(cfg.run_id))
+        module = rebuilt if rebuilt is not None else self._new_stage(index)
         sub = stage_run(cfg.run_id, index)
         self.outer = NesterovOuter(*cfg.outer_hyper)
         self.round = 0
         source = None
-        if cfg.initial_peers or previous is not None:
+        if rebuilt is None and (cfg.initial_peers or previous is not None):
             source = self._download_stage(module, sub, net.call(list_peers(net.dht, sub), timeout=30))
         self.phi = [p.detach().to("cpu", torch.float32).clone() for p in module.parameters()]
         self.round = max(self.round, int(time.time() // cfg.sync_every))  # first averaging at the next boundary
@@ -230,14 +244,20 @@ class PipelineNode:
         self.exchange.run_id, self.exchange.layout = sub, RoundExchange(net.transport, sub, cfg.codec, part_shapes([p.shape for p in self.phi])).layout
         self.averager.run_id, self.averager.outer = sub, self.outer
         self.stage = index
-        self.worker = StageWorker(module, self.device, cfg.lr, cfg.weight_decay, cfg.warmup_steps, slowdown=cfg.slowdown)
+        self.service.reset_throughput()
+        self.worker = StageWorker(module, self.device, cfg.lr * lr_scale, cfg.weight_decay, cfg.warmup_steps, slowdown=cfg.slowdown)
         self.role = "stage"
         self.metrics.stage.set(index)
         self._publish_stage_state()
-        self.event("stage_joined" if previous is None else "stage_moved", stage=index, previous=previous, source=source, round=self.round)
+        if rebuilt is None:
+            self.event("stage_joined" if previous is None else "stage_moved", stage=index, previous=previous, source=source, round=self.round)
 
-    def _download_stage(self, module: Stage, sub: str, peers: dict[str, PeerRecord]) -> str | None:
-        """Load a live replica's weights, outer momentum and round into ``module``; returns its peer id."""
+    def _new_stage(self, index: int) -> Stage:
+        return Stage(self.model_cfg, index, self.cfg.stages, model_seed(self.cfg.run_id), plus=self.cfg.checkfree_plus)
+
+    def _download_stage(self, module: Stage, sub: str, peers: dict[str, PeerRecord], adopt: bool = True) -> str | None:
+        """Load a live replica's weights (and, with ``adopt``, outer momentum and round) into ``module``;
+        returns its peer id."""
         net = self.net
         for rec in sorted(peers.values(), key=lambda r: (-r.round, r.peer_id)):
             if rec.peer_id == self.summary.peer_id or rec.role != "stage":
@@ -250,8 +270,9 @@ class PipelineNode:
             with torch.no_grad():
                 for p, t in zip(module.parameters(), got.snapshot.tensors["params"]):
                     p.copy_(t)
-            self.outer.load_state_tensors(got.snapshot.tensors["outer_momentum"])
-            self.round = got.snapshot.round
+            if adopt:
+                self.outer.load_state_tensors(got.snapshot.tensors["outer_momentum"])
+                self.round = got.snapshot.round
             self.metrics.state_downloads.labels("ok").inc()
             return rec.peer_id
         return None
@@ -300,6 +321,9 @@ class PipelineNode:
                 samples = max(1, worker.samples)
                 worker.samples = 0
                 pending = (self.net.submit(self.averager.run_round(epoch, self.phi, theta, samples)), worker)
+            if pending is None and self._check_lost():
+                last_steps = self.worker.steps if self.worker else 0
+                continue
             if pending is None and cfg.rebalance_period and time.monotonic() >= next_rebalance:
                 next_rebalance = time.monotonic() + cfg.rebalance_period
                 self._maybe_rebalance()
@@ -346,17 +370,102 @@ class PipelineNode:
 
     def _maybe_rebalance(self) -> None:
         records = self.net.call(list_peers(self.net.dht, self.cfg.run_id), timeout=30)
-        stages = [{p: max(tp, 1e-3) for p, tp in members.items()} for members in self._stage_map(records)]
+        stages = self._stage_map(records)
         me = self.summary.peer_id
         if self.stage is not None:
-            stages[self.stage][me] = max(self.throughput * self.model_cfg.context, 1e-3)
+            stages[self.stage][me] = self.throughput * self.model_cfg.context
         target = plan_move(stages, me, self.cfg.rebalance_margin)
         if target is None:
             return
         before = [round(sum(s.values())) for s in stages]
         self.metrics.stage_moves.inc()
         self.event("rebalance", from_stage=self.stage, to_stage=target, stage_throughput=before)
-        self._become_stage(target)
+        self._become_stage(target)  # its throughput is measured again on the new stage before anyone plans on it
+
+    # ---- lost stages ---------------------------------------------------------------------------------
+    def _wait_as_spare(self) -> None:
+        """A spare checks the stage map every half second and takes over the first lost stage it should."""
+        while not self.stop.is_set() and not self._deadline_reached() and self.stage is None:
+            time.sleep(0.5)
+            self._check_lost()
+
+    def _recovery_candidates(self, lost: list[int]) -> list[str]:
+        """Who rebuilds a lost stage: spares (by peer id), else servers of stages with spare replicas."""
+        records = dict(self.peers)
+        if self.role == "spare":
+            records[self.summary.peer_id] = PeerRecord(peer_id=self.summary.peer_id, role="spare")
+        spares = sorted(p for p, r in records.items() if r.role == "spare")
+        if spares:
+            return spares
+        counts: dict[int, int] = {}
+        for r in records.values():
+            if r.role == "stage":
+                counts[r.stage] = counts.get(r.stage, 0) + 1
+        donors = [r for r in records.values() if r.role == "stage" and counts.get(r.stage, 0) >= 2 and r.stage not in lost]
+        return [r.peer_id for r in sorted(donors, key=lambda r: (r.tokens_per_s, r.peer_id))]
+
+    def _check_lost(self) -> bool:
+        """Rebuild a lost stage if this node is the one to do it; returns whether it did."""
+        cfg = self.cfg
+        now = time.monotonic()
+        lost = lost_stages(self.last_served, now, cfg.recovery_grace)
+        if not lost or self.stage in lost:
+            return False
+        candidates = self._recovery_candidates(lost)
+        if not candidates or candidates[0] != self.summary.peer_id:
+            return False
+        plan = recoverable(lost, cfg.stages, cfg.checkfree_plus)
+        stage = min(lost, key=lambda s: (plan[s] == "unrecoverable", s))
+        since = now - (self.last_served[stage] or now)
+        self.metrics.stages_lost.inc()
+        self.event("stage_lost", stage=stage, unserved_s=round(since, 2), method=plan[stage], lost=lost)
+        for s in lost:
+            self.last_served[s] = None  # acted on; a stage counts as lost again only after it was served again
+        self._recover(stage, plan[stage], since)
+        return True
+
+    def _fetch_stage(self, index: int) -> tuple[Stage, PeerRecord | None]:
+        """A neighbour stage's current weights, downloaded from one of its replicas."""
+        module = self._new_stage(index)
+        sub = stage_run(self.cfg.run_id, index)
+        peers = self.net.call(list_peers(self.net.dht, sub), timeout=30)
+        source = self._download_stage(module, sub, peers, adopt=False)
+        if source is None:
+            raise RuntimeError(f"no replica of stage {index} answered")
+        return module, peers.get(source)
+
+    def _recover(self, stage: int, method: str, unserved_s: float) -> None:
+        cfg = self.cfg
+        started = time.monotonic()
+        seed = model_seed(cfg.run_id)
+        try:
+            if method == "checkfree":
+                (prev, prev_rec), (nxt, next_rec) = self._fetch_stage(stage - 1), self._fetch_stage(stage + 1)
+                norms = (prev_rec.grad_norm if prev_rec else 0.0, next_rec.grad_norm if next_rec else 0.0)
+                module = rebuild_stage(self.model_cfg, stage, cfg.stages, seed, "checkfree", prev, nxt, norms, plus=cfg.checkfree_plus)
+                detail: dict[str, Any] = {"norms": [round(n, 4) for n in norms]}
+            elif method == "copy-plus":
+                neighbour, _ = self._fetch_stage(1 if stage == 0 else stage - 1)
+                module = restore_from_replica(self.model_cfg, stage, cfg.stages, seed, neighbour, plus=cfg.checkfree_plus)
+                detail = {"from_stage": neighbour.index}
+            else:
+                reason = ("adjacent stages were lost together" if 0 < stage < cfg.stages - 1
+                          else "the first or last stage was lost without --checkfree-plus")
+                logger.error("stage %d cannot be rebuilt from its neighbours: %s; no peer keeps a checkpoint of it, "
+                             "so it restarts from a fresh initialisation", stage, reason)
+                self.event("stage_unrecoverable", stage=stage, reason=reason, fallback="fresh initialisation (no checkpoint available)")
+                module, detail = self._new_stage(stage), {"reason": reason}
+        except Exception as e:
+            logger.warning("could not rebuild stage %d with %s: %s; starting it fresh", stage, method, e)
+            self.event("stage_recovery_failed", stage=stage, method=method, error=str(e)[:200])
+            module, method, detail = self._new_stage(stage), "unrecoverable", {"error": str(e)[:200]}
+        self._become_stage(stage, rebuilt=module, lr_scale=cfg.recovery_lr_scale)
+        duration = time.monotonic() - started
+        self.metrics.recoveries.labels(method).inc()
+        self.metrics.recovery_duration.observe(duration)
+        self.event("stage_recovered", stage=stage, method=method, duration_s=round(duration, 3),
+                   since_unserved_s=round(unserved_s + duration, 3), **detail)
+        self.net.call(self._heartbeat(), timeout=30)
 
     # ---- trainer -----------------------------------------------------------------------------------
     def _train(self) -> None:
@@ -366,7 +475,7 @@ class PipelineNode:
         batches = ByteBatches(corpus.train, cfg.batch_size, self.model_cfg.context, seed=cfg.seed)
         self.router = Router(seed=cfg.seed, ban_s=RECORD_TTL_S)
         client = PipelineClient(self.net.transport, cfg.run_id, cfg.stages, self.router, cfg.activation_compression,
-                                timeout=cfg.averaging_timeout)
+                                timeout=cfg.averaging_timeout, plus=cfg.checkfree_plus)
         self.tokens_per_step = cfg.batch_size * self.model_cfg.context
         self._wait_for_stages()
         self.window, self.window_tokens = time.monotonic(), 0
@@ -468,7 +577,12 @@ class PipelineNode:
         if self.stage is not None and self.role == "stage":
             await publish_peer(net.dht, net.validator, stage_run(cfg.run_id, self.stage), record, RECORD_TTL_S)
         peers = await list_peers(net.dht, cfg.run_id)
+        self.peers = peers
         self.metrics.peers.set(len(peers))
+        now = time.monotonic()
+        for rec in peers.values():
+            if rec.role == "stage" and 0 <= rec.stage < cfg.stages:
+                self.last_served[rec.stage] = now
         if self.stage is None and hasattr(self, "router"):
             for s, members in enumerate(self._stage_map(peers)):
                 self.router.update(s, members)

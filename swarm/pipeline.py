@@ -6,6 +6,10 @@ forward pass, so if the peer that ran a microbatch's forward is gone another rep
 backward). A failed call (error, refusal, timeout) bans that peer and is retried on another replica
 of the stage; when a stage has no replica left the step is reported failed (never silently dropped)
 and the caller retries the microbatch.
+
+With CheckFree+ (``plus``) odd microbatches run in the out-of-order sequence of
+``swarm.checkfree.swap_order``: the stage that comes first embeds (stage 1 with its replica of the
+embeddings), the one that comes last applies the head (stage S−2 with its replica).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from protocol.hivemind_transport import Transport
+from swarm.checkfree import swap_order
 from swarm.router import NoPeerAvailable, Router
 from swarm.service import StageCallError, call_stage
 
@@ -41,9 +46,10 @@ class PipelineClient:
     """
 
     def __init__(self, transport: Transport, run_id: str, stages: int, router: Router, codec: str = "none",
-                 timeout: float = 30.0, max_retries: int = 3) -> None:
+                 timeout: float = 30.0, max_retries: int = 3, plus: bool = False) -> None:
         self.transport, self.run_id, self.stages, self.router = transport, run_id, stages, router
-        self.codec, self.timeout, self.max_retries = codec, timeout, max_retries
+        self.codec, self.timeout, self.max_retries, self.plus = codec, timeout, max_retries, plus
+        self.microbatches = 0
 
     async def _call(self, result: StepResult, stage: int, kind: str, x: torch.Tensor, prefer: str | None = None, **kw):
         tried: list[str] = []
@@ -67,19 +73,26 @@ class PipelineClient:
     async def step(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         """One training microbatch through the pipeline; raises :class:`PipelineStepFailed`."""
         result = StepResult(loss=float("nan"), path=[])
+        order = swap_order(self.stages, self.microbatches) if self.plus else list(range(self.stages))
+        self.microbatches += 1
+
+        def flags(position: int, head: bool) -> dict:
+            return {"embed": position == 0, "head": head} if self.plus else {}
+
         inputs = [x]
-        for stage in range(self.stages - 1):
-            out, peer = await self._call(result, stage, "forward", inputs[-1])
+        for position, stage in enumerate(order[:-1]):
+            out, peer = await self._call(result, stage, "forward", inputs[-1], **flags(position, False))
             result.path.append(peer)
             inputs.append(out["y"])
-        out, peer = await self._call(result, self.stages - 1, "loss", inputs[-1], y=y)
+        out, peer = await self._call(result, order[-1], "loss", inputs[-1], y=y, **flags(len(order) - 1, True))
         result.path.append(peer)
         result.loss = out["loss"]
         grad = out.get("g")
-        for stage in range(self.stages - 2, -1, -1):
+        for position in range(len(order) - 2, -1, -1):
             if grad is None:
-                raise PipelineStepFailed(f"stage {stage + 1} returned no input gradient")
-            out, _ = await self._call(result, stage, "backward", inputs[stage], prefer=result.path[stage], grad=grad)
+                raise PipelineStepFailed(f"stage {order[position + 1]} returned no input gradient")
+            out, _ = await self._call(result, order[position], "backward", inputs[position], prefer=result.path[position],
+                                      grad=grad, **flags(position, False))
             grad = out.get("g")
         return result
 

@@ -4,7 +4,9 @@ A pipeline runs at the speed of its slowest stage, i.e. the stage whose peers' s
 lowest. Periodically each stage server reads every stage's peers from the DHT; exactly one peer, the
 slowest of the stage with the most spare throughput, moves to the bottleneck stage, and only when
 that raises the pipeline's throughput by more than ``margin`` (so two nearly equal stages do not
-trade a peer back and forth). A stage's last peer never leaves it.
+trade a peer back and forth). A stage's last peer never leaves it, and nobody moves while some
+server has not measured its throughput yet (a peer that just moved or joined): plans made on a
+guess flap.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ def plan_move(stages: list[dict[str, float]], me: str, margin: float = 0.1) -> i
     """
     totals = [sum(peers.values()) for peers in stages]
     mine = next((s for s, peers in enumerate(stages) if me in peers), None)
-    if mine is None or len(stages) < 2:
+    if mine is None or len(stages) < 2 or any(tp <= 0 for peers in stages for tp in peers.values()):
         return None
     # ties: lowest stage index, so every peer computes the same plan
     donor = max(range(len(stages)), key=lambda s: (totals[s], -s))

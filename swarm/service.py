@@ -3,6 +3,8 @@
 Requests (one per stream): ``forward {run_id, stage, x}`` → ``activation {y}``;
 ``backward {run_id, stage, x, grad}`` → ``grad {g}``; ``loss {run_id, stage, x, y}`` (last stage:
 loss, backward and step) → ``loss {loss, g}``; ``evaluate {run_id, stage, x, y}`` → ``loss {loss}``.
+Optional ``embed``/``head`` booleans ask a CheckFree+ neighbour to act as first/last stage with its
+replica of the embeddings/head (out-of-order microbatches).
 Token ids travel as raw tensors; activations and gradients as payloads of the run's activation codec
 (``none``, ``fp16``, ``bf16``, ``int8-block``...). Everything is validated before it is computed on.
 
@@ -58,6 +60,7 @@ class _Job:
     x: torch.Tensor
     extra: torch.Tensor | None
     future: asyncio.Future = field(repr=False)
+    embed: bool | None = None
 
 
 class StageService:
@@ -99,10 +102,21 @@ class StageService:
         if worker is None or stage != worker.stage.index:
             raise SchemaError(f"this peer serves stage {worker.stage.index if worker else 'none'} now, not stage {stage}")
         context, max_numel = self._limits(worker)
-        if worker.stage.first:
+        flags = {k: msg.body.get(k) for k in ("embed", "head")}
+        if any(v is not None and not isinstance(v, bool) for v in flags.values()):
+            raise SchemaError("embed and head must be booleans")
+        embed = worker.stage.first if flags["embed"] is None else flags["embed"]
+        head = msg.kind in ("loss", "evaluate") if flags["head"] is None else flags["head"]
+        if embed and not worker.stage.can_embed:
+            raise SchemaError(f"stage {stage} holds no embeddings (CheckFree+ gives stage 1 a replica)")
+        if head and not worker.stage.can_head:
+            raise SchemaError(f"loss and evaluate requests go to the last stage (or a CheckFree+ head replica); this is stage {stage}")
+        if head != (msg.kind in ("loss", "evaluate")):
+            raise SchemaError(f"a {msg.kind} request cannot {'use' if head else 'skip'} the head")
+        if embed:
             x = tensor_from_wire(msg.body.get("x"), max_numel=MAX_BATCH * context)
             if x.dtype not in (torch.int64, torch.int32) or x.dim() != 2 or not 0 < x.shape[1] <= context:
-                raise SchemaError(f"stage 0 takes int token ids (batch, ≤{context}), got {x.dtype} {list(x.shape)}")
+                raise SchemaError(f"stage {stage} embeds int token ids (batch, ≤{context}), got {x.dtype} {list(x.shape)}")
             if x.numel() and (int(x.min()) < 0 or int(x.max()) >= worker.stage.cfg.vocab_size):
                 raise SchemaError("token id out of the vocabulary")
         else:
@@ -112,18 +126,14 @@ class StageService:
                 raise SchemaError(f"stage {stage} takes activations (batch, ≤{context}, {d}), got {list(x.shape)}")
         extra = None
         if msg.kind in ("loss", "evaluate"):
-            if not worker.stage.last:
-                raise SchemaError(f"{msg.kind} requests go to the last stage; this is stage {stage}")
             extra = tensor_from_wire(msg.body.get("y"), expected_shape=tuple(x.shape[:2]))
             if extra.dtype not in (torch.int64, torch.int32) or (extra.numel() and (int(extra.min()) < 0 or int(extra.max()) >= worker.stage.cfg.vocab_size)):
                 raise SchemaError("targets must be token ids of the vocabulary")
         elif msg.kind == "backward":
             out_shape = (*x.shape[:2], worker.stage.cfg.d_model)
             extra = decode_activation(msg.body.get("grad"), self.codec, out_shape, max_numel)
-        elif msg.kind == "forward" and worker.stage.last:
-            raise SchemaError("the last stage answers loss and evaluate requests, not forward")
         assert self.queue is not None
-        job = _Job(msg.kind, x, extra, asyncio.get_running_loop().create_future())
+        job = _Job(msg.kind, x, extra, asyncio.get_running_loop().create_future(), embed)
         try:
             self.queue.put_nowait(job)
         except asyncio.QueueFull:
@@ -148,7 +158,7 @@ class StageService:
             if head.kind in ("forward", "backward"):
                 while len(jobs) < self.max_batch and not self.queue.empty():
                     nxt = self.queue._queue[0]  # type: ignore[attr-defined]  # peek: batch only same-kind, same-shape jobs
-                    if nxt.kind != head.kind or nxt.x.shape[1:] != head.x.shape[1:] or nxt.x.dtype != head.x.dtype:
+                    if nxt.kind != head.kind or nxt.embed != head.embed or nxt.x.shape[1:] != head.x.shape[1:] or nxt.x.dtype != head.x.dtype:
                         break
                     jobs.append(self.queue.get_nowait())
             started = time.monotonic()
@@ -178,14 +188,17 @@ class StageService:
             sizes = [len(j.x) for j in jobs]
             x = torch.cat([j.x for j in jobs]) if len(jobs) > 1 else head.x
             if head.kind == "forward":
-                out = worker.forward(x)
+                out = worker.forward(x, embed=head.embed)
             else:
                 grad = torch.cat([j.extra for j in jobs]) if len(jobs) > 1 else head.extra  # type: ignore[misc]
-                out = worker.backward(x, grad)
+                out = worker.backward(x, grad, embed=head.embed)
             return [None] * len(jobs) if out is None else list(out.split(sizes))
         if head.kind == "loss":
-            return [worker.loss_step(head.x, head.extra)]  # type: ignore[arg-type]
-        return [worker.evaluate(head.x, head.extra)]  # type: ignore[arg-type]
+            return [worker.loss_step(head.x, head.extra, embed=head.embed)]  # type: ignore[arg-type]
+        return [worker.evaluate(head.x, head.extra, embed=head.embed)]  # type: ignore[arg-type]
+
+    def reset_throughput(self) -> None:
+        self.throughput, self._ema, self._weight = 0.0, 0.0, 0.0
 
     def _observe(self, samples: int, seconds: float, alpha: float = 0.1) -> None:
         rate = samples / max(seconds, 1e-6)
@@ -201,6 +214,7 @@ class StageCallError(Exception):
 async def call_stage(
     transport: Transport, peer: str, run_id: str, stage: int, kind: str, x: torch.Tensor, *, codec: str,
     y: torch.Tensor | None = None, grad: torch.Tensor | None = None, timeout: float = 30.0, max_numel: int = 1 << 28,
+    embed: bool | None = None, head: bool | None = None,
 ) -> dict[str, Any]:
     """One request to ``peer``; returns the decoded answer ({"y"}, {"g"} or {"loss", "g"})."""
 
@@ -208,6 +222,10 @@ async def call_stage(
         stream = await transport.open(peer, ids.STAGE)
         try:
             body: dict[str, Any] = {"run_id": run_id, "stage": stage}
+            if embed is not None:
+                body["embed"] = embed
+            if head is not None:
+                body["head"] = head
             body["x"] = tensor_to_wire(x) if not torch.is_floating_point(x) else encode_activation(x, codec)
             if y is not None:
                 body["y"] = tensor_to_wire(y)

@@ -5,6 +5,10 @@ loss; blocks are dealt out as evenly as possible (earlier stages get the extra b
 of a stage builds it from the same full-model initialisation (seeded by the run, not the node), so
 replicas start identical without a download and stage boundaries match a single-process model.
 The head is untied from the embedding: the two live on different stages.
+
+With CheckFree+ (``plus=True``) stage 1 also holds a replica of the embeddings and stage S−2 a replica
+of the final norm and head, so that on out-of-order microbatches they can act as first or last stage
+(``forward(..., embed=True)`` / ``head=True``), and a lost first or last stage can be restored from them.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ class Stage(nn.Module):
     """Stage ``index`` of ``count``. ``forward(x)`` maps tokens (stage 0) or activations (B, T, d) to
     activations, or, on the last stage with ``targets``, to the mean cross-entropy."""
 
-    def __init__(self, cfg: GPTConfig, index: int, count: int, seed: int) -> None:
+    def __init__(self, cfg: GPTConfig, index: int, count: int, seed: int, plus: bool = False) -> None:
         super().__init__()
         start, end = block_range(cfg.n_layer, index, count)
         with torch.random.fork_rng():
@@ -54,9 +58,31 @@ class Stage(nn.Module):
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
             with torch.no_grad():
                 self.head.weight.copy_(full.tok_emb.weight)
+        self.plus = plus
+        if plus and index == 1 and not self.first:
+            self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb  # replica of stage 0's embeddings
+        if plus and index == count - 2 and not self.last:
+            self.ln_f = full.ln_f
+            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # replica of the last stage's head
+            with torch.no_grad():
+                self.head.weight.copy_(full.tok_emb.weight)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        if self.first:
+    @property
+    def can_embed(self) -> bool:
+        return hasattr(self, "tok_emb")
+
+    @property
+    def can_head(self) -> bool:
+        return hasattr(self, "head")
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, embed: bool | None = None,
+                head: bool | None = None) -> torch.Tensor:
+        """``embed``/``head`` default to the stage's place in the normal order (first embeds, last has the head)."""
+        embed = self.first if embed is None else embed
+        head = self.last if head is None else head
+        if (embed and not self.can_embed) or (head and not self.can_head):
+            raise ValueError(f"stage {self.index} holds no {'embeddings' if embed and not self.can_embed else 'head'}")
+        if embed:
             if x.dtype not in (torch.int64, torch.int32) or x.dim() != 2:
                 raise ValueError(f"stage 0 takes token ids of shape (batch, time), got {x.dtype} {list(x.shape)}")
             if x.shape[1] > self.cfg.context:
@@ -66,12 +92,11 @@ class Stage(nn.Module):
             raise ValueError(f"stage {self.index} takes activations (batch, time, {self.cfg.d_model}), got {list(x.shape)}")
         for block in self.blocks:
             x = block(x)
-        if not self.last:
+        if not head:
             return x
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
-    def input_shape(self, batch: int, time: int) -> tuple[int, ...]:
-        return (batch, time) if self.first else (batch, time, self.cfg.d_model)
+

@@ -44,40 +44,40 @@ class StageWorker:
 
     def _input(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
         x = x.to(self.device)
-        if self.stage.first:
+        if not torch.is_floating_point(x):
             return x.long()
         return x.float().requires_grad_(grad)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, embed: bool | None = None) -> torch.Tensor:
         with self.lock, self.autocast:
             self.stage.eval()
-            return self.stage(self._input(x, grad=False)).float().cpu()
+            return self.stage(self._input(x, grad=False), embed=embed, head=False).float().cpu()
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Last stage: loss without learning (held-out evaluation through the pipeline)."""
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, embed: bool | None = None) -> float:
+        """Loss without learning (held-out evaluation through the pipeline); needs the head."""
         with self.lock, self.autocast:
             self.stage.eval()
-            return float(self.stage(self._input(x, grad=False), y.to(self.device)))
+            return float(self.stage(self._input(x, grad=False), y.to(self.device), embed=embed, head=True))
 
-    def backward(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
-        """Recompute the forward pass, backpropagate ``grad_out``, step; returns ∂loss/∂x (None on stage 0)."""
+    def backward(self, x: torch.Tensor, grad_out: torch.Tensor, embed: bool | None = None) -> torch.Tensor | None:
+        """Recompute the forward pass, backpropagate ``grad_out``, step; returns ∂loss/∂x (None for token input)."""
         with self.lock:
             inp = self._input(x, grad=True)
             self.stage.train()
             with self.autocast:
-                out = self.stage(inp)
+                out = self.stage(inp, embed=embed, head=False)
             out.float().backward(grad_out.to(self.device, torch.float32))
             return self._step(inp, len(x))
 
-    def loss_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor | None]:
-        """Last stage: loss on ``y``, backward and step; returns (loss, ∂loss/∂x)."""
+    def loss_step(self, x: torch.Tensor, y: torch.Tensor, embed: bool | None = None) -> tuple[float, torch.Tensor | None]:
+        """Loss on ``y`` through this stage and the head, backward and step; returns (loss, ∂loss/∂x)."""
         with self.lock:
             inp = self._input(x, grad=True)
             self.stage.train()
             with self.autocast:
-                loss = self.stage(inp, y.to(self.device))
+                loss = self.stage(inp, y.to(self.device), embed=embed, head=True)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"stage {self.stage.index}: loss became {loss.item()}")
             loss.backward()
@@ -93,7 +93,7 @@ class StageWorker:
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         self.samples += samples
-        return None if self.stage.first else inp.grad.detach().float().cpu()
+        return None if inp.grad is None else inp.grad.detach().float().cpu()
 
     @torch.no_grad()
     def load_weights(self, tensors: Sequence[torch.Tensor]) -> None:

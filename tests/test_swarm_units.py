@@ -106,7 +106,8 @@ def test_stage_service_answers_valid_requests_and_refuses_bad_ones():
             "out of the vocabulary": (first, "forward", {"stage": 0, "x": tensor_to_wire(tokens + 300)}),
             "NaN": (last, "loss", {"stage": 1, "x": nan, "y": tensor_to_wire(tokens)}),
             "takes activations": (last, "loss", {"stage": 1, "x": encode_activation(torch.zeros(2, 8, 3), "none"), "y": tensor_to_wire(tokens)}),
-            "not forward": (last, "forward", {"stage": 1, "x": encode_activation(h, "none")}),
+            "holds no embeddings": (last, "forward", {"stage": 1, "x": tensor_to_wire(tokens), "embed": True}),
+            "must be booleans": (first, "forward", {"stage": 0, "x": tensor_to_wire(tokens), "embed": 1}),
             "go to the last stage": (first, "loss", {"stage": 0, "x": tensor_to_wire(tokens), "y": tensor_to_wire(tokens)}),
             "codec payload": (last, "backward", {"stage": 1, "x": [1, 2, 3]}),
         }
