@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test-deps demo test test-slow clean
+.PHONY: setup test-deps demo test test-slow clean docker-base docker-wheelhouse docker-images docker-smoke
 
 setup: $(STAMP)
 
@@ -33,6 +33,20 @@ test: setup test-deps
 
 test-slow: setup test-deps
 	$(PY) -m pytest -q -m slow
+
+# Docker (README "Docker"): docker/build.sh makes the debootstrapped base image, the wheelhouse and
+# the images, each cached; docker-smoke runs a compose swarm for a few minutes (slow, root, not in `test`).
+docker-base:
+	docker/build.sh base
+
+docker-wheelhouse: setup
+	PYTHON=$(PY) docker/build.sh wheelhouse
+
+docker-images: setup
+	PYTHON=$(PY) docker/build.sh
+
+docker-smoke: setup
+	PYTHON=$(PY) docker/smoke.sh
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
