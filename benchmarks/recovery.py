@@ -1,0 +1,220 @@
+"""Stage-recovery benchmark: CheckFree and its baselines under simulated stage failures.
+
+    python -m benchmarks.recovery --out runs/bench/recovery.json [--quick]
+
+An in-process pipeline (the ``micro`` model, 4 blocks, cut into 4 stages, one AdamW per stage, the
+stage code of ``swarm/``) trains on the embedded corpus. Every step each stage fails with
+probability p = rate × step_seconds / 3600, the per-hour failure rates of the paper (5, 10, 16 %)
+at a nominal pipeline step time (``--step-seconds``, default 60 s: volunteer pipelines of large
+models step about once a minute; the real step time here is milliseconds, so failures would not
+happen in a short run at real-time rates). The failure schedule is drawn once per rate and shared
+by every strategy. Strategies for a failed stage:
+
+- ``random``: fresh initialisation; ``copy``: the previous (or, for stage 0, next) neighbour's blocks;
+- ``uniform``: mean of both neighbours; ``checkfree``: gradient-norm-weighted mean (first/last stage:
+  copy its only neighbour, embeddings/head fresh), fresh optimizer with lr × 1.1;
+- ``checkfree+``: as checkfree, plus out-of-order microbatches and embedding/head replicas, so a lost
+  first/last stage is copied from its neighbour;
+- ``checkpoint``: every N steps all stages are saved (timed), a failure rolls everything back to the
+  last checkpoint (timed read; the steps since then are lost and redone).
+
+Reported per rate and strategy: steps (including redone ones) and wall seconds to a target held-out
+loss (the no-failure run's loss at 80 % of its budget), final held-out loss at the fixed budget,
+failures, and checkpoint costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from node.data import ByteBatches, load_corpus, validation_batches
+from node.model import preset
+from swarm.checkfree import neighbour_weights, rebuild_stage, restore_from_replica, swap_order
+from swarm.stages import Stage
+
+STRATEGIES = ("random", "copy", "uniform", "checkfree", "checkfree+", "checkpoint")
+
+
+class SimPipeline:
+    """S stages with their optimizers, trained in one process."""
+
+    def __init__(self, stages: int, seed: int, plus: bool, lr: float) -> None:
+        self.cfg, self.count, self.seed, self.plus, self.lr = preset("micro"), stages, seed, plus, lr
+        self.stages = [Stage(self.cfg, i, stages, seed, plus=plus) for i in range(stages)]
+        self.opts = [self._optimizer(s, lr) for s in self.stages]
+        self.grad_norms = [0.0] * stages
+        self.step_no = 0
+
+    @staticmethod
+    def _optimizer(stage: Stage, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(stage.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def forward_loss(self, x: torch.Tensor, y: torch.Tensor, order: list[int]) -> torch.Tensor:
+        h = x
+        for pos, s in enumerate(order):
+            h = self.stages[s](h, y if pos == len(order) - 1 else None, embed=pos == 0, head=pos == len(order) - 1)
+        return h
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        order = swap_order(self.count, self.step_no) if self.plus else list(range(self.count))
+        for s in self.stages:
+            s.train()
+        loss = self.forward_loss(x, y, order)
+        for o in self.opts:
+            o.zero_grad(set_to_none=True)
+        loss.backward()
+        for i, (s, o) in enumerate(zip(self.stages, self.opts)):
+            self.grad_norms[i] = float(torch.nn.utils.clip_grad_norm_(s.parameters(), 1.0))
+            o.step()
+        self.step_no += 1
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def evaluate(self, batches: list) -> float:
+        for s in self.stages:
+            s.eval()
+        losses = [float(self.forward_loss(x, y, list(range(self.count)))) for x, y in batches]
+        return sum(losses) / len(losses)
+
+    def recover(self, i: int, strategy: str) -> None:
+        cfg, n = self.cfg, self.count
+        prev = self.stages[i - 1] if i > 0 else None
+        nxt = self.stages[i + 1] if i < n - 1 else None
+        lr = self.lr
+        if strategy == "random":
+            new = rebuild_stage(cfg, i, n, self.seed + 1000 + self.step_no, "random", plus=self.plus)
+        elif strategy == "copy" or (strategy in ("uniform", "checkfree") and (prev is None or nxt is None)):
+            new = rebuild_stage(cfg, i, n, self.seed + 1000 + self.step_no, "copy", prev=prev or nxt, plus=self.plus)
+            lr = self.lr * (1.1 if strategy == "checkfree" else 1.0)
+        elif strategy in ("uniform", "checkfree") or (strategy == "checkfree+" and prev is not None and nxt is not None):
+            method = "uniform" if strategy == "uniform" else "checkfree"
+            norms = (self.grad_norms[i - 1], self.grad_norms[i + 1])
+            new = rebuild_stage(cfg, i, n, self.seed + 1000 + self.step_no, method, prev, nxt, norms, plus=self.plus)
+            lr = self.lr * 1.1 if method == "checkfree" else self.lr
+        elif strategy == "checkfree+":
+            new = restore_from_replica(cfg, i, n, self.seed + 1000 + self.step_no, self.stages[1] if i == 0 else self.stages[n - 2],
+                                       plus=True)
+            lr = self.lr * 1.1
+        else:
+            raise ValueError(strategy)
+        self.stages[i] = new
+        self.opts[i] = self._optimizer(new, lr)
+
+
+def failure_schedule(steps: int, stages: int, p: float, seed: int) -> dict[int, list[int]]:
+    rng = random.Random(seed)
+    out: dict[int, list[int]] = {}
+    for step in range(steps):
+        failed = [s for s in range(stages) if rng.random() < p]
+        if failed:
+            out[step] = failed
+    return out
+
+
+def run(strategy: str | None, steps: int, schedule: dict[int, list[int]], data: Any, val: list, eval_every: int,
+        checkpoint_every: int, seed: int = 0, stages: int = 4) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    pipe = SimPipeline(stages, seed, plus=strategy == "checkfree+", lr=2e-3)
+    batches = ByteBatches(data, 16, pipe.cfg.context, seed=seed)
+    curve, failures, ckpt_write, ckpt_read, lost_steps = [], 0, 0.0, 0.0, 0
+    saved: tuple[int, bytes] | None = None
+    started = time.monotonic()
+    done = 0  # steps of progress (the step index whose failure schedule applies)
+    executed = 0  # optimizer steps really run, redone ones included
+    while done < steps:
+        if strategy == "checkpoint" and done % checkpoint_every == 0 and (saved is None or saved[0] != done):
+            t0 = time.monotonic()
+            buffer = io.BytesIO()
+            torch.save({"stages": [s.state_dict() for s in pipe.stages], "opts": [o.state_dict() for o in pipe.opts],
+                        "data": batches.state_dict()}, buffer)
+            saved = (done, buffer.getvalue())
+            ckpt_write += time.monotonic() - t0
+        pipe.train_step(*batches.next())
+        executed += 1
+        for s in schedule.get(done, []) if strategy is not None else []:
+            failures += 1
+            if strategy == "checkpoint":
+                assert saved is not None
+                t0 = time.monotonic()
+                state = torch.load(io.BytesIO(saved[1]), weights_only=False)
+                for stage, sd in zip(pipe.stages, state["stages"]):
+                    stage.load_state_dict(sd)
+                for opt, sd in zip(pipe.opts, state["opts"]):
+                    opt.load_state_dict(sd)
+                batches.load_state_dict(state["data"])
+                ckpt_read += time.monotonic() - t0
+                lost_steps += done + 1 - saved[0]
+                done = saved[0] - 1
+                break
+            pipe.recover(s, strategy)
+        done += 1
+        if done % eval_every == 0 and done > 0:
+            curve.append({"step": done, "executed": executed, "seconds": time.monotonic() - started, "val_loss": pipe.evaluate(val)})
+    return {"strategy": strategy or "no-failure", "curve": curve, "final_val_loss": curve[-1]["val_loss"], "failures": failures,
+            "executed_steps": executed, "wall_s": time.monotonic() - started, "checkpoint_write_s": ckpt_write,
+            "checkpoint_read_s": ckpt_read, "lost_steps": lost_steps}
+
+
+def to_target(result: dict[str, Any], target: float) -> tuple[int | None, float | None]:
+    for point in result["curve"]:
+        if point["val_loss"] <= target:
+            return point["executed"], point["seconds"]
+    return None, None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true", help="one failure rate (16 %/h), 700 steps: a few minutes")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--step-seconds", type=float, default=60.0, help="nominal pipeline step time the hourly rates refer to")
+    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    steps = args.steps or (700 if args.quick else 1500)
+    rates = (0.16,) if args.quick else (0.05, 0.10, 0.16)
+    corpus = load_corpus(None, context=preset("micro").context)
+    val = validation_batches(corpus.val, 16, preset("micro").context, max_batches=8)
+    eval_every = 50
+    baseline = run(None, steps, {}, corpus.train, val, eval_every, args.checkpoint_every)
+    reached = [p for p in baseline["curve"] if p["step"] <= 0.8 * steps]
+    target = reached[-1]["val_loss"]
+    print(f"no failure: final val {baseline['final_val_loss']:.3f}; target {target:.3f} (its loss at step {reached[-1]['step']})", flush=True)
+    results: dict[str, Any] = {"steps": steps, "stages": 4, "model": "micro", "step_seconds": args.step_seconds,
+                               "target_val_loss": target, "no_failure": baseline, "rates": {}}
+    for rate in rates:
+        p = rate * args.step_seconds / 3600
+        schedule = failure_schedule(steps, 4, p, seed=int(rate * 1000))
+        rows = {}
+        for strategy in STRATEGIES:
+            res = run(strategy, steps, schedule, corpus.train, val, eval_every, args.checkpoint_every)
+            res["steps_to_target"], res["seconds_to_target"] = to_target(res, target)
+            rows[strategy] = res
+            print(f"rate {rate:.0%}/h (p={p:.4f}/stage/step): {strategy:11s} final {res['final_val_loss']:.3f} "
+                  f"steps-to-target {res['steps_to_target']} failures {res['failures']} lost {res['lost_steps']}", flush=True)
+        results["rates"][f"{rate:.2f}"] = {"p_per_stage_step": p, "failures_scheduled": sum(len(v) for v in schedule.values()), "strategies": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print("\n| rate/h | strategy | final val loss | steps to target | seconds to target | failures | lost steps |\n|---|---|---|---|---|---|---|")
+    print(f"| - | no failure | {baseline['final_val_loss']:.3f} | {to_target(baseline, target)[0]} | {to_target(baseline, target)[1]:.0f} | 0 | 0 |")
+    for rate, block in results["rates"].items():
+        for strategy, res in block["strategies"].items():
+            secs = res["seconds_to_target"]
+            print(f"| {float(rate):.0%} | {strategy} | {res['final_val_loss']:.3f} | {res['steps_to_target'] or '-'} | "
+                  f"{'-' if secs is None else f'{secs:.0f}'} | {res['failures']} | {res['lost_steps']} |")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
