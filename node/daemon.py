@@ -103,7 +103,8 @@ class Summary:
     checkpoint: str = ""
     joined_round: int | None = None
     comm_wait_s: float = 0.0
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # from start-up (model, corpus, networking, join) to the end of training
+    train_s: float = 0.0  # the training loop alone
     rounds: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     state: str = "starting"
@@ -435,6 +436,7 @@ class Daemon:
 
     def _train(self) -> None:
         cfg = self.cfg
+        self.train_started = time.monotonic()
         tokens_per_step = cfg.batch_size * self.trainer.model.cfg.context
         window_start, window_tokens = time.monotonic(), 0
         samples = 0
@@ -520,7 +522,7 @@ class Daemon:
         m.round_wait.set(result.gather_s)
         m.round_deadline.set(result.deadline_s)
         m.group_size.set(len(result.contributors))
-        record = {"round": result.round, "fragment": pending.fragment, "steps": pending.steps, "group": len(result.group),
+        record = {"t": round(time.time(), 3), "round": result.round, "fragment": pending.fragment, "steps": pending.steps, "group": len(result.group),
                   "contributors": len(result.contributors), "failures": result.failures, "duration_s": round(result.duration_s, 3),
                   "gather_s": round(result.gather_s, 3), "deadline_s": round(result.deadline_s, 3), "in_sync": result.in_sync,
                   "fingerprint": "", "loss": self.last_loss, "tokens": self.summary.steps * self.cfg.batch_size * self.trainer.model.cfg.context,
@@ -655,6 +657,7 @@ class Daemon:
     def _finish(self) -> None:
         self.summary.state = "stopping"
         self.summary.wall_s = time.monotonic() - self.started
+        self.summary.train_s = time.monotonic() - getattr(self, "train_started", time.monotonic())
         self.role = "leaving"
         try:
             self.net.call(self._heartbeat(), timeout=10)

@@ -333,6 +333,7 @@ class SwarmLauncher:
                 "protocols": info.get("protocols", []),
                 "joined_round": info.get("joined_round"),
                 "wall_s": info.get("wall_s"),
+                "train_s": info.get("train_s"),
                 "comm_wait_s": info.get("comm_wait_s"),
                 "rounds": info.get("rounds", []),
                 "log": str(node.directory / "log.txt"),
