@@ -72,6 +72,44 @@ class PendingRound:
     future: concurrent.futures.Future
 
 
+def count_traffic(metrics: NodeMetrics, summary: "Summary", protocol: str, direction: str, nbytes: int) -> None:
+    """Account one stream's bytes by protocol kind (``/locomesh/<kind>/1.0``) in metrics and summary."""
+    kind = protocol.split("/")[2] if protocol.count("/") >= 3 else protocol
+    if direction == "sent":
+        metrics.bytes_sent.labels(kind).inc(nbytes)
+        summary.bytes_sent += nbytes
+        by_kind = summary.bytes_sent_by_kind
+    else:
+        metrics.bytes_received.labels(kind).inc(nbytes)
+        summary.bytes_received += nbytes
+        by_kind = summary.bytes_received_by_kind
+    by_kind[kind] = by_kind.get(kind, 0) + nbytes
+
+
+def write_info(info_file: Path | None, summary: "Summary") -> None:
+    """Write the node's summary (``--info-file``) atomically."""
+    if info_file is None:
+        return
+    path = Path(info_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(summary.__dict__, default=str, allow_nan=True))
+    os.replace(tmp, path)
+
+
+def install_stop_handlers(stop: threading.Event) -> None:
+    """SIGTERM/SIGINT set ``stop``: the node finishes its step, evaluates, checkpoints and leaves."""
+
+    def _handler(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            return
+        logger.info("received %s: stopping at the next step boundary", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _handler)
+    signal.signal(signal.SIGINT, _handler)
+
+
 class JoinRefused(Exception):
     """Every peer of the run refused this node's credentials, or the run trains with other settings."""
 
@@ -136,40 +174,17 @@ class Daemon:
         logger.info("%s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
 
     def _on_bytes(self, protocol: str, direction: str, nbytes: int) -> None:
-        kind = protocol.split("/")[2] if protocol.count("/") >= 3 else protocol
         with self.bytes_lock:
-            if direction == "sent":
-                self.metrics.bytes_sent.labels(kind).inc(nbytes)
-                self.summary.bytes_sent += nbytes
-                by_kind = self.summary.bytes_sent_by_kind
-            else:
-                self.metrics.bytes_received.labels(kind).inc(nbytes)
-                self.summary.bytes_received += nbytes
-                by_kind = self.summary.bytes_received_by_kind
-            by_kind[kind] = by_kind.get(kind, 0) + nbytes
+            count_traffic(self.metrics, self.summary, protocol, direction, nbytes)
 
     def _on_error(self, protocol: str, code: str, peer: str) -> None:
         self.metrics.errors.labels(code).inc()
 
     def _write_info(self) -> None:
-        if self.cfg.info_file is None:
-            return
-        path = Path(self.cfg.info_file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.summary.__dict__, default=str, allow_nan=True))
-        os.replace(tmp, path)
+        write_info(self.cfg.info_file, self.summary)
 
-    # ---- lifecycle ---------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
-        def _handler(signum: int, _frame: Any) -> None:
-            if self.stop.is_set():
-                return
-            logger.info("received %s: stopping at the next step boundary", signal.Signals(signum).name)
-            self.stop.set()
-
-        signal.signal(signal.SIGTERM, _handler)
-        signal.signal(signal.SIGINT, _handler)
+        install_stop_handlers(self.stop)
 
     def run(self) -> int:
         cfg = self.cfg

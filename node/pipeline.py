@@ -41,7 +41,7 @@ from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from node import __version__
 from node.config import NodeConfig, read_swarm_key
-from node.daemon import HEARTBEAT_S, RECORD_TTL_S, Summary
+from node.daemon import HEARTBEAT_S, RECORD_TTL_S, Summary, count_traffic, install_stop_handlers, write_info
 from node.data import ByteBatches, load_corpus, validation_batches
 from node.metrics import NodeMetrics
 from node.model import preset
@@ -94,6 +94,7 @@ class PipelineNode:
         self.last_loss = math.nan
         self.throughput = 0.0
         self.role = "starting"
+        self.bytes_lock = threading.Lock()
         self.peers: dict[str, PeerRecord] = {}
         self.last_served: list[float | None] = []
 
@@ -103,25 +104,14 @@ class PipelineNode:
         logger.info("%s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
 
     def _on_bytes(self, protocol: str, direction: str, nbytes: int) -> None:
-        kind = protocol.split("/")[2] if protocol.count("/") >= 3 else protocol
-        counter = self.metrics.bytes_sent if direction == "sent" else self.metrics.bytes_received
-        counter.labels(kind).inc(nbytes)
-        by_kind = self.summary.bytes_sent_by_kind if direction == "sent" else self.summary.bytes_received_by_kind
-        by_kind[kind] = by_kind.get(kind, 0) + nbytes
-        if direction == "sent":
-            self.summary.bytes_sent += nbytes
-        else:
-            self.summary.bytes_received += nbytes
+        with self.bytes_lock:
+            count_traffic(self.metrics, self.summary, protocol, direction, nbytes)
 
     def _write_info(self) -> None:
-        from node.daemon import Daemon
-
-        Daemon._write_info(self)  # type: ignore[arg-type]
+        write_info(self.cfg.info_file, self.summary)
 
     def install_signal_handlers(self) -> None:
-        from node.daemon import Daemon
-
-        Daemon.install_signal_handlers(self)  # type: ignore[arg-type]
+        install_stop_handlers(self.stop)
 
     def _deadline_reached(self) -> bool:
         cfg = self.cfg
