@@ -28,10 +28,8 @@ failures, and checkpoint costs.
 from __future__ import annotations
 
 import argparse
-import copy
 import io
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -41,7 +39,7 @@ import torch
 
 from node.data import ByteBatches, load_corpus, validation_batches
 from node.model import preset
-from swarm.checkfree import neighbour_weights, rebuild_stage, restore_from_replica, swap_order
+from swarm.checkfree import rebuild_stage, restore_from_replica, swap_order
 from swarm.stages import Stage
 
 STRATEGIES = ("random", "copy", "uniform", "checkfree", "checkfree+", "checkpoint")

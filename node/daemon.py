@@ -148,8 +148,8 @@ class Summary:
     state: str = "starting"
 
 
-class Daemon:
-    """One volunteer node. ``run()`` blocks until the node stops and returns its exit code."""
+class NodeBase:
+    """What every kind of node shares: config, stop event, metrics, summary, network thread, events."""
 
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
@@ -157,18 +157,10 @@ class Daemon:
         self.metrics = NodeMetrics()
         self.summary = Summary(metrics_port=cfg.metrics_port)
         self.net = NetworkThread()
-        self.round = 0
-        self.inner_step = 0  # inner steps taken in the current round
-        self.last_loss = math.nan
-        self.tokens_per_s = 0.0
-        self.compute_tokens_per_s = 0.0  # inner steps only, announced for --inner-steps auto
-        self.peer_rates: dict[str, float] = {}
-        self.round_target = 1
-        self.pending: PendingRound | None = None
         self.bytes_lock = threading.Lock()
-        self.role = "trainer"  # announced in the DHT; "leaving" once the node stops
+        self.started = time.monotonic()
+        self.last_loss = math.nan
 
-    # ---- bookkeeping -------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
         self.summary.events.append({"t": time.time(), "event": kind, **fields})
         logger.info("%s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
@@ -185,6 +177,27 @@ class Daemon:
 
     def install_signal_handlers(self) -> None:
         install_stop_handlers(self.stop)
+
+    def _deadline_reached(self) -> bool:
+        cfg = self.cfg
+        if cfg.max_steps is not None and self.summary.steps >= cfg.max_steps:
+            return True
+        return cfg.duration is not None and time.monotonic() - self.started >= cfg.duration
+
+
+class Daemon(NodeBase):
+    """One volunteer node. ``run()`` blocks until the node stops and returns its exit code."""
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        super().__init__(cfg)
+        self.round = 0
+        self.inner_step = 0  # inner steps taken in the current round
+        self.tokens_per_s = 0.0
+        self.compute_tokens_per_s = 0.0  # inner steps only, announced for --inner-steps auto
+        self.peer_rates: dict[str, float] = {}
+        self.round_target = 1
+        self.pending: PendingRound | None = None
+        self.role = "trainer"  # announced in the DHT; "leaving" once the node stops
 
     def run(self) -> int:
         cfg = self.cfg
@@ -443,12 +456,6 @@ class Daemon:
         return True
 
     # ---- training ----------------------------------------------------------------------------
-    def _deadline_reached(self) -> bool:
-        cfg = self.cfg
-        if cfg.max_steps is not None and self.summary.steps >= cfg.max_steps:
-            return True
-        return cfg.duration is not None and time.monotonic() - self.started >= cfg.duration
-
     def _train(self) -> None:
         cfg = self.cfg
         self.train_started = time.monotonic()

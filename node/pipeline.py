@@ -25,9 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,11 +39,10 @@ from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from node import __version__
 from node.config import NodeConfig, read_swarm_key
-from node.daemon import HEARTBEAT_S, RECORD_TTL_S, Summary, count_traffic, install_stop_handlers, write_info
+from node.daemon import HEARTBEAT_S, RECORD_TTL_S, NodeBase
 from node.data import ByteBatches, load_corpus, validation_batches
-from node.metrics import NodeMetrics
 from node.model import preset
-from node.network import Interrupted, NetworkThread
+from node.network import Interrupted
 from node.status_service import StatusService
 from node.trainer import pick_device
 from protocol.records import PeerRecord
@@ -79,45 +76,18 @@ def choose_role(records: list[PeerRecord], stages: int) -> int | None:
     return min(range(stages), key=lambda s: (totals[s], s))
 
 
-class PipelineNode:
+class PipelineNode(NodeBase):
     """One pipeline volunteer. ``run()`` blocks until it stops and returns the exit code."""
 
     def __init__(self, cfg: NodeConfig) -> None:
-        self.cfg = cfg
-        self.stop = threading.Event()
-        self.metrics = NodeMetrics()
-        self.summary = Summary(metrics_port=cfg.metrics_port)
-        self.net = NetworkThread()
+        super().__init__(cfg)
         self.stage: int | None = None
         self.worker: StageWorker | None = None
         self.round = 0
-        self.last_loss = math.nan
         self.throughput = 0.0
         self.role = "starting"
-        self.bytes_lock = threading.Lock()
         self.peers: dict[str, PeerRecord] = {}
         self.last_served: list[float | None] = []
-
-    # ---- shared plumbing (same conventions as the DiLoCo daemon) ---------------------------------
-    def event(self, kind: str, **fields: Any) -> None:
-        self.summary.events.append({"t": time.time(), "event": kind, **fields})
-        logger.info("%s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
-
-    def _on_bytes(self, protocol: str, direction: str, nbytes: int) -> None:
-        with self.bytes_lock:
-            count_traffic(self.metrics, self.summary, protocol, direction, nbytes)
-
-    def _write_info(self) -> None:
-        write_info(self.cfg.info_file, self.summary)
-
-    def install_signal_handlers(self) -> None:
-        install_stop_handlers(self.stop)
-
-    def _deadline_reached(self) -> bool:
-        cfg = self.cfg
-        if cfg.max_steps is not None and self.summary.steps >= cfg.max_steps:
-            return True
-        return cfg.duration is not None and time.monotonic() - self.started >= cfg.duration
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -130,7 +100,7 @@ class PipelineNode:
         self.started = time.monotonic()
         try:
             self.net.start(cfg.initial_peers, cfg.listen, cfg.announce, str(cfg.identity) if cfg.identity else None,
-                           on_bytes=self._on_bytes, on_error=lambda p, code, peer: self.metrics.errors.labels(code).inc(),
+                           on_bytes=self._on_bytes, on_error=self._on_error,
                            swarm_key=read_swarm_key(cfg.swarm_key) if cfg.swarm_key else None, stream_timeout=cfg.stream_timeout)
         except Exception as e:
             logger.error("could not start networking: %s. Check --listen/--initial-peers and that the port is free.", e)

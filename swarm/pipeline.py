@@ -14,6 +14,7 @@ embeddings), the one that comes last applies the head (stage S−2 with its repl
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,9 @@ from protocol.hivemind_transport import Transport
 from swarm.checkfree import swap_order
 from swarm.router import NoPeerAvailable, Router
 from swarm.service import StageCallError, call_stage
+
+
+MAX_BUSY_RETRIES = 200  # with backoff capped at 0.5 s: up to ~100 s waiting for a loaded stage
 
 
 class PipelineStepFailed(Exception):
@@ -53,9 +57,11 @@ class PipelineClient:
 
     async def _call(self, result: StepResult, stage: int, kind: str, x: torch.Tensor, prefer: str | None = None, **kw):
         tried: list[str] = []
-        for attempt in range(self.max_retries + 1):
+        busy = 0
+        attempt = 0
+        while attempt <= self.max_retries:
             try:
-                if prefer is not None and attempt == 0 and prefer in self.router.available(stage):
+                if prefer is not None and attempt == 0 and busy == 0 and prefer in self.router.available(stage):
                     peer = prefer
                 else:
                     peer = self.router.choose(stage, float(len(x)), exclude=tried)
@@ -64,10 +70,16 @@ class PipelineClient:
             try:
                 return await call_stage(self.transport, peer, self.run_id, stage, kind, x, codec=self.codec, timeout=self.timeout, **kw), peer
             except StageCallError as e:
+                if e.busy and busy < MAX_BUSY_RETRIES:
+                    # alive but loaded: back off and try again (another replica if the router has one)
+                    busy += 1
+                    await asyncio.sleep(min(0.5, 0.01 * 2 ** min(busy, 6)))
+                    continue
                 self.router.ban(peer)
                 tried.append(peer)
                 result.retries += 1
                 result.errors.append(str(e))
+                attempt += 1
         raise PipelineStepFailed(f"stage {stage}: {self.max_retries + 1} replicas failed: {result.errors[-1]}")
 
     async def step(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:

@@ -24,7 +24,7 @@ import torch
 
 from compression import CodecError, Payload, get_codec
 from protocol import ids
-from protocol.errors import SchemaError
+from protocol.errors import RemoteError, SchemaError
 from protocol.frames import FramedStream, require
 from protocol.hivemind_transport import Transport
 from protocol.tensors import tensor_from_wire, tensor_to_wire
@@ -208,7 +208,12 @@ class StageService:
 
 
 class StageCallError(Exception):
-    """A stage call failed (connection, timeout, refusal); the trainer retries on another replica."""
+    """A stage call failed (connection, timeout, refusal); the trainer retries on another replica.
+    ``busy`` says the server was alive but its queue was full (no reason to avoid it for long)."""
+
+    def __init__(self, message: str, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy
 
 
 async def call_stage(
@@ -254,4 +259,5 @@ async def call_stage(
     except asyncio.CancelledError:
         raise
     except Exception as e:
-        raise StageCallError(f"stage {stage} peer {peer[-8:]}: {type(e).__name__}: {e}") from e
+        busy = isinstance(e, RemoteError) and e.remote_code == "busy"
+        raise StageCallError(f"stage {stage} peer {peer[-8:]}: {type(e).__name__}: {e}", busy=busy) from e
