@@ -133,6 +133,7 @@ def run(strategy: str | None, steps: int, schedule: dict[int, list[int]], data: 
     started = time.monotonic()
     done = 0  # steps of progress (the step index whose failure schedule applies)
     executed = 0  # optimizer steps really run, redone ones included
+    fired: set[int] = set()  # a scheduled failure happens once, not again when a restart redoes its step
     while done < steps:
         if strategy == "checkpoint" and done % checkpoint_every == 0 and (saved is None or saved[0] != done):
             t0 = time.monotonic()
@@ -143,7 +144,9 @@ def run(strategy: str | None, steps: int, schedule: dict[int, list[int]], data: 
             ckpt_write += time.monotonic() - t0
         pipe.train_step(*batches.next())
         executed += 1
-        for s in schedule.get(done, []) if strategy is not None else []:
+        due = schedule.get(done, []) if strategy is not None and done not in fired else []
+        fired.add(done)
+        for s in due:
             failures += 1
             if strategy == "checkpoint":
                 assert saved is not None
