@@ -63,6 +63,8 @@ class RoundResult:
     samples: int = 0
     norms: dict[str, float] = field(default_factory=dict)
     update_norm: float = 0.0
+    others_sum: list[torch.Tensor] | None = None  # Σ_{j≠self} samples_j·Δ_j of the members used (eager updates)
+    others_samples: int = 0
 
 
 class DiLoCoAverager:
@@ -90,9 +92,10 @@ class DiLoCoAverager:
         part_numel: int = 1 << 20,
         aggregation: str = "mean",
         member_role: str = "trainer",
+        keep_others: bool = False,
     ) -> None:
         self.dht, self.validator, self.exchange = dht, validator, exchange
-        self.member_role = member_role
+        self.member_role, self.keep_others = member_role, keep_others
         self.run_id, self.peer_id, self.outer = run_id, peer_id, outer
         self.fetch_timeout, self.part_numel = fetch_timeout, part_numel
         self.deadline = AdaptiveDeadline(gather_timeout, floor=min(2.0, gather_timeout))
@@ -167,6 +170,11 @@ class DiLoCoAverager:
             result.samples = sum(contributions[p].samples for p in agg.used)
             result.update_norm = sum(float(t.pow(2).sum()) for t in agg.update) ** 0.5
             averaged = join(agg.update, shapes, self.part_numel)
+            others = [p for p in agg.used if p != self.peer_id]
+            if self.keep_others and others:
+                summed = [sum(contributions[p].samples * contributions[p].decoded[i] for p in others) for i in range(len(agg.update))]
+                result.others_sum = join(summed, shapes, self.part_numel)  # type: ignore[arg-type]
+                result.others_samples = sum(contributions[p].samples for p in others)
             await asyncio.to_thread(self.outer.step, phi, averaged, indices)
         result.duration_s = time.monotonic() - started
         return result

@@ -80,6 +80,19 @@ class NesterovOuter(_IndexedState):
             p.sub_(update.to(p.dtype), alpha=self.lr)
 
 
+    @torch.no_grad()
+    def preview(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """What :meth:`step` would make of ``phi``, leaving ``phi`` and the momentum untouched (eager updates)."""
+        out = []
+        for i, p, d in zip(_indices(indices, len(phi)), phi, delta):
+            v = self.buffers[i].clone() if i in self.buffers else torch.zeros_like(p, dtype=torch.float32)
+            d = d.to(torch.float32)
+            v.mul_(self.momentum).add_(d)
+            update = d.add(v, alpha=self.momentum) if self.nesterov else v
+            out.append(p.detach().float() - self.lr * update)
+        return out
+
+
 class NoLoCoOuter(_IndexedState):
     """NoLoCo's outer step for one member (reference code's form; the paper's Eq. 2 has a sign typo).
 

@@ -58,7 +58,7 @@ def join_flags(
     noloco_pull: Annotated[Optional[float], opt("noloco: γ, pull toward the group's mean weights (default: the outer lr)", AVG, "noloco_pull")] = None,
     fragments: Annotated[Optional[int], opt("Streaming: split the model into P fragments synchronised in rotation, one every H/P steps (default: 1)", AVG, "fragments")] = None,
     overlap: Annotated[Optional[bool], opt("Keep training while a round's exchange runs (default: off)", AVG, "overlap")] = None,
-    overlap_mode: Annotated[Optional[str], opt("With --overlap: asap (apply a round's result when it arrives) | delayed (at the next round: one-step delay) (default: asap)", AVG, "overlap_mode")] = None,
+    overlap_mode: Annotated[Optional[str], opt("With --overlap: asap (apply a round's result when it arrives) | delayed (at the next round: one-step delay) | eager (apply an estimate from this node's Δ and the others' previous Δ at once, correct it when the result arrives) (default: asap)", AVG, "overlap_mode")] = None,
     fragment_alpha: Annotated[Optional[float], opt("α in θ ← (1−α)·φ + α·θ when a round's result is applied; 0 replaces local weights (default: 0)", AVG, "fragment_alpha")] = None,
     error_feedback_decay: Annotated[Optional[float], opt("β of error feedback for lossy codecs (default: 0.95; 0 for none/fp16/bf16)", AVG, "error_feedback_decay")] = None,
     outer_lr: Annotated[Optional[float], opt("Outer learning rate η (β for noloco) (default: 0.7; 1.0 for sparseloco)", AVG, "outer_lr")] = None,

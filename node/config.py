@@ -51,7 +51,7 @@ class NodeConfig(BaseModel):
     group_size: int = Field(2, ge=2, le=64, description="members per noloco group")
     fragments: int = Field(1, ge=1, le=64, description="streaming: parameter fragments synchronised in rotation")
     overlap: bool = Field(False, description="keep training while a round's exchange runs")
-    overlap_mode: Literal["asap", "delayed"] = Field("asap", description="apply a round's result as soon as it arrives, or at the next round (one-step delay)")
+    overlap_mode: Literal["asap", "delayed", "eager"] = Field("asap", description="apply a round's result as soon as it arrives, at the next round (one-step delay), or eagerly estimate it from the previous round")
     fragment_alpha: float = Field(0.0, ge=0, le=1, description="θ_f ← (1−α)·φ_f + α·θ_f when a round's result is applied")
     aggregate: Literal["mean", "median-clip", "trimmed-mean"] = "mean"
     join_timeout: float = Field(60.0, gt=0, description="how long a joiner keeps trying to download the swarm's state")
@@ -113,6 +113,8 @@ class NodeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _fits_together(self) -> "NodeConfig":
+        if self.overlap_mode == "eager" and self.algorithm == "noloco":
+            raise ValueError("--overlap-mode eager estimates a group average: use it with diloco or sparseloco")
         if self.fragments > 1 and self.algorithm == "noloco":
             raise ValueError("--fragments works with diloco and sparseloco; noloco sends whole models (use --fragments 1)")
         from node.model import PRESETS

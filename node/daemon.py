@@ -70,6 +70,7 @@ class PendingRound:
     fragment: int
     steps: int
     future: concurrent.futures.Future
+    eager: list[torch.Tensor] | None = None  # the estimate of the fragment's new φ already applied (eager mode)
 
 
 def count_traffic(metrics: NodeMetrics, summary: "Summary", protocol: str, direction: str, nbytes: int) -> None:
@@ -197,6 +198,7 @@ class Daemon(NodeBase):
         self.peer_rates: dict[str, float] = {}
         self.round_target = 1
         self.pending: PendingRound | None = None
+        self.eager_prev: dict[int, tuple[list[torch.Tensor], int]] = {}  # fragment → others' Σ samples·Δ, samples
         self.role = "trainer"  # announced in the DHT; "leaving" once the node stops
 
     def run(self) -> int:
@@ -266,6 +268,7 @@ class Daemon(NodeBase):
             self.averager = DiLoCoAverager(
                 net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer,
                 gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregate,
+                keep_others=cfg.overlap and cfg.overlap_mode == "eager",
             )
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
@@ -487,7 +490,7 @@ class Daemon(NodeBase):
                 self.tokens_per_s = window_tokens / elapsed
                 self.metrics.tokens_per_second.set(self.tokens_per_s)
                 window_start, window_tokens = time.monotonic(), 0
-            if self.pending is not None and cfg.overlap_mode == "asap" and self.pending.future.done():
+            if self.pending is not None and cfg.overlap_mode != "delayed" and self.pending.future.done():
                 self._finish_pending()
             if self.inner_step >= self.round_target:
                 self._finish_pending()
@@ -508,10 +511,25 @@ class Daemon(NodeBase):
         coro = self.averager.run_round(
             self.round, phi, theta, samples, before_gather=self._heartbeat, indices=indices, feedback=self.feedback[fragment]
         )
-        self.pending = PendingRound(self.round, fragment, self.inner_step, self.net.submit(coro))
+        eager = None
+        if self.cfg.overlap and self.cfg.overlap_mode == "eager" and fragment in self.eager_prev:
+            eager = self._apply_eager(fragment, indices, phi, theta, samples)  # before the round touches φ and momentum
+        self.pending = PendingRound(self.round, fragment, self.inner_step, self.net.submit(coro), eager)
         self.inner_step = 0
         if not self.cfg.overlap:
             self._finish_pending()
+
+    def _apply_eager(self, fragment: int, indices: list[int], phi: list[torch.Tensor], theta: list[torch.Tensor],
+                     samples: int) -> list[torch.Tensor]:
+        """Eager update: step at once with Δ̃ = (n_i·Δ_i + Σ_{j≠i} n_j·Δ_j(previous round)) / Σ n, this node's
+        fresh pseudo-gradient standing in with the others' last ones; the true average corrects it later."""
+        others_sum, others_samples = self.eager_prev[fragment]
+        total = samples + others_samples
+        estimate = [(samples * (p.float() - t) + o) / total for p, t, o in zip(phi, theta, others_sum)]
+        phi_estimate = self.outer.preview(phi, estimate, indices)  # type: ignore[union-attr]
+        params = self.trainer.parameters()
+        merge_fragment([params[i].data for i in indices], phi_estimate, 0.0)
+        return phi_estimate
 
     def _finish_pending(self, final: bool = False) -> None:
         """Wait for the round in flight (counted as communication wait) and apply its result."""
@@ -561,7 +579,15 @@ class Daemon(NodeBase):
             self.summary.outer_rounds += 1
             indices = self.fragments[pending.fragment]
             params = self.trainer.parameters()
-            merge_fragment([params[i].data for i in indices], [self.phi[i] for i in indices], self.cfg.fragment_alpha)
+            if pending.eager is not None:
+                # keep the steps taken since the estimate, moved by how far the estimate was off
+                with torch.no_grad():
+                    for i, guess in zip(indices, pending.eager):
+                        params[i].data.add_((self.phi[i] - guess).to(params[i].device, params[i].dtype))
+            else:
+                merge_fragment([params[i].data for i in indices], [self.phi[i] for i in indices], self.cfg.fragment_alpha)
+            if result.others_sum is not None:
+                self.eager_prev[pending.fragment] = (result.others_sum, result.others_samples)
             if result.failures:
                 self.event("round_partial", round=result.round, failures=result.failures)
         self._catch_up()

@@ -68,9 +68,10 @@ def test_noloco_partner_killed_mid_run_costs_at_most_one_deadline(tmp_path, node
     assert info["steps"] > 0 and info["train_loss_last"] < 4.0
 
 
-def test_sparseloco_and_streaming_overlap_train(tmp_path, nodes):
+def test_sparseloco_streaming_overlap_and_eager_updates_train(tmp_path, nodes):
     for name, extra in (("sparse", ["--algorithm", "sparseloco"]),
-                        ("stream", ["--fragments", "2", "--overlap", "--inner-steps", "20"])):
+                        ("stream", ["--fragments", "2", "--overlap", "--inner-steps", "20"]),
+                        ("eager", ["--overlap", "--overlap-mode", "eager", "--inner-steps", "10"])):
         run = ["--run-id", f"algo-{name}"]
         a = start_node(tmp_path, f"{name}0", [*FAST_ARGS, *extra, *run, "--seed", "0"])
         nodes.append(a)
@@ -83,7 +84,9 @@ def test_sparseloco_and_streaming_overlap_train(tmp_path, nodes):
         for info in infos:
             assert info["val_loss"] < 3.5, info
             assert info["comm_wait_s"] >= 0 and info["wall_s"] > 0
-        if name == "stream":
+        if name == "eager":
+            assert all(r["contributors"] == 2 for r in _rounds(infos[0])[-3:])
+        elif name == "stream":
             fragments = {r["fragment"] for r in _rounds(infos[0])}
             assert fragments == {0, 1}, "both fragments take turns"
             assert all(r["steps"] == 10 for r in _rounds(infos[0])[1:]), "a round every H/P = 10 steps"

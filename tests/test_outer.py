@@ -135,3 +135,16 @@ def test_rejoin_target(mine, others, expected):
     from gossip.rendezvous import rejoin_target
 
     assert rejoin_target(mine, others) == expected
+
+
+def test_preview_is_the_step_without_side_effects():
+    phi = [torch.tensor([1.0, -2.0]), torch.tensor([0.5])]
+    outer = NesterovOuter(lr=0.7, momentum=0.9)
+    outer.step([p.clone() for p in phi], [torch.tensor([0.3, 0.1]), torch.tensor([0.2])])  # some momentum first
+    delta = [torch.tensor([0.1, -0.4]), torch.tensor([1.0])]
+    before = [b.clone() for b in outer.buffers.values()]
+    guess = outer.preview(phi, delta)
+    assert all(torch.equal(a, b) for a, b in zip(before, outer.buffers.values())), "momentum untouched"
+    assert torch.equal(phi[0], torch.tensor([1.0, -2.0])), "phi untouched"
+    outer.step(phi, delta)
+    assert all(torch.allclose(g, p) for g, p in zip(guess, phi))
