@@ -329,18 +329,18 @@ class PipelineNode(NodeBase):
         return stages
 
     def _maybe_rebalance(self) -> None:
+        # plan on the DHT records alone (this node's own included), so every server computes the same
+        # plan and exactly one of them moves
         records = self.net.call(list_peers(self.net.dht, self.cfg.run_id), timeout=30)
         stages = self._stage_map(records)
-        me = self.summary.peer_id
-        if self.stage is not None:
-            stages[self.stage][me] = self.throughput * self.model_cfg.context
-        target = plan_move(stages, me, self.cfg.rebalance_margin)
+        target = plan_move(stages, self.summary.peer_id, self.cfg.rebalance_margin)
         if target is None:
             return
         before = [round(sum(s.values())) for s in stages]
         self.metrics.stage_moves.inc()
         self.event("rebalance", from_stage=self.stage, to_stage=target, stage_throughput=before)
         self._become_stage(target)  # its throughput is measured again on the new stage before anyone plans on it
+        self.net.call(self._heartbeat(), timeout=30)  # announce the move (and the unmeasured throughput) at once
 
     # ---- lost stages ---------------------------------------------------------------------------------
     def _wait_as_spare(self) -> None:
