@@ -173,7 +173,10 @@ class StageService:
                     if not job.future.done():
                         job.future.set_exception(SchemaError(f"stage computation failed: {e}"))
                 continue
-            self._observe(sum(len(j.x) for j in jobs), time.monotonic() - started)
+            if len(jobs) == 1 or self.throughput == 0:
+                # capacity from requests run one at a time: a backlogged server batches more and would
+                # look faster than an idle one of equal speed, and rebalancing would chase that
+                self._observe(sum(len(j.x) for j in jobs), time.monotonic() - started)
             for job, result in zip(jobs, results):
                 if not job.future.done():
                     job.future.set_result(result)
