@@ -95,6 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true", help="shorter runs (about 8 minutes in all)")
+    parser.add_argument("--parts", default="rebalancing,codecs,budget", help="comma-separated subset of the three parts")
     args = parser.parse_args()
     duration = 75.0 if args.quick else 150.0
     workdir = Path(tempfile.mkdtemp(prefix="locomesh-pipeline-"))
@@ -108,20 +109,21 @@ def main() -> None:
         "optimal": ({0: _server(0, 3), 1: _server(1, 6), 2: _server(0, 3), 3: _server(1, 3), 4: ["--role", "trainer"]},
                     ["--rebalance-period", "0"]),
     }
+    parts = set(args.parts.split(","))
     rates = {}
-    for name, (node_args, extra) in layouts.items():
+    for name, (node_args, extra) in layouts.items() if "rebalancing" in parts else []:
         run = run_swarm(name, workdir, node_args, duration, extra)
         rates[name] = tail_rate(run["series"])
         moves = [e for e in run["report"]["events"] if e["event"] in ("rebalance", "stage_moved")]
         results[name] = {"samples_per_s": rates[name] * 8, "steps_per_s": rates[name], "exit": run["exit"], "moves": moves,
                          "trainer_steps": run["report"]["nodes"][-1]["steps"], "series": run["series"]}
         print(f"{name}: {rates[name] * 8:.1f} samples/s, moves {[(m.get('from_stage'), m.get('to_stage')) for m in moves if m['event'] == 'rebalance']}", flush=True)
-    for name in ("imbalanced", "rebalancing"):
+    for name in ("imbalanced", "rebalancing") if "rebalancing" in parts else []:
         results[name]["fraction_of_optimal"] = rates[name] / rates["optimal"] if rates["optimal"] else math.nan
 
     codec_duration = 35.0 if args.quick else 60.0
     results["activation_codecs"] = {}
-    for codec in ("none", "fp16", "int8-block"):
+    for codec in ("none", "fp16", "int8-block") if "codecs" in parts else []:
         node_args = {0: _server(0, 1), 1: _server(1, 1), 2: ["--role", "trainer"]}
         run = run_swarm(f"codec-{codec}", workdir, node_args, codec_duration, ["--activation-compression", codec])
         trainer = run["report"]["nodes"][-1]
@@ -132,19 +134,25 @@ def main() -> None:
         print(f"activations {codec}: {stage_bytes / samples / 1e3:.1f} kB per sample", flush=True)
 
     # equal budget: the single process trains on as many batches as the pipeline's trainer got through
+    if "budget" in parts:
+        _budget(results, workdir, args.quick)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, default=str))
+    if "rebalancing" in parts:
+        print("| run | samples/s | fraction of optimal |\n|---|---|---|")
+        for name in ("imbalanced", "rebalancing", "optimal"):
+            print(f"| {name} | {results[name]['samples_per_s']:.1f} | {results[name].get('fraction_of_optimal', 1.0):.2f} |")
+    print(f"wrote {args.out}")
+
+
+def _budget(results: dict[str, Any], workdir: Path, quick: bool) -> None:
     node_args = {0: _server(0, 1), 1: _server(1, 1), 2: ["--role", "trainer"]}
-    run = run_swarm("budget", workdir, node_args, 90.0 if args.quick else 240.0)
+    run = run_swarm("budget", workdir, node_args, 90.0 if quick else 240.0)
     trainer = run["report"]["nodes"][-1]
     budget = trainer["steps"]
     results["fixed_budget"] = {"batches": budget, "pipeline_val_loss": trainer["val_loss"],
                                "single_process_val_loss": single_process_loss(budget)}
     print(f"after {budget} batches: pipeline val {trainer['val_loss']:.3f}, one process {results['fixed_budget']['single_process_val_loss']:.3f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str))
-    print("| run | samples/s | fraction of optimal |\n|---|---|---|")
-    for name in ("imbalanced", "rebalancing", "optimal"):
-        print(f"| {name} | {results[name]['samples_per_s']:.1f} | {results[name].get('fraction_of_optimal', 1.0):.2f} |")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ class PipelineNode(NodeBase):
         self.throughput = 0.0
         self.role = "starting"
         self.peers: dict[str, PeerRecord] = {}
+        self.stage_since = 0.0
         self.last_served: list[float | None] = []
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -207,6 +208,7 @@ class PipelineNode(NodeBase):
         self.service.reset_throughput()
         self.worker = StageWorker(module, self.device, cfg.lr * lr_scale, cfg.weight_decay, cfg.warmup_steps, slowdown=cfg.slowdown)
         self.role = "stage"
+        self.stage_since = time.time()
         self.metrics.stage.set(index)
         self._publish_stage_state()
         if rebuilt is None:
@@ -332,6 +334,9 @@ class PipelineNode(NodeBase):
         # plan on the DHT records alone (this node's own included), so every server computes the same
         # plan and exactly one of them moves
         records = self.net.call(list_peers(self.net.dht, self.cfg.run_id), timeout=30)
+        settling = [r for r in records.values() if r.role == "stage" and time.time() - r.stage_since < self.cfg.rebalance_period]
+        if settling:
+            return  # a server joined or moved within the last period: let its throughput settle first
         stages = self._stage_map(records)
         target = plan_move(stages, self.summary.peer_id, self.cfg.rebalance_margin)
         if target is None:
@@ -530,6 +535,7 @@ class PipelineNode(NodeBase):
             loss=self.last_loss, maddrs=self.summary.multiaddrs, protocols=self.summary.protocols, version=__version__,
             started_at=time.time() - (time.monotonic() - self.started), stage=self.stage if self.stage is not None else -1,
             queue=self.service.queue_length, grad_norm=worker.last_grad_norm if worker else 0.0,
+            stage_since=self.stage_since,
         )
         connected = [info.peer_id for info in await net.p2p.list_peers()]
         await reconnect_routing_table(net.dht, connected)

@@ -56,6 +56,7 @@ class PeerRecord:
     stage: int = -1  # pipeline stage served (-1: none)
     queue: int = 0  # requests waiting at a stage server
     grad_norm: float = 0.0  # a stage server's last gradient norm
+    stage_since: float = 0.0  # when it began serving that stage (unix time)
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,6 +84,7 @@ class PeerRecord:
             stage=_typed(value, "stage", int, -1),
             queue=_typed(value, "queue", int, 0),
             grad_norm=float(_typed(value, "grad_norm", number, 0.0)),
+            stage_since=float(_typed(value, "stage_since", number, 0.0)),
         )
         if not all(isinstance(x, str) for x in rec.maddrs + rec.protocols):
             raise SchemaError("record fields 'maddrs' and 'protocols' must hold strings")

@@ -6,7 +6,7 @@ slowest of the stage with the most spare throughput, moves to the bottleneck sta
 that raises the pipeline's throughput by more than ``margin`` (so two nearly equal stages do not
 trade a peer back and forth). A stage's last peer never leaves it, and nobody moves while some
 server has not measured its throughput yet (a peer that just moved or joined): plans made on a
-guess flap.
+guess flap. The node also waits a full period after any server joined or moved before planning.
 """
 
 from __future__ import annotations
