@@ -76,8 +76,8 @@ class StageService:
         self.transport, self.run_id, self.worker, self.codec = transport, run_id, worker, get_codec(codec).spec
         self.queue_limit, self.max_batch = queue_limit, max_batch
         self.queue: asyncio.Queue[_Job] | None = None
-        self.throughput = 0.0  # samples/s of compute, EMA with bias correction
-        self._ema, self._weight = 0.0, 0.0
+        self.throughput = 0.0  # microbatch samples per second of compute (EMAs of samples and of seconds)
+        self._samples, self._seconds = 0.0, 0.0
         self.served = 0
 
     @property
@@ -173,10 +173,14 @@ class StageService:
                     if not job.future.done():
                         job.future.set_exception(SchemaError(f"stage computation failed: {e}"))
                 continue
-            if len(jobs) == 1 or self.throughput == 0:
+            if head.kind != "evaluate" and (len(jobs) == 1 or self.throughput == 0):
                 # capacity from requests run one at a time: a backlogged server batches more and would
-                # look faster than an idle one of equal speed, and rebalancing would chase that
-                self._observe(sum(len(j.x) for j in jobs), time.monotonic() - started)
+                # look faster than an idle one of equal speed, and rebalancing would chase that. A
+                # microbatch's samples count once, when its last request here (backward or loss) is
+                # done, so stages that serve one request per microbatch and stages that serve two
+                # compare fairly.
+                done = sum(len(j.x) for j in jobs if j.kind in ("backward", "loss"))
+                self._observe(done, time.monotonic() - started)
             for job, result in zip(jobs, results):
                 if not job.future.done():
                     job.future.set_result(result)
@@ -201,13 +205,13 @@ class StageService:
         return [worker.evaluate(head.x, head.extra, embed=head.embed)]  # type: ignore[arg-type]
 
     def reset_throughput(self) -> None:
-        self.throughput, self._ema, self._weight = 0.0, 0.0, 0.0
+        self.throughput, self._samples, self._seconds = 0.0, 0.0, 0.0
 
     def _observe(self, samples: int, seconds: float, alpha: float = 0.1) -> None:
-        rate = samples / max(seconds, 1e-6)
-        self._ema = (1 - alpha) * self._ema + alpha * rate
-        self._weight = (1 - alpha) * self._weight + alpha
-        self.throughput = self._ema / self._weight
+        first = self._seconds == 0.0
+        self._samples = samples if first else (1 - alpha) * self._samples + alpha * samples
+        self._seconds = seconds if first else (1 - alpha) * self._seconds + alpha * seconds
+        self.throughput = self._samples / max(self._seconds, 1e-9)
 
 
 class StageCallError(Exception):
