@@ -208,9 +208,9 @@ class StageService:
         self.throughput, self._samples, self._seconds = 0.0, 0.0, 0.0
 
     def _observe(self, samples: int, seconds: float, alpha: float = 0.1) -> None:
-        first = self._seconds == 0.0
-        self._samples = samples if first else (1 - alpha) * self._samples + alpha * samples
-        self._seconds = seconds if first else (1 - alpha) * self._seconds + alpha * seconds
+        # both averages start at 0 with the same weights, so their ratio needs no bias correction
+        self._samples = (1 - alpha) * self._samples + alpha * samples
+        self._seconds = (1 - alpha) * self._seconds + alpha * seconds
         self.throughput = self._samples / max(self._seconds, 1e-9)
 
 

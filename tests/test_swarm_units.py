@@ -222,3 +222,13 @@ def test_auto_role_fills_empty_stages_then_trainers_then_the_weakest_stage():
 def test_local_swarm_roles():
     assert [pipeline_role(i, 6, 2) for i in range(6)] == [0, 1, 0, 1, None, None]
     assert [pipeline_role(i, 3, 2) for i in range(3)] == [0, 1, None]
+
+
+def test_stage_throughput_counts_each_microbatch_once_over_all_its_compute():
+    service = _service(0)
+    service._observe(0, 0.1)  # a forward: time, no finished microbatch yet
+    assert service.throughput == 0, "unmeasured until a microbatch finishes here"
+    for _ in range(50):
+        service._observe(0, 0.1)  # forward
+        service._observe(8, 0.3)  # backward of the same 8 samples
+    assert service.throughput == pytest.approx(8 / 0.4, rel=0.05)
