@@ -173,12 +173,10 @@ class StageService:
                     if not job.future.done():
                         job.future.set_exception(SchemaError(f"stage computation failed: {e}"))
                 continue
-            if head.kind != "evaluate" and (len(jobs) == 1 or self.throughput == 0):
-                # capacity from requests run one at a time: a backlogged server batches more and would
-                # look faster than an idle one of equal speed, and rebalancing would chase that. A
-                # microbatch's samples count once, when its last request here (backward or loss) is
-                # done, so stages that serve one request per microbatch and stages that serve two
-                # compare fairly.
+            if head.kind != "evaluate":
+                # a microbatch's samples count once, when its last request here (backward or loss) is
+                # done, over all compute time, so stages that serve one request per microbatch and
+                # stages that serve two compare fairly (batching gains count as capacity)
                 done = sum(len(j.x) for j in jobs if j.kind in ("backward", "loss"))
                 self._observe(done, time.monotonic() - started)
             for job, result in zip(jobs, results):
