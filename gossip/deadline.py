@@ -11,6 +11,10 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+# the shortest deadline the daemons use: a member delayed a few seconds (a busy CPU, a GC pause, a
+# joiner finishing its first steps) still makes the round
+DEADLINE_FLOOR_S = 5.0
+
 
 class AdaptiveDeadline:
     """How long a member waits for the rest of its group.

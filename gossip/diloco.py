@@ -35,7 +35,7 @@ from hivemind.dht.node import DHTNode
 
 from compression import ErrorFeedback
 from gossip.aggregate import aggregate
-from gossip.deadline import AdaptiveDeadline
+from gossip.deadline import DEADLINE_FLOOR_S, AdaptiveDeadline
 from gossip.exchange import Contribution, RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter, pseudo_gradient
@@ -98,7 +98,7 @@ class DiLoCoAverager:
         self.member_role, self.keep_others = member_role, keep_others
         self.run_id, self.peer_id, self.outer = run_id, peer_id, outer
         self.fetch_timeout, self.part_numel = fetch_timeout, part_numel
-        self.deadline = AdaptiveDeadline(gather_timeout, floor=min(2.0, gather_timeout))
+        self.deadline = AdaptiveDeadline(gather_timeout, floor=min(DEADLINE_FLOOR_S, gather_timeout))
         self.aggregation = aggregation
 
     async def expected_members(self, round_no: int) -> set[str]:

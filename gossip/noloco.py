@@ -31,7 +31,7 @@ from hivemind.dht.node import DHTNode
 
 from compression import ErrorFeedback
 from gossip.aggregate import aggregate
-from gossip.deadline import AdaptiveDeadline
+from gossip.deadline import DEADLINE_FLOOR_S, AdaptiveDeadline
 from gossip.diloco import RoundResult
 from gossip.exchange import Contribution, RoundExchange
 from gossip.fingerprint import fingerprint
@@ -96,7 +96,7 @@ class NoLoCoAverager:
         self.dht, self.validator, self.exchange = dht, validator, exchange
         self.run_id, self.peer_id, self.outer = run_id, peer_id, outer
         self.group_size, self.fetch_timeout, self.part_numel = group_size, fetch_timeout, part_numel
-        self.deadline = AdaptiveDeadline(gather_timeout, floor=min(2.0, gather_timeout))
+        self.deadline = AdaptiveDeadline(gather_timeout, floor=min(DEADLINE_FLOOR_S, gather_timeout))
         self.aggregation, self.poll_interval = aggregation, poll_interval
 
     async def _match(self, round_no: int, deadline_s: float) -> tuple[list[str], bool]:
