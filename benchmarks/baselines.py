@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from node.data import ByteBatches, load_corpus, validation_batches
-from node.model import preset
+from swarm.model import preset
 from node.trainer import LocalTrainer
 
 

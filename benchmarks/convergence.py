@@ -254,7 +254,7 @@ class InfoPoller(threading.Thread):
 
 def fragments(settings: Settings) -> int:
     """Streaming splits the model into 4 fragments, or one per block when it has fewer (nano has 2)."""
-    from node.model import preset
+    from swarm.model import preset
 
     return min(4, preset(settings.model).n_layer)
 
@@ -406,7 +406,7 @@ def run_locomesh(name: str, settings: Settings, directory: Path) -> dict[str, An
 
 
 def _context(model: str) -> int:
-    from node.model import preset
+    from swarm.model import preset
 
     return preset(model).context
 

@@ -78,7 +78,7 @@ def tail_rate(series: list[tuple[float, float]], fraction: float = 0.4) -> float
 
 def single_process_loss(steps: int, seed: int = 0) -> float:
     from node.data import ByteBatches, load_corpus, validation_batches
-    from node.model import preset
+    from swarm.model import preset
     from node.trainer import LocalTrainer
 
     torch.set_num_threads(2)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from node.data import ByteBatches, load_corpus, validation_batches
-from node.model import preset
+from swarm.model import preset
 from swarm.checkfree import rebuild_stage, restore_from_replica, swap_order
 from swarm.stages import Stage
 

@@ -31,6 +31,11 @@ class AdaptiveDeadline:
         self.ceiling, self.floor, self.multiplier = ceiling, floor, multiplier
         self.waits: deque[float] = deque(maxlen=window)
 
+    @classmethod
+    def for_timeout(cls, ceiling: float) -> "AdaptiveDeadline":
+        """The daemons' deadline under ``--averaging-timeout`` (the floor never above the ceiling)."""
+        return cls(ceiling, floor=min(DEADLINE_FLOOR_S, ceiling))
+
     def observe(self, wait_s: float, complete: bool) -> None:
         """Record one round's wait; only rounds where everybody arrived say how long waiting takes."""
         if complete and wait_s >= 0:

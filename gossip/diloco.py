@@ -35,7 +35,7 @@ from hivemind.dht.node import DHTNode
 
 from compression import ErrorFeedback
 from gossip.aggregate import aggregate
-from gossip.deadline import DEADLINE_FLOOR_S, AdaptiveDeadline
+from gossip.deadline import AdaptiveDeadline
 from gossip.exchange import Contribution, RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter, pseudo_gradient
@@ -67,7 +67,19 @@ class RoundResult:
     others_samples: int = 0
 
 
-class DiLoCoAverager:
+class GroupAverager:
+    """What every kind of outer round needs: the DHT, the exchange, this member's outer optimizer
+    and the timing of the rendezvous and fetches."""
+
+    def __init__(self, dht: DHTNode, validator: RSASignatureValidator, exchange: RoundExchange, run_id: str, peer_id: str,
+                 outer: object, gather_timeout: float, fetch_timeout: float, part_numel: int, aggregation: str) -> None:
+        self.dht, self.validator, self.exchange = dht, validator, exchange
+        self.run_id, self.peer_id, self.outer = run_id, peer_id, outer
+        self.fetch_timeout, self.part_numel, self.aggregation = fetch_timeout, part_numel, aggregation
+        self.deadline = AdaptiveDeadline.for_timeout(gather_timeout)
+
+
+class DiLoCoAverager(GroupAverager):
     """Runs DiLoCo outer rounds for one member.
 
     :param dht: the node's DHT
@@ -94,12 +106,9 @@ class DiLoCoAverager:
         member_role: str = "trainer",
         keep_others: bool = False,
     ) -> None:
-        self.dht, self.validator, self.exchange = dht, validator, exchange
+        super().__init__(dht, validator, exchange, run_id, peer_id, outer, gather_timeout, fetch_timeout, part_numel, aggregation)
+        self.outer: NesterovOuter = outer
         self.member_role, self.keep_others = member_role, keep_others
-        self.run_id, self.peer_id, self.outer = run_id, peer_id, outer
-        self.fetch_timeout, self.part_numel = fetch_timeout, part_numel
-        self.deadline = AdaptiveDeadline(gather_timeout, floor=min(DEADLINE_FLOOR_S, gather_timeout))
-        self.aggregation = aggregation
 
     async def expected_members(self, round_no: int) -> set[str]:
         return await round_members(self.dht, self.run_id, round_no, self.member_role)

@@ -31,8 +31,7 @@ from hivemind.dht.node import DHTNode
 
 from compression import ErrorFeedback
 from gossip.aggregate import aggregate
-from gossip.deadline import DEADLINE_FLOOR_S, AdaptiveDeadline
-from gossip.diloco import RoundResult
+from gossip.diloco import GroupAverager, RoundResult
 from gossip.exchange import Contribution, RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NoLoCoOuter, pseudo_gradient
@@ -67,7 +66,7 @@ def choose_group(arrivals: Sequence[tuple[float, str]], me: str, size: int, fina
     return group + random.Random(seed).sample(earlier, min(missing, len(earlier)))
 
 
-class NoLoCoAverager:
+class NoLoCoAverager(GroupAverager):
     """Runs NoLoCo rounds for one member (see the module docstring).
 
     :param exchange: serves/fetches contributions; its layout for round r is Δ's parts then φ's parts
@@ -93,11 +92,9 @@ class NoLoCoAverager:
     ) -> None:
         if group_size < 2:
             raise ValueError(f"a NoLoCo group needs at least 2 members, got {group_size}")
-        self.dht, self.validator, self.exchange = dht, validator, exchange
-        self.run_id, self.peer_id, self.outer = run_id, peer_id, outer
-        self.group_size, self.fetch_timeout, self.part_numel = group_size, fetch_timeout, part_numel
-        self.deadline = AdaptiveDeadline(gather_timeout, floor=min(DEADLINE_FLOOR_S, gather_timeout))
-        self.aggregation, self.poll_interval = aggregation, poll_interval
+        super().__init__(dht, validator, exchange, run_id, peer_id, outer, gather_timeout, fetch_timeout, part_numel, aggregation)
+        self.outer: NoLoCoOuter = outer
+        self.group_size, self.poll_interval = group_size, poll_interval
 
     async def _match(self, round_no: int, deadline_s: float) -> tuple[list[str], bool]:
         """Poll the rendezvous until this member's group is settled; returns (group, complete)."""

@@ -117,7 +117,7 @@ class NodeConfig(BaseModel):
             raise ValueError("--overlap-mode eager estimates a group average: use it with diloco or sparseloco")
         if self.fragments > 1 and self.algorithm == "noloco":
             raise ValueError("--fragments works with diloco and sparseloco; noloco sends whole models (use --fragments 1)")
-        from node.model import PRESETS
+        from swarm.model import PRESETS
 
         layers = PRESETS[self.model].n_layer
         if self.stages > layers:
@@ -168,7 +168,7 @@ class NodeConfig(BaseModel):
     @field_validator("model")
     @classmethod
     def _model(cls, value: str) -> str:
-        from node.model import PRESETS
+        from swarm.model import PRESETS
 
         if value not in PRESETS:
             raise ValueError(f"unknown model preset {value!r}; choose one of {', '.join(PRESETS)}")

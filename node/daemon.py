@@ -49,7 +49,7 @@ from node.checkpoint import CHECKPOINT_NAME, newest_valid, save_atomic
 from node.config import NodeConfig, read_swarm_key
 from node.data import ByteBatches, load_corpus, validation_batches
 from node.metrics import NodeMetrics
-from node.model import preset
+from swarm.model import preset
 from node.network import Interrupted, NetworkThread
 from node.status_service import StatusService
 from node.trainer import LocalTrainer, pick_device

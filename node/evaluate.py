@@ -9,7 +9,7 @@ import torch
 
 from node.checkpoint import load
 from node.data import load_corpus, load_text_corpus, validation_batches
-from node.model import GPTConfig
+from swarm.model import GPTConfig
 from node.trainer import LocalTrainer, pick_device
 
 

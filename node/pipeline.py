@@ -41,7 +41,7 @@ from node import __version__
 from node.config import NodeConfig, read_swarm_key
 from node.daemon import HEARTBEAT_S, RECORD_TTL_S, NodeBase
 from node.data import ByteBatches, load_corpus, validation_batches
-from node.model import preset
+from swarm.model import preset
 from node.network import Interrupted
 from node.status_service import StatusService
 from node.trainer import pick_device

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from node.model import GPT, GPTConfig
+from swarm.model import GPT, GPTConfig
 
 
 def pick_device(requested: str) -> torch.device:

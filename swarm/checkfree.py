@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from node.model import GPTConfig
+from swarm.model import GPTConfig
 from swarm.stages import Stage
 
 METHODS = ("checkfree", "uniform", "copy", "random")

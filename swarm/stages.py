@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.model import GPT, GPTConfig
+from swarm.model import GPT, GPTConfig
 
 
 def block_range(n_layer: int, index: int, count: int) -> tuple[int, int]:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from node.launcher import parse_chaos
-from node.model import preset
+from swarm.model import preset
 from swarm.checkfree import (lost_stages, neighbour_weights, rebuild_stage, recoverable, restore_from_replica,
                              swap_order)
 from swarm.rebalance import plan_move

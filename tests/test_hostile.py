@@ -17,7 +17,7 @@ from compression import get_codec
 from gossip.exchange import Contribution, RoundExchange
 from gossip.partition import part_shapes
 from gossip.rendezvous import gather_group, list_peers, publish_peer
-from node.model import GPT, preset
+from swarm.model import GPT, preset
 from node.status_service import fetch_status
 from protocol import RemoteError, encode_frame, encode_message, ids
 from protocol.errors import SchemaError

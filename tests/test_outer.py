@@ -8,7 +8,7 @@ import torch
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter, pseudo_gradient, weighted_mean
 from gossip.partition import join, part_shapes, split
-from node.model import GPT, preset
+from swarm.model import GPT, preset
 
 
 def _batch(seed, n=4, ctx=16):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from node.launcher import pipeline_role
-from node.model import GPT, preset
+from swarm.model import GPT, preset
 from node.pipeline import choose_role
 from protocol.errors import SchemaError
 from protocol.frames import decode_message, read_frame
