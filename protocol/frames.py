@@ -128,12 +128,35 @@ class FramedStream:
         self.expected_hello: bytes | None = None  # set by a client of a private swarm: the server's proof
 
     async def send(self, kind: str, body: dict[str, Any]) -> int:
-        """Send one envelope; returns the bytes written (length prefix included)."""
+        """Send one envelope; returns the bytes written (length prefix included).
+
+        When the write fails because the peer already refused us and went away (a private swarm's
+        wrong key, say), the refusal it sent first is read and raised as :class:`RemoteError`, so the
+        caller learns why instead of seeing a bare broken stream."""
         data = encode_frame(encode_message(kind, body))
-        self.writer.write(data)
-        await self.writer.drain()
+        try:
+            self.writer.write(data)
+            await self.writer.drain()
+        except (ConnectionError, OSError) as e:
+            refusal = await self._pending_refusal()
+            if refusal is not None:
+                raise refusal from None
+            raise ConnectionResetError(f"stream to {self.peer} broken while sending {kind!r}: {e}") from None
         self.bytes_sent += len(data)
         return len(data)
+
+    async def _pending_refusal(self, timeout: float = 2.0) -> RemoteError | None:
+        """The error frame the peer sent before closing, if one is waiting to be read (else None)."""
+        saved, self.idle_timeout = self.idle_timeout, timeout
+        try:
+            msg = decode_message(await self._next_frame(), self.max_frame)
+        except Exception:  # nothing readable is waiting: the caller reports its own failure
+            return None
+        finally:
+            self.idle_timeout = saved
+        if msg.kind != ERROR_KIND:
+            return None
+        return RemoteError(str(msg.body.get("code", "?")), str(msg.body.get("message", "")))
 
     async def send_error(self, error: ProtocolError | str, message: str = "") -> None:
         """Tell the peer why its request was refused (best effort)."""
@@ -141,7 +164,27 @@ class FramedStream:
         text = str(error) if isinstance(error, ProtocolError) else message
         try:
             await self.send(ERROR_KIND, {"code": code, "message": text[:1000]})
-        except (ConnectionError, RuntimeError, OSError):
+        except (ConnectionError, RuntimeError, OSError, ProtocolError):
+            pass
+
+    async def refuse(self, error: ProtocolError | str, message: str = "") -> None:
+        """Send the error frame, close our writing side, then read and drop whatever the peer still
+        sends until it closes its side (bounded by :meth:`wait_peer_closed`).
+
+        Closing a socket that holds unread bytes makes p2pd see a connection reset and reset the
+        libp2p stream, and a reset makes the peer's muxer drop data it has not read yet: the error
+        frame would be lost and the peer would see only "stream closed". Draining first avoids it."""
+        await self.send_error(error, message)
+        self.close_write()
+        await self.wait_peer_closed()
+
+    def close_write(self) -> None:
+        """Half-close: the peer reads EOF after what we sent; we can still read. Never raises."""
+        can_write_eof = getattr(self.writer, "can_write_eof", None)  # the light client's writer has none: it never serves
+        try:
+            if can_write_eof is not None and can_write_eof():
+                self.writer.write_eof()
+        except (ConnectionError, OSError, RuntimeError):
             pass
 
     async def recv(self, expect: str | Iterable[str] | None = None) -> Message:
@@ -171,10 +214,20 @@ class FramedStream:
         except asyncio.TimeoutError:
             raise StreamTimeout(f"no complete frame from {self.peer} within {self.idle_timeout:.0f}s") from None
 
-    async def wait_peer_closed(self, timeout: float = 10.0) -> None:
-        """Wait until the peer closes its side (it has read everything), so closing ours cannot cut a reply short."""
+    async def wait_peer_closed(self, timeout: float = 10.0, max_bytes: int = 1 << 22) -> None:
+        """Wait until the peer closes its side (it has read everything), so closing ours cannot cut a
+        reply short. Bytes it still sends are read and dropped, up to ``max_bytes``."""
+
+        async def drain() -> None:
+            dropped = 0
+            while dropped <= max_bytes:
+                chunk = await self.reader.read(1 << 16)
+                if not chunk:
+                    return
+                dropped += len(chunk)
+
         try:
-            await asyncio.wait_for(self.reader.read(1), timeout=timeout)
+            await asyncio.wait_for(drain(), timeout=timeout)
         except (asyncio.TimeoutError, ConnectionError, OSError):
             pass
 

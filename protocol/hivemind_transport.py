@@ -73,7 +73,7 @@ class Transport:
             except ProtocolError as e:
                 logger.warning("refused %s request from %s: %s", protocol, peer, e)
                 self.on_error(protocol, e.code, peer)
-                await stream.send_error(e)
+                await stream.refuse(e)
             except (ConnectionError, EOFError, asyncio.IncompleteReadError) as e:
                 logger.info("%s stream from %s closed early: %s", protocol, peer, e)
                 self.on_error(protocol, "connection", peer)
@@ -82,7 +82,7 @@ class Transport:
             except Exception as e:  # a bug in a handler must not kill the node
                 logger.exception("handler %s failed on a request from %s", protocol, peer)
                 self.on_error(protocol, "internal", peer)
-                await stream.send_error("internal", f"{type(e).__name__}: {e}")
+                await stream.refuse("internal", f"{type(e).__name__}: {e}")
             finally:
                 self.on_bytes(protocol, "sent", stream.bytes_sent)
                 self.on_bytes(protocol, "received", stream.bytes_received)

@@ -128,10 +128,15 @@ class Libp2pStream(FramedStream):
             return await read_frame(self.reader, self.max_frame)
         raise StreamTimeout(f"no complete frame from {self.peer} within {self.idle_timeout:.0f}s")
 
-    async def wait_peer_closed(self, timeout: float = 10.0) -> None:
+    async def wait_peer_closed(self, timeout: float = 10.0, max_bytes: int = 1 << 22) -> None:
         with trio.move_on_after(timeout):
             try:
-                await self.reader.read(1)
+                dropped = 0
+                while dropped <= max_bytes:
+                    chunk = await self.reader.read(1 << 16)
+                    if not chunk:
+                        return
+                    dropped += len(chunk)
             except ConnectionError:
                 pass
 

@@ -104,6 +104,22 @@ def test_probe_failures_are_one_line_with_what_to_do(keyed_node, tmp_path):
     assert results["bad address"]["code"] == 2
 
 
+def test_the_wrong_key_refusal_arrives_every_time(keyed_node, tmp_path):
+    """The node refuses a wrong key and then closes: the refusal must reach the client every time, not
+    be lost when the node's side goes away (that race once made every few probes say "stream closed")."""
+    _, maddr, _ = keyed_node
+    other_key = tmp_path / "other.key"
+    other_key.write_text(secrets.token_hex(32))
+    tries = 25
+    out = subprocess.run([sys.executable, "-m", "tests.lite_checks", "batch",
+                          json.dumps([["probe", maddr, "--swarm-key-file", str(other_key)]] * tries)],
+                         capture_output=True, text=True, timeout=240, env=ENV)
+    assert out.returncode == 0, out.stderr
+    messages = [result["stderr"].strip() for result in json.loads(out.stdout)]
+    wrong = [m for m in messages if "refused the key" not in m or "not this swarm's key" not in m]
+    assert not wrong, f"{len(wrong)} of {tries} probes were told something else: {sorted(set(wrong))}"
+
+
 def test_status_watch_prints_one_json_line_per_refresh(keyed_node):
     handle, maddr, key = keyed_node
     out = node("status", "--initial-peers", maddr, "--run-id", RUN, "--swarm-key", str(key), "--watch", "--count", "2",
