@@ -80,7 +80,8 @@ def join_flags(
     stream_timeout: Annotated[Optional[float], opt("Refuse a peer that stalls mid-request this long, seconds (default: 30)", OPS, "stream_timeout")] = None,
     averaging_timeout: Annotated[Optional[float], opt("Longest wait for late peers in a round, seconds; the deadline adapts below it to recent rounds (default: 30)", AVG, "averaging_timeout")] = None,
     metrics_port: Annotated[Optional[int], opt("Prometheus /metrics port, 0 = off (default: 0)", OPS, "metrics_port")] = None,
-    checkpoint_dir: Annotated[Optional[Path], opt("Directory for the (atomic) checkpoint; resumed from on restart", OPS, "checkpoint_dir")] = None,
+    checkpoint_dir: Annotated[Optional[Path], opt("Directory for the (atomic) checkpoint; resumed from on restart when it was written with the same run settings", OPS, "checkpoint_dir")] = None,
+    fresh: Annotated[Optional[bool], opt("Start over: move an existing checkpoint in --checkpoint-dir aside instead of resuming it", OPS, "fresh")] = None,
     max_steps: Annotated[Optional[int], opt("Stop cleanly after this many inner steps", OPS, "max_steps")] = None,
     duration: Annotated[Optional[float], opt("Stop cleanly after this many seconds", OPS, "duration")] = None,
     eval_batches: Annotated[Optional[int], opt("Validation batches per evaluation (default: 16)", OPS, "eval_batches")] = None,
@@ -117,9 +118,11 @@ def join(
     from node.logs import setup_logging
 
     setup_logging(cfg.log_level, log_format)
-    from node.daemon import run_daemon
-
-    raise typer.Exit(run_daemon(cfg))
+    if cfg.stages > 1:  # the one place that picks the kind of node: neither kind imports the other
+        from node.pipeline import run_pipeline_node as run_node
+    else:
+        from node.daemon import run_daemon as run_node
+    raise typer.Exit(run_node(cfg))
 
 
 # typer reads the parameters from the signature: give `join` the shared option set
@@ -180,7 +183,7 @@ def swarm(
             raise typer.Exit(2)
         per_node.setdefault(int(index), []).extend(shlex.split(options))
         parse_join_args(extra + per_node[int(index)])  # fail now, not in a child process
-    from node.launcher import parse_chaos
+    from node.chaos import parse_chaos
 
     try:
         actions = [parse_chaos(spec) for spec in chaos or []]

@@ -73,6 +73,7 @@ class NodeConfig(BaseModel):
     # operations
     metrics_port: int = Field(0, ge=0, le=65535)
     checkpoint_dir: Path | None = None
+    fresh: bool = Field(False, description="start over: move an existing checkpoint in --checkpoint-dir aside instead of resuming it")
     max_steps: int | None = Field(None, ge=1)
     duration: float | None = Field(None, gt=0)
     threads: int | None = Field(None, ge=1, le=1024)

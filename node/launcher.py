@@ -24,6 +24,7 @@ from urllib.request import urlopen
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from node.chaos import ChaosAction
 from node.config import NodeConfig
 
 logger = logging.getLogger("locomesh.swarm")
@@ -73,45 +74,6 @@ class NodeProcess:
         except (OSError, ValueError):
             pass
         return self.info
-
-
-@dataclass
-class ChaosAction:
-    """One fault to inject (``node swarm --chaos SPEC``): SIGKILL a stage's servers, one node, or a
-    random node, once at ``at`` seconds or every ``every`` seconds."""
-
-    target: str  # "stage", "node" or "random"
-    value: int | None
-    at: float | None
-    every: float | None
-    next_t: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.next_t = self.at if self.at is not None else (self.every or 0.0)
-
-
-def parse_chaos(spec: str) -> ChaosAction:
-    """``kill:stage=1:at=60s``, ``kill:node=2:at=30``, ``kill:random:every=45s``."""
-    parts = spec.split(":")
-    if len(parts) < 3 or parts[0] != "kill":
-        raise ValueError(f"--chaos {spec!r}: expected kill:stage=S:at=T, kill:node=I:at=T or kill:random:every=T")
-    target, value = parts[1].partition("=")[0], parts[1].partition("=")[2]
-    if target not in ("stage", "node", "random") or (target != "random" and not value.isdigit()):
-        raise ValueError(f"--chaos {spec!r}: the victim is stage=S, node=I or random")
-    timing: dict[str, float] = {}
-    for part in parts[2:]:
-        key, _, raw = part.partition("=")
-        if key not in ("at", "every"):
-            raise ValueError(f"--chaos {spec!r}: unknown field {key!r} (use at=T or every=T)")
-        try:
-            timing[key] = float(raw.removesuffix("s"))
-        except ValueError:
-            raise ValueError(f"--chaos {spec!r}: {key} needs seconds, e.g. {key}=60s") from None
-        if timing[key] <= 0:
-            raise ValueError(f"--chaos {spec!r}: {key} must be positive")
-    if len(timing) != 1:
-        raise ValueError(f"--chaos {spec!r}: give exactly one of at=T or every=T")
-    return ChaosAction(target, int(value) if value else None, timing.get("at"), timing.get("every"))
 
 
 def pipeline_role(index: int, nodes: int, stages: int) -> int | None:
@@ -187,20 +149,58 @@ class SwarmLauncher:
             time.sleep(0.2)
         raise RuntimeError(f"node {node.index} was not ready after {timeout:.0f}s; see {node.directory / 'log.txt'}")
 
-    def _progress_line(self) -> str:
-        parts = []
+    def _progress_rows(self) -> list[dict[str, str]]:
+        """One row per node: what ``node swarm`` shows while it runs."""
+        rows = []
         for node in self.nodes:
-            m = scrape(node.metrics_port)
+            m, info = scrape(node.metrics_port), node.read_info()
+            role = str(info.get("role") or "-") + (f" {info['stage']}" if info.get("stage") is not None else "")
             if not m:
-                parts.append(f"n{node.index}: -")
+                state = "exited" if node.process is not None and node.process.poll() is not None else "starting"
+                rows.append({"node": str(node.index), "role": role, "step": state})
                 continue
-            loss = m.get("locomesh_train_loss", math.nan)
-            parts.append(
-                f"n{node.index}: step {total(m, 'locomesh_inner_steps_total'):.0f} loss {loss:.3f} "
-                f"{m.get('locomesh_tokens_per_second', 0):.0f} tok/s round {m.get('locomesh_outer_round', 0):.0f} "
-                f"peers {m.get('locomesh_peers', 0):.0f} sent {total(m, 'locomesh_bytes_sent_total') / 1e6:.1f}MB"
-            )
-        return f"[{time.time() - self.t0:5.0f}s] " + " | ".join(parts)
+            rows.append({
+                "node": str(node.index), "role": role, "step": f"{total(m, 'locomesh_inner_steps_total'):.0f}",
+                "loss": f"{m.get('locomesh_train_loss', math.nan):.3f}", "tok/s": f"{m.get('locomesh_tokens_per_second', 0):.0f}",
+                "round": f"{m.get('locomesh_outer_round', 0):.0f}", "peers": f"{m.get('locomesh_peers', 0):.0f}",
+                "sent": f"{total(m, 'locomesh_bytes_sent_total') / 1e6:.1f} MB",
+            })
+        return rows
+
+    def _progress_table(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"swarm of {len(self.nodes)} nodes, {time.time() - self.t0:.0f}s of {self.duration:.0f}s (Ctrl-C stops)")
+        columns = ("node", "role", "step", "loss", "tok/s", "round", "peers", "sent")
+        for col in columns:
+            table.add_column(col, justify="left" if col == "role" else "right")
+        for row in self._progress_rows():
+            table.add_row(*(row.get(col, "") for col in columns))
+        return table
+
+    def _progress_lines(self) -> list[str]:
+        """Plain progress for logs and CI: one short line per node."""
+        now = f"[{time.time() - self.t0:5.0f}s]"
+        return [f"{now} node {r['node']} {r['role']}: " + " ".join(f"{k} {r[k]}" for k in ("step", "loss", "tok/s", "round", "peers", "sent") if k in r)
+                for r in self._progress_rows()]
+
+    def _start_live(self) -> Any:
+        """A table redrawn in place on a terminal; log lines print above it while it runs."""
+        from rich.live import Live
+        from rich.logging import RichHandler
+
+        live = Live(self._progress_table(), auto_refresh=False, transient=False)
+        live.start()
+        handler = RichHandler(console=live.console, show_path=False, markup=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        self._saved_handlers = logging.getLogger().handlers[:]
+        logging.getLogger().handlers[:] = [handler]
+        return live
+
+    def _stop_live(self, live: Any) -> None:
+        live.update(self._progress_table(), refresh=True)
+        live.stop()
+        logging.getLogger().handlers[:] = self._saved_handlers
 
     def _stop_all(self) -> None:
         # in a pipeline, trainers stop first: their final evaluation needs the stage servers
@@ -241,8 +241,33 @@ class SwarmLauncher:
                 pass
             self.event("node_exited", node=node.index, exit_code=node.exit_code)
 
+    def check_checkpoints(self) -> str | None:
+        """Say which nodes will resume a checkpoint; the error to stop with when one was written with
+        other settings (each node would refuse it)."""
+        from node.resume import inspect_checkpoint
+        from node.settings import run_settings
+
+        if self.config.fresh:
+            if any((n.directory / "checkpoint.pt").exists() for n in self.nodes):
+                print("--fresh: every node moves its old checkpoint aside and starts over", flush=True)
+            return None
+        for node in self.nodes:
+            found = inspect_checkpoint(node.directory, run_settings(self.config))
+            if found is None:
+                continue
+            path, round_no, diffs = found
+            if diffs:
+                return (f"node {node.index}'s checkpoint {path} was written with {', '.join(diffs)}: resuming it would "
+                        "mix two runs. Use another --checkpoint-dir (or --report folder), or add --fresh to start over")
+            print(f"node {node.index} resumes {path} (round {round_no}); add --fresh to start over instead", flush=True)
+        return None
+
     def run(self) -> int:
         self.report.parent.mkdir(parents=True, exist_ok=True)
+        problem = self.check_checkpoints()
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
         interrupted = False
         try:
             self._spawn(self.nodes[0], list(self.config.initial_peers))
@@ -253,15 +278,24 @@ class SwarmLauncher:
                 self._spawn(node, bootstrap[:1])
             end = self.t0 + self.duration
             next_line = 0.0
-            while time.time() < end:
-                if all(n.process is not None and n.process.poll() is not None for n in self.nodes) and not self.restarts:
-                    self.event("all_exited_early")
-                    break
-                self._inject_faults(bootstrap[:1])
-                if time.time() >= next_line:
-                    print(self._progress_line(), flush=True)
-                    next_line = time.time() + 10
-                time.sleep(0.5)
+            live = self._start_live() if sys.stdout.isatty() else None
+            try:
+                while time.time() < end:
+                    if all(n.process is not None and n.process.poll() is not None for n in self.nodes) and not self.restarts:
+                        self.event("all_exited_early")
+                        break
+                    self._inject_faults(bootstrap[:1])
+                    if time.time() >= next_line:
+                        if live is not None:
+                            live.update(self._progress_table(), refresh=True)
+                            next_line = time.time() + 2
+                        else:
+                            print("\n".join(self._progress_lines()), flush=True)
+                            next_line = time.time() + 10
+                    time.sleep(0.5)
+            finally:
+                if live is not None:
+                    self._stop_live(live)
         except KeyboardInterrupt:
             interrupted = True
             self.event("interrupted")
@@ -314,8 +348,12 @@ class SwarmLauncher:
             info = node.read_info()
             nodes.append({
                 "index": node.index,
+                "role": info.get("role"),
+                "stage": info.get("stage"),
+                "seed": info.get("seed"),
                 "killed": node.index in self.killed,
                 "peer_id": info.get("peer_id", ""),
+                "resumed_from": info.get("resumed_from"),
                 "exit_code": node.exit_code,
                 "steps": info.get("steps", 0),
                 "outer_rounds": info.get("outer_rounds", 0),

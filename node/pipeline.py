@@ -38,18 +38,16 @@ from gossip.partition import part_shapes
 from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from node import __version__
-from node.config import NodeConfig, read_swarm_key
-from node.daemon import HEARTBEAT_S, RECORD_TTL_S, NodeBase
-from node.data import ByteBatches, load_corpus, validation_batches
-from swarm.model import preset
+from node.base import HEARTBEAT_S, RECORD_TTL_S, NodeBase
+from node.config import NodeConfig
 from node.network import Interrupted
+from node.pipeline_trainer import PipelineTrainer
+from node.recovery import StageRecoverer
 from node.status_service import StatusService
 from node.trainer import pick_device
 from protocol.records import PeerRecord
-from swarm.checkfree import lost_stages, rebuild_stage, recoverable, restore_from_replica
-from swarm.pipeline import PipelineClient, PipelineStepFailed
+from swarm.model import preset
 from swarm.rebalance import plan_move
-from swarm.router import Router
 from swarm.service import StageService
 from swarm.stages import Stage, model_seed
 from swarm.worker import StageWorker
@@ -88,7 +86,7 @@ class PipelineNode(NodeBase):
         self.role = "starting"
         self.peers: dict[str, PeerRecord] = {}
         self.stage_since = 0.0
-        self.last_served: list[float | None] = []
+        self.trainer: PipelineTrainer | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -99,13 +97,7 @@ class PipelineNode(NodeBase):
         self.device = pick_device(cfg.device)
         self.model_cfg = preset(cfg.model)
         self.started = time.monotonic()
-        try:
-            self.net.start(cfg.initial_peers, cfg.listen, cfg.announce, str(cfg.identity) if cfg.identity else None,
-                           on_bytes=self._on_bytes, on_error=self._on_error,
-                           swarm_key=read_swarm_key(cfg.swarm_key) if cfg.swarm_key else None, stream_timeout=cfg.stream_timeout)
-        except Exception as e:
-            logger.error("could not start networking: %s. Check --listen/--initial-peers and that the port is free.", e)
-            self.net.shutdown()
+        if not self._start_network():
             return 2
         try:
             return self._run_joined()
@@ -122,7 +114,7 @@ class PipelineNode(NodeBase):
         cfg, net = self.cfg, self.net
         assert net.transport is not None and net.p2p is not None
         peer_id = self.summary.peer_id = net.transport.peer_id
-        self.summary.multiaddrs = [str(a) if "/p2p/" in str(a) else f"{a}/p2p/{peer_id}" for a in net.call(net.p2p.get_visible_maddrs())]
+        self.summary.multiaddrs = self._own_multiaddrs()
         self.metrics.info.labels(peer_id, cfg.run_id, self.device.type, cfg.model, f"pipeline:{cfg.algorithm}", cfg.codec, __version__).set(1)
         self.status = StatusService(net.transport, self.status_snapshot)
         net.call(self.status.start())
@@ -139,12 +131,15 @@ class PipelineNode(NodeBase):
         self.summary.protocols = list(net.transport.protocols)
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
-        self.last_served = [None] * cfg.stages
+        self.recoverer = StageRecoverer(cfg.stages, self.model_cfg, model_seed(cfg.run_id), cfg.checkfree_plus, cfg.recovery_grace,
+                                        self._fetch_stage, self._new_stage,
+                                        lambda index, module: self._become_stage(index, rebuilt=module, lr_scale=cfg.recovery_lr_scale),
+                                        self.metrics, self.event)
         target = None if cfg.role == "spare" else self._pick_role()
         if cfg.role == "spare":
-            self.role = "spare"
+            self.role = self.summary.role = "spare"
         elif target is None:
-            self.role = "trainer"
+            self.role = self.summary.role = "trainer"
         else:
             self._become_stage(target)
         net.call(self._heartbeat(), timeout=30)
@@ -152,12 +147,13 @@ class PipelineNode(NodeBase):
         self.summary.state = "training"
         self._write_info()
         what = self.role if self.stage is None else f"stage {self.stage} of {cfg.stages}"
-        print(f"locomesh node {peer_id} is up as {what}. Others can join with:\n  node join --run-id {cfg.run_id} --stages {cfg.stages} "
-              + " ".join(f"--initial-peers {a}" for a in self.summary.multiaddrs[:2]), flush=True)
+        self._print_join_hint(f" as {what}", f" --stages {cfg.stages}")
         if self.role == "spare":
             self._wait_as_spare()
         if self.stage is None and self.role == "trainer":
-            self._train()
+            self.trainer = PipelineTrainer(cfg, self.model_cfg, net, self.metrics, self.summary, self.event, self.stop,
+                                           self._deadline_reached, self._heartbeat, self._write_info)
+            self.trainer.run()
         elif self.stage is not None:
             self._serve()
         self._finish()
@@ -207,7 +203,8 @@ class PipelineNode(NodeBase):
         self.stage = index
         self.service.reset_throughput()
         self.worker = StageWorker(module, self.device, cfg.lr * lr_scale, cfg.weight_decay, cfg.warmup_steps, slowdown=cfg.slowdown)
-        self.role = "stage"
+        self.role = self.summary.role = "stage"
+        self.summary.stage = index
         self.stage_since = time.time()
         self.metrics.stage.set(index)
         self._publish_stage_state()
@@ -283,7 +280,7 @@ class PipelineNode(NodeBase):
                 samples = max(1, worker.samples)
                 worker.samples = 0
                 pending = (self.net.submit(self.averager.run_round(epoch, self.phi, theta, samples)), worker)
-            if pending is None and self._check_lost():
+            if pending is None and self.recoverer.check(self.summary.peer_id, self.role, self.stage):
                 last_steps = self.worker.steps if self.worker else 0
                 continue
             if pending is None and cfg.rebalance_period and time.monotonic() >= next_rebalance:
@@ -352,42 +349,7 @@ class PipelineNode(NodeBase):
         """A spare checks the stage map every half second and takes over the first lost stage it should."""
         while not self.stop.is_set() and not self._deadline_reached() and self.stage is None:
             time.sleep(0.5)
-            self._check_lost()
-
-    def _recovery_candidates(self, lost: list[int]) -> list[str]:
-        """Who rebuilds a lost stage: spares (by peer id), else servers of stages with spare replicas."""
-        records = dict(self.peers)
-        if self.role == "spare":
-            records[self.summary.peer_id] = PeerRecord(peer_id=self.summary.peer_id, role="spare")
-        spares = sorted(p for p, r in records.items() if r.role == "spare")
-        if spares:
-            return spares
-        counts: dict[int, int] = {}
-        for r in records.values():
-            if r.role == "stage":
-                counts[r.stage] = counts.get(r.stage, 0) + 1
-        donors = [r for r in records.values() if r.role == "stage" and counts.get(r.stage, 0) >= 2 and r.stage not in lost]
-        return [r.peer_id for r in sorted(donors, key=lambda r: (r.tokens_per_s, r.peer_id))]
-
-    def _check_lost(self) -> bool:
-        """Rebuild a lost stage if this node is the one to do it; returns whether it did."""
-        cfg = self.cfg
-        now = time.monotonic()
-        lost = lost_stages(self.last_served, now, cfg.recovery_grace)
-        if not lost or self.stage in lost:
-            return False
-        candidates = self._recovery_candidates(lost)
-        if not candidates or candidates[0] != self.summary.peer_id:
-            return False
-        plan = recoverable(lost, cfg.stages, cfg.checkfree_plus)
-        stage = min(lost, key=lambda s: (plan[s] == "unrecoverable", s))
-        since = now - (self.last_served[stage] or now)
-        self.metrics.stages_lost.inc()
-        self.event("stage_lost", stage=stage, unserved_s=round(since, 2), method=plan[stage], lost=lost)
-        for s in lost:
-            self.last_served[s] = None  # acted on; a stage counts as lost again only after it was served again
-        self._recover(stage, plan[stage], since)
-        return True
+            self.recoverer.check(self.summary.peer_id, self.role, self.stage)
 
     def _fetch_stage(self, index: int) -> tuple[Stage, PeerRecord | None]:
         """A neighbour stage's current weights, downloaded from one of its replicas."""
@@ -399,130 +361,6 @@ class PipelineNode(NodeBase):
             raise RuntimeError(f"no replica of stage {index} answered")
         return module, peers.get(source)
 
-    def _recover(self, stage: int, method: str, unserved_s: float) -> None:
-        cfg = self.cfg
-        started = time.monotonic()
-        seed = model_seed(cfg.run_id)
-        try:
-            if method == "checkfree":
-                (prev, prev_rec), (nxt, next_rec) = self._fetch_stage(stage - 1), self._fetch_stage(stage + 1)
-                norms = (prev_rec.grad_norm if prev_rec else 0.0, next_rec.grad_norm if next_rec else 0.0)
-                module = rebuild_stage(self.model_cfg, stage, cfg.stages, seed, "checkfree", prev, nxt, norms, plus=cfg.checkfree_plus)
-                detail: dict[str, Any] = {"norms": [round(n, 4) for n in norms]}
-            elif method == "copy-plus":
-                neighbour, _ = self._fetch_stage(1 if stage == 0 else stage - 1)
-                module = restore_from_replica(self.model_cfg, stage, cfg.stages, seed, neighbour, plus=cfg.checkfree_plus)
-                detail = {"from_stage": neighbour.index}
-            else:
-                reason = ("adjacent stages were lost together" if 0 < stage < cfg.stages - 1
-                          else "the first or last stage was lost without --checkfree-plus")
-                logger.error("stage %d cannot be rebuilt from its neighbours: %s; no peer keeps a checkpoint of it, "
-                             "so it restarts from a fresh initialisation", stage, reason)
-                self.event("stage_unrecoverable", stage=stage, reason=reason, fallback="fresh initialisation (no checkpoint available)")
-                module, detail = self._new_stage(stage), {"reason": reason}
-        except Exception as e:
-            logger.warning("could not rebuild stage %d with %s: %s; starting it fresh", stage, method, e)
-            self.event("stage_recovery_failed", stage=stage, method=method, error=str(e)[:200])
-            module, method, detail = self._new_stage(stage), "unrecoverable", {"error": str(e)[:200]}
-        self._become_stage(stage, rebuilt=module, lr_scale=cfg.recovery_lr_scale)
-        duration = time.monotonic() - started
-        self.metrics.recoveries.labels(method).inc()
-        self.metrics.recovery_duration.observe(duration)
-        self.event("stage_recovered", stage=stage, method=method, duration_s=round(duration, 3),
-                   since_unserved_s=round(unserved_s + duration, 3), **detail)
-        self.net.call(self._heartbeat(), timeout=30)
-
-    # ---- trainer -----------------------------------------------------------------------------------
-    def _train(self) -> None:
-        cfg = self.cfg
-        corpus = load_corpus(str(cfg.data) if cfg.data else None, context=self.model_cfg.context)
-        val = validation_batches(corpus.val, cfg.batch_size, self.model_cfg.context, max_batches=cfg.eval_batches)
-        batches = ByteBatches(corpus.train, cfg.batch_size, self.model_cfg.context, seed=cfg.seed)
-        self.router = Router(seed=cfg.seed, ban_s=RECORD_TTL_S)
-        client = PipelineClient(self.net.transport, cfg.run_id, cfg.stages, self.router, cfg.activation_compression,
-                                timeout=cfg.averaging_timeout, plus=cfg.checkfree_plus)
-        self.tokens_per_step = cfg.batch_size * self.model_cfg.context
-        self._wait_for_stages()
-        self.window, self.window_tokens = time.monotonic(), 0
-        # --microbatches pipelines in flight, so every stage has work while others compute
-        workers = [self.net.submit(self._microbatch_loop(client, batches)) for _ in range(cfg.microbatches)]
-        next_eval = cfg.eval_every * 10
-        try:
-            while not self.stop.is_set() and not self._deadline_reached():
-                time.sleep(0.1)
-                if any(w.done() for w in workers):
-                    for w in workers:
-                        if w.done() and w.exception() is not None:
-                            raise w.exception()  # type: ignore[misc]
-                if cfg.eval_every and self.summary.steps >= next_eval:
-                    next_eval = self.summary.steps + cfg.eval_every * 10
-                    self._evaluate(client, val)
-        finally:
-            for w in workers:
-                w.cancel()
-        self.val_batches, self.client = val, client
-
-    async def _microbatch_loop(self, client: PipelineClient, batches: ByteBatches) -> None:
-        """One pipeline in flight: a microbatch goes through every stage; a failed one is retried."""
-        import asyncio
-
-        while not self.stop.is_set():
-            x, y = batches.next()
-            while not self.stop.is_set():
-                try:
-                    result = await client.step(x, y)
-                except PipelineStepFailed as e:
-                    self.metrics.pipeline_steps.labels("failed").inc()
-                    self.event("step_failed", step=self.summary.steps, reason=str(e)[:300])
-                    await asyncio.sleep(1.0)  # wait for the DHT to show a live replica, then retry the same microbatch
-                    continue
-                self._count_step(result)
-                break
-
-    def _count_step(self, result: Any) -> None:
-        self.metrics.pipeline_steps.labels("ok").inc()
-        self.metrics.microbatch_retries.inc(result.retries)
-        if result.retries:
-            self.event("rerouted", step=self.summary.steps, retries=result.retries, error=result.errors[-1][:200])
-        self.summary.steps += 1
-        self.last_loss = result.loss
-        if math.isnan(self.summary.train_loss_first):
-            self.summary.train_loss_first = result.loss
-        self.summary.train_loss_last = result.loss
-        self.metrics.train_loss.set(result.loss)
-        self.metrics.inner_steps.inc()
-        self.metrics.tokens.inc(self.tokens_per_step)
-        self.window_tokens += self.tokens_per_step
-        if time.monotonic() - self.window >= 2.0:
-            self.throughput = self.window_tokens / (time.monotonic() - self.window)
-            self.metrics.tokens_per_second.set(self.throughput)
-            self.window, self.window_tokens = time.monotonic(), 0
-
-    def _wait_for_stages(self) -> None:
-        """Before the first microbatch: wait (up to --join-timeout) until every stage has a server."""
-        deadline = time.monotonic() + self.cfg.join_timeout
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            self.net.call(self._heartbeat(), timeout=30)
-            missing = [s for s in range(self.cfg.stages) if not self.router.peers(s)]
-            if not missing:
-                return
-            logger.info("waiting for servers of stages %s", missing)
-            time.sleep(1.0)
-
-    def _evaluate(self, client: PipelineClient, val: list, final: bool = False) -> None:
-        try:
-            if final:
-                losses = [self.net.call(client.evaluate(vx, vy), timeout=60) for vx, vy in val]
-            else:
-                losses = [self.net.run(client.evaluate(vx, vy), self.stop) for vx, vy in val]
-        except (PipelineStepFailed, TimeoutError) as e:
-            logger.info("evaluation skipped: %s", e)
-            return
-        self.summary.val_loss = sum(losses) / len(losses)
-        self.metrics.val_loss.set(self.summary.val_loss)
-        self.summary.rounds.append({"step": self.summary.steps, "val_loss": self.summary.val_loss, "loss": self.last_loss})
-        self._write_info()
-
     # ---- announcements -----------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
         net, cfg = self.net, self.cfg
@@ -531,8 +369,8 @@ class PipelineNode(NodeBase):
             peer_id=self.summary.peer_id, role=self.role if self.role != "starting" else "trainer", device=self.device.type,
             model=cfg.model, algorithm=f"pipeline:{cfg.algorithm}", compression=cfg.codec, round=self.round,
             inner_step=worker.steps if worker else self.summary.steps,
-            tokens_per_s=self.throughput * self.model_cfg.context if self.stage is not None else self.throughput,
-            loss=self.last_loss, maddrs=self.summary.multiaddrs, protocols=self.summary.protocols, version=__version__,
+            tokens_per_s=self.throughput * self.model_cfg.context if self.stage is not None else self._trainer_throughput(),
+            loss=self._current_loss(), maddrs=self.summary.multiaddrs, protocols=self.summary.protocols, version=__version__,
             started_at=time.time() - (time.monotonic() - self.started), stage=self.stage if self.stage is not None else -1,
             queue=self.service.queue_length, grad_norm=worker.last_grad_norm if worker else 0.0,
             stage_since=self.stage_since,
@@ -545,19 +383,22 @@ class PipelineNode(NodeBase):
         peers = await list_peers(net.dht, cfg.run_id)
         self.peers = peers
         self.metrics.peers.set(len(peers))
-        now = time.monotonic()
-        for rec in peers.values():
-            if rec.role == "stage" and 0 <= rec.stage < cfg.stages:
-                self.last_served[rec.stage] = now
-        if self.stage is None and hasattr(self, "router"):
+        self.recoverer.observe(peers)
+        if self.stage is None and self.trainer is not None:
             for s, members in enumerate(self._stage_map(peers)):
-                self.router.update(s, members)
+                self.trainer.router.update(s, members)
+
+    def _trainer_throughput(self) -> float:
+        return self.trainer.throughput if self.trainer is not None else 0.0
+
+    def _current_loss(self) -> float:
+        return self.trainer.last_loss if self.trainer is not None else self.last_loss
 
     def status_snapshot(self) -> dict[str, Any]:
         return {
             "peer_id": self.summary.peer_id, "run_id": self.cfg.run_id, "role": self.role, "stage": self.stage,
-            "stages": self.cfg.stages, "round": self.round, "steps": self.summary.steps, "loss": self.last_loss,
-            "tokens_per_s": self.throughput, "queue": self.service.queue_length, "device": self.device.type,
+            "stages": self.cfg.stages, "round": self.round, "steps": self.summary.steps, "loss": self._current_loss(),
+            "tokens_per_s": self.throughput if self.stage is not None else self._trainer_throughput(), "queue": self.service.queue_length, "device": self.device.type,
             "model": self.cfg.model, "protocols": self.summary.protocols, "version": __version__, "state": self.summary.state,
             "time": time.time(),
         }
@@ -570,8 +411,8 @@ class PipelineNode(NodeBase):
             self.net.call(self._heartbeat(), timeout=10)
         except Exception as e:
             logger.info("could not announce leaving: %s", e)
-        if self.stage is None and hasattr(self, "client"):
-            self._evaluate(self.client, self.val_batches, final=True)
+        if self.stage is None and self.trainer is not None:
+            self.trainer.evaluate(final=True)
         logger.info("final: %d steps, %d outer rounds, loss %.3f → %.3f, val %.3f", self.summary.steps, self.summary.outer_rounds,
                     self.summary.train_loss_first, self.summary.train_loss_last, self.summary.val_loss)
 

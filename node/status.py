@@ -43,7 +43,7 @@ class StatusClient:
 
     async def collect(self) -> dict[str, Any]:
         """The run's peers from the DHT, each also asked for its live status."""
-        from node.daemon import RECORD_TTL_S
+        from node.base import RECORD_TTL_S
 
         assert self.dht is not None
         records = await asyncio.wait_for(list_peers_with_expiry(self.dht, self.run_id), timeout=30)
@@ -65,7 +65,31 @@ class StatusClient:
                 "maddrs": rec.maddrs, "protocols": rec.protocols, "reachable": st is not None, "live": st,
                 "stage": rec.stage, "queue": rec.queue,
             })
-        return {"run_id": self.run_id, "time": time.time(), "peers": sorted(rows, key=lambda r: r["peer_id"]), "stages": stage_map(rows)}
+        result = {"run_id": self.run_id, "time": time.time(), "peers": sorted(rows, key=lambda r: r["peer_id"]), "stages": stage_map(rows)}
+        if not rows:
+            result["hint"] = await self._other_runs_hint()
+        return result
+
+    async def _other_runs_hint(self) -> str:
+        """Why no peer of the run showed up: ask each initial peer which run it serves."""
+        runs: dict[str, str] = {}
+        for maddr in self.initial_peers:
+            peer = maddr.rsplit("/p2p/", 1)[1] if "/p2p/" in maddr else None
+            if peer is None:
+                continue
+            try:
+                status = await asyncio.wait_for(fetch_status(self.transport, peer), self.timeout)
+            except Exception:
+                continue
+            if isinstance(status.get("run_id"), str):
+                runs[maddr] = status["run_id"]
+        others = {maddr: run for maddr, run in runs.items() if run != self.run_id}
+        if others:
+            maddr, run = next(iter(others.items()))
+            return f"no peers of run {self.run_id}; {maddr} is in run {run}: add --run-id {run}"
+        if runs:
+            return f"no peers of run {self.run_id} are announced yet; {next(iter(runs))} serves it: retry in a few seconds"
+        return f"no peers of run {self.run_id}, and no initial peer answered: check the multiaddr and that the node runs"
 
 
 def stage_map(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -122,7 +146,7 @@ def status_table(result: dict[str, Any]) -> Any:
         table.add_row(r["peer_id"][-12:], role, r["device"], f"{r['tokens_per_s']:.0f}", str(r["round"]),
                       str(r["inner_step"]), f"{r['loss']:.3f}", f"{r['record_age_s']:.1f}s")
     if not result["peers"]:
-        return Group(table, "No live peers: check --run-id and that the multiaddr is of a running node.")
+        return Group(table, result.get("hint") or "No live peers: check --run-id and that the multiaddr is of a running node.")
     if result.get("stages"):
         stages = Table(title="pipeline stages")
         for col in ("stage", "servers", "tok/s", "queued"):

@@ -97,7 +97,7 @@ def test_sparseloco_streaming_overlap_and_eager_updates_train(tmp_path, nodes):
 
 
 def test_settings_mismatch_names_every_difference():
-    from node.daemon import settings_mismatch
+    from node.settings import settings_mismatch
 
     mine = {"model": "nano", "algorithm": "noloco", "compression": "none", "fragments": 1}
     assert settings_mismatch(mine, dict(mine)) is None

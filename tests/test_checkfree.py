@@ -4,7 +4,7 @@ loss detection and the chaos specs of ``node swarm``."""
 import pytest
 import torch
 
-from node.launcher import parse_chaos
+from node.chaos import parse_chaos
 from swarm.model import preset
 from swarm.checkfree import (lost_stages, neighbour_weights, rebuild_stage, recoverable, restore_from_replica,
                              swap_order)

@@ -67,12 +67,16 @@ def test_swarm_command_writes_the_report(tmp_path):
     assert len(data["nodes"]) == 2
     for node in data["nodes"]:
         assert keys <= set(node)
+        assert node["role"] == "trainer" and node["stage"] is None and node["resumed_from"] is None
         assert node["exit_code"] == 0 and node["outer_rounds"] >= 1 and node["steps"] > 0
         assert set(node["protocols"]) == {"/locomesh/average/1.0", "/locomesh/state/1.0", "/locomesh/status/1.0"}
         assert node["multiaddrs"] and node["multiaddrs"][0].startswith("/ip4/127.0.0.1/tcp/")
+    assert [node["seed"] for node in data["nodes"]] == [0, 1], "each node draws its own data order"
     kinds = {e["event"] for e in data["events"]}
     assert {"node_started", "bootstrap_ready", "sigterm", "node_exited", "joined"} <= kinds
     assert "swarm of 2 nodes" in out.stdout
+    progress = [line for line in out.stdout.splitlines() if line.startswith("[")]
+    assert progress and all(len(line) <= 120 for line in progress), "plain progress: one short line per node"
 
 
 def test_swarm_rejects_bad_join_options(tmp_path):
@@ -98,3 +102,56 @@ def test_restarted_node_resumes_from_its_checkpoint(tmp_path):
     assert resumed and resumed[0]["round"] == 2
     assert after["rounds"][0]["round"] == 2, "training continued at the checkpoint's round"
     assert after["train_loss_first"] < before["train_loss_first"] - 1.0, "weights came back, not a fresh init"
+
+
+def test_a_checkpoint_of_other_settings_is_refused_and_fresh_moves_it_aside(tmp_path):
+    from tests.swarm_utils import FAST_ARGS, start_node
+
+    first = start_node(tmp_path, "n", FAST_ARGS + ["--max-steps", "16"])
+    assert first.process.wait(timeout=120) == 0, first.log()[-2000:]
+
+    other = start_node(tmp_path, "n", FAST_ARGS + ["--max-steps", "16", "--algorithm", "noloco"])
+    assert other.process.wait(timeout=120) == 2, other.log()[-2000:]
+    log = other.log()
+    assert "--algorithm diloco (this node: noloco)" in log and "--fresh" in log and "--checkpoint-dir" in log
+    assert "Traceback" not in log
+    assert [p.name for p in (tmp_path / "n").glob("checkpoint*.pt")] == ["checkpoint.pt"], "nothing was overwritten"
+
+    fresh = start_node(tmp_path, "n", FAST_ARGS + ["--max-steps", "16", "--algorithm", "noloco", "--fresh"])
+    assert fresh.process.wait(timeout=120) == 0, fresh.log()[-2000:]
+    info = fresh.info()
+    assert info["resumed_from"] is None and not [e for e in info["events"] if e["event"] == "resumed"]
+    assert len(list((tmp_path / "n").glob("checkpoint.replaced-*.pt"))) == 1, "the old checkpoint was moved aside"
+    assert checkpoint.load(tmp_path / "n" / "checkpoint.pt")["settings"]["algorithm"] == "noloco"
+
+
+def test_swarm_says_which_nodes_resume_and_refuses_other_settings(tmp_path, capsys):
+    from node.config import NodeConfig
+    from node.launcher import SwarmLauncher
+    from node.settings import run_settings
+
+    saved = run_settings(NodeConfig(model="nano"))
+    checkpoint.save_atomic({"round": 7, "settings": saved}, tmp_path / "node0" / "checkpoint.pt")
+
+    def launcher(**cfg) -> SwarmLauncher:
+        return SwarmLauncher(nodes=2, duration=1, report=tmp_path / "r.json", metrics_port=0, run_dir=tmp_path, join_args=[],
+                             config=NodeConfig(model="nano", **cfg))
+
+    assert launcher().check_checkpoints() is None
+    said = capsys.readouterr().out
+    assert "node 0 resumes" in said and "(round 7)" in said and "node 1" not in said
+    problem = launcher(algorithm="sparseloco").check_checkpoints()
+    assert problem and "--algorithm diloco (this node: sparseloco)" in problem and "--compression none" in problem
+    assert "--fresh" in problem
+    assert launcher(algorithm="sparseloco", fresh=True).check_checkpoints() is None
+
+
+def test_join_hint_leads_with_addresses_others_can_dial():
+    from node.base import dialable_addresses
+
+    peer = "/p2p/12D3KooWFjXsHsvh1LqZB1dDQNnci4wQmNDza2R5FJN2QEivr5go"
+    loopback, lan, public = f"/ip4/127.0.0.1/tcp/1{peer}", f"/ip4/192.168.1.20/tcp/1{peer}", f"/ip4/8.8.4.4/tcp/1{peer}"
+    relay = f"/ip4/8.8.8.8/tcp/2/p2p/12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo/p2p-circuit{peer}"
+    assert dialable_addresses([loopback, lan, public]) == [public, lan]
+    assert dialable_addresses([loopback, lan, relay]) == [relay, lan]
+    assert dialable_addresses([loopback]) == [loopback], "loopback only when it is all there is"

@@ -141,3 +141,10 @@ def test_status_watch_table_stops_after_count(keyed_node):
     out = node("status", "--initial-peers", maddr, "--run-id", RUN, "--swarm-key", str(key), "--watch", "--count", "1", timeout=120)
     assert out.returncode == 0, out.stderr
     assert f"run {RUN}: 1 peers" in out.stdout and "Ctrl-C to stop" in out.stdout
+
+
+def test_status_against_a_peer_of_another_run_names_that_run(keyed_node):
+    _, maddr, key = keyed_node
+    out = node("status", "--initial-peers", maddr, "--swarm-key", str(key), timeout=120)  # default run: locomesh-demo
+    assert out.returncode == 0, out.stderr
+    assert f"is in run {RUN}: add --run-id {RUN}" in out.stdout, out.stdout
