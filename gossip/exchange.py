@@ -179,7 +179,7 @@ class RoundExchange:
                 payload = Payload.from_bytes(blob, max_bytes=stream.max_frame, expected_shape=shape)
                 if payload.codec != part_codec.spec:
                     raise SchemaError(f"part {i} is encoded with {payload.codec!r}, expected {part_codec.spec!r}")
-                value = part_codec.decode(payload)
+                value = await asyncio.to_thread(part_codec.decode, payload)  # off the loop: it serves others meanwhile
                 if tuple(value.shape) != shape:
                     raise SchemaError(f"part {i} has shape {list(value.shape)}, expected {list(shape)}")
                 if not torch.isfinite(value).all():

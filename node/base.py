@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from node.config import NodeConfig, read_swarm_key
+from node.errors import UserError
 from node.metrics import NodeMetrics
 from node.network import NetworkThread
 
@@ -134,6 +135,7 @@ class NodeBase:
         self.bytes_lock = threading.Lock()
         self.started = time.monotonic()
         self.last_loss = math.nan
+        self.folder_lock: Any = None  # the checkpoint folder's lock (node.folder_lock), named with our peer id once known
 
     def event(self, kind: str, **fields: Any) -> None:
         self.summary.events.append({"t": time.time(), "event": kind, **fields})
@@ -166,11 +168,17 @@ class NodeBase:
                 cfg.initial_peers, cfg.listen, cfg.announce, str(cfg.identity) if cfg.identity else None,
                 on_bytes=self._on_bytes, on_error=self._on_error,
                 swarm_key=read_swarm_key(cfg.swarm_key) if cfg.swarm_key else None, stream_timeout=cfg.stream_timeout,
+                join_timeout=cfg.join_timeout, stop=self.stop,
             )
+        except UserError:
+            self.net.shutdown()
+            raise
         except Exception as e:
             logger.error("could not start networking: %s. Check --listen/--initial-peers and that the port is free.", e)
             self.net.shutdown()
             return False
+        if self.folder_lock is not None and self.net.transport is not None:
+            self.folder_lock.set_peer(self.net.transport.peer_id)
         return True
 
     def _own_multiaddrs(self) -> list[str]:

@@ -50,7 +50,8 @@ def load(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise FileNotFoundError(f"no checkpoint at {path}") from None
     except Exception as e:
-        raise ValueError(f"{path} is not a readable locomesh checkpoint: {e}") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise ValueError(f"{path} is not a readable locomesh checkpoint ({first}); give the checkpoint.pt a node wrote") from None
 
 
 def newest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:

@@ -6,6 +6,7 @@ TOML file; flags win over env over file over defaults.
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -13,6 +14,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from node.config import ConfigError, NodeConfig, load_config
+from node.errors import UserError
 
 app = typer.Typer(
     name="node",
@@ -20,6 +22,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain click help: wraps text and never cuts a flag or variable name at 80 columns
 )
 
 SWARM, TRAIN, AVG, PIPE, OPS = "Swarm", "Training", "Averaging", "Pipeline", "Operations"
@@ -51,7 +54,8 @@ def join_flags(
     warmup_steps: Annotated[Optional[int], opt("Linear warmup of the inner lr (default: 50)", TRAIN, "warmup_steps")] = None,
     threads: Annotated[Optional[int], opt("torch CPU threads (default: torch's choice)", TRAIN, "threads")] = None,
     slowdown: Annotated[Optional[float], opt("Experiments: make every inner step this many times slower, to emulate slower hardware (default: 1)", OPS, "slowdown")] = None,
-    seed: Annotated[Optional[int], opt("Seed for init and data order (default: 0)", TRAIN, "seed")] = None,
+    seed: Annotated[Optional[int], opt("Seed of this node's data order, and of the model's initialisation unless --init-seed; node swarm gives node i the seed S + i (default: 0)", TRAIN, "seed")] = None,
+    init_seed: Annotated[Optional[int], opt("Seed of the model's initialisation (default: --seed)", TRAIN, "init_seed")] = None,
     algorithm: Annotated[Optional[str], opt("diloco (whole-group rounds, Nesterov outer step) | noloco (random groups of --group-size, no global barrier) | sparseloco (top-k + 2-bit pseudo-gradients, error feedback, SGD outer step) (default: diloco)", AVG, "algorithm")] = None,
     compression: Annotated[Optional[str], opt("Codec for pseudo-gradients: none, fp16, bf16, q8, q4, q2, int8-block, topk:64/4096+q2, dct:32/4096, seed:r=1024 (default: none; topk:64/4096+q2 for sparseloco)", AVG, "compression")] = None,
     group_size: Annotated[Optional[int], opt("noloco: members per averaging group (default: 2)", AVG, "group_size")] = None,
@@ -116,13 +120,23 @@ def join(
     flags, config = join_flags(**kwargs)
     cfg = _config_or_exit(flags, config)
     from node.logs import setup_logging
+    from node.preflight import preflight
 
     setup_logging(cfg.log_level, log_format)
+    lock = preflight(cfg)  # bad paths, ports and devices fail here, before anything starts
     if cfg.stages > 1:  # the one place that picks the kind of node: neither kind imports the other
-        from node.pipeline import run_pipeline_node as run_node
+        from node.pipeline import PipelineNode as Node
     else:
-        from node.daemon import run_daemon as run_node
-    raise typer.Exit(run_node(cfg))
+        from node.daemon import Daemon as Node
+    node = Node(cfg)
+    node.folder_lock = lock
+    node.install_signal_handlers()
+    try:
+        code = node.run()
+    finally:
+        if lock is not None:
+            lock.release()
+    raise typer.Exit(code)
 
 
 # typer reads the parameters from the signature: give `join` the shared option set
@@ -153,12 +167,12 @@ def parse_join_args(args: list[str]) -> NodeConfig:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": ["-h", "--help"]})
 def swarm(
     ctx: typer.Context,
-    nodes: Annotated[int, typer.Option(help="Daemons to launch on 127.0.0.1")] = 3,
-    duration: Annotated[float, typer.Option(help="Seconds to train before stopping every node with SIGTERM")] = 120.0,
+    nodes: Annotated[int, typer.Option(help="Daemons to launch on 127.0.0.1", min=1)] = 3,
+    duration: Annotated[float, typer.Option(help="Seconds to train before stopping every node with SIGTERM", min=1)] = 120.0,
     report: Annotated[Path, typer.Option(help="Where to write the JSON report")] = Path("runs/swarm/report.json"),
     metrics_port: Annotated[int, typer.Option(help="Node i serves /metrics on P+i; 0 = pick free ports")] = 0,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Node i checkpoints under DIR/node<i> (default: next to the report)")] = None,
-    join_interval: Annotated[float, typer.Option(help="Seconds between launching volunteers after the bootstrap node")] = 0.5,
+    join_interval: Annotated[float, typer.Option(help="Seconds between launching volunteers after the bootstrap node", min=0)] = 0.5,
     node_args: Annotated[Optional[list[str]], typer.Option("--node-args", help="Extra join options for one node, as INDEX:OPTIONS (repeatable), e.g. '1:--slowdown 3'")] = None,
     chaos: Annotated[Optional[list[str]], typer.Option("--chaos", help="Fault injection (repeatable): kill:stage=S:at=60s, kill:node=I:at=T, kill:random:every=45s (SIGKILL)")] = None,
     restart_killed: Annotated[Optional[float], typer.Option("--restart-killed", help="Restart killed nodes after this many seconds (default: leave them dead)")] = None,
@@ -216,11 +230,11 @@ def status(
     setup_logging("warning")
     from node.config import read_swarm_key
 
-    try:
-        key = read_swarm_key(swarm_key) if swarm_key else None
-    except ConfigError as e:
-        typer.secho(f"error: {e}", fg="red", err=True)
-        raise typer.Exit(2) from None
+    for maddr in initial_peers:
+        if not maddr.startswith("/") or "/p2p/" not in maddr:
+            raise UserError(f"--initial-peers {maddr!r} is not a node multiaddr like /ip4/HOST/tcp/PORT/p2p/PEER_ID; "
+                            "use one a node prints (its --info-file 'multiaddrs')")
+    key = read_swarm_key(swarm_key) if swarm_key else None
     if watch:
         raise typer.Exit(_watch_status(initial_peers, run_id, key, as_json, interval, count))
     try:
@@ -296,18 +310,23 @@ def eval_cmd(
     checkpoint: Annotated[Path, typer.Option(help="Checkpoint file written by a node (checkpoint.pt)")],
     data: Annotated[Optional[Path], typer.Option(help="Evaluate on this text (file or folder) instead of the held-out split")] = None,
     weights: Annotated[str, typer.Option(help="theta (the node's last local weights) or phi (the swarm's agreed weights)")] = "theta",
-    batches: Annotated[int, typer.Option(help="Evaluation batches (at most)")] = 64,
-    batch_size: Annotated[int, typer.Option(help="Sequences per batch")] = 16,
+    batches: Annotated[int, typer.Option(help="Evaluation batches (at most)", min=1)] = 64,
+    batch_size: Annotated[int, typer.Option(help="Sequences per batch", min=1)] = 16,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
     """Mean validation loss (nats per byte) of a saved checkpoint."""
     from node.evaluate import evaluate_checkpoint
+    from node.preflight import check_data
 
+    if weights not in ("theta", "phi"):
+        raise UserError(f"--weights {weights!r}: use theta (the node's last local weights) or phi (the swarm's agreed weights)")
+    check_data(data)
     try:
         result = evaluate_checkpoint(checkpoint, data, weights, batches, batch_size)
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        typer.secho(f"error: {e}", fg="red", err=True)
-        raise typer.Exit(2) from None
+    except FileNotFoundError as e:
+        raise UserError(f"--checkpoint {checkpoint}: {e}; give the checkpoint.pt a node wrote in its --checkpoint-dir") from None
+    except (ValueError, KeyError) as e:
+        raise UserError(f"--checkpoint {checkpoint}: {e}" if str(checkpoint) not in str(e) else str(e)) from None
     if as_json:
         print(json.dumps(result))
     else:
@@ -317,7 +336,7 @@ def eval_cmd(
 
 @app.command()
 def doctor(
-    listen_port: Annotated[int, typer.Option(help="TCP port you will listen on (0 = any)")] = 0,
+    listen_port: Annotated[int, typer.Option(help="TCP port you will listen on (0 = any)", min=0, max=65535)] = 0,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     checkpoint_dir: Annotated[Path, typer.Option(help="Where checkpoints will go")] = Path("."),
     initial_peers: Annotated[Optional[list[str]], typer.Option("--initial-peers", help="A peer to test reachability and clock skew against")] = None,
@@ -331,6 +350,8 @@ def doctor(
     from node.logs import setup_logging
 
     setup_logging("error")
+    if device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device {device!r}: use auto, cpu or cuda")
     checks = run_checks(listen_port, device, checkpoint_dir, initial_peers or [], run_id)
     if as_json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
@@ -339,8 +360,52 @@ def doctor(
     raise typer.Exit(0 if all(c.ok for c in checks) else 1)
 
 
-def main() -> None:
-    app(prog_name="node")
+def _debug_requested(args: list[str]) -> bool:
+    level = os.environ.get("LOCOMESH_LOG_LEVEL", "")
+    for i, arg in enumerate(args):
+        if arg == "--log-level" and i + 1 < len(args):
+            level = args[i + 1]
+        elif arg.startswith("--log-level="):
+            level = arg.split("=", 1)[1]
+    return level.lower() == "debug"
+
+
+def _fail(message: str, code: int) -> None:
+    text = " ".join(message.split())  # one line, whatever the message held
+    typer.secho(f"error: {text}", fg="red", err=True)
+    sys.exit(code)
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """Run ``node``: a mistake in the user's input or environment prints one ``error:`` line and exits 2;
+    a traceback only with ``--log-level debug``."""
+    args = list(sys.argv[1:] if args is None else args)
+    try:
+        code = app(args=args, prog_name="node", standalone_mode=False)
+    except UserError as e:
+        if _debug_requested(args):
+            raise
+        _fail(str(e), 2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:
+        if hasattr(e, "format_message") and hasattr(e, "exit_code"):  # click's usage errors (typer vendors click)
+            message = e.format_message()
+            if "\n" in message.strip():  # `node` alone: the help text itself
+                print(message)
+                sys.exit(e.exit_code)
+            ctx = getattr(e, "ctx", None)
+            command = ctx.command_path if ctx is not None else "node"
+            _fail(f"{message} (see `{command} --help`)", e.exit_code)
+        if type(e).__name__ == "Abort":
+            sys.exit(130)
+        if _debug_requested(args):
+            raise
+        if isinstance(e, OSError):
+            where = f" ({e.filename})" if e.filename else ""
+            _fail(f"{e.strerror or e}{where}: check the paths and ports you gave", 2)
+        _fail(f"unexpected {type(e).__name__}: {e}. Run again with --log-level debug for the traceback, and please report it", 1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

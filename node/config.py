@@ -13,17 +13,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from node.errors import UserError
+
 ENV_PREFIX = "LOCOMESH_"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value is missing, malformed or out of range."""
 
 
 class NodeConfig(BaseModel):
     """Everything a volunteer daemon needs; field names match the CLI flags (``--inner-steps`` ↔ inner_steps)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     # swarm
     run_id: str = Field("locomesh-demo", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="name of the training run")
@@ -78,7 +80,8 @@ class NodeConfig(BaseModel):
     duration: float | None = Field(None, gt=0)
     threads: int | None = Field(None, ge=1, le=1024)
     slowdown: float = Field(1.0, ge=1, le=100, description="experiments: make every inner step this many times slower (emulates slower hardware)")
-    seed: int = 0
+    seed: int = Field(0, description="seed of this node's data order (and of the model's initialisation unless --init-seed)")
+    init_seed: int | None = Field(None, description="seed of the model's initialisation (default: --seed); node swarm gives every node the same one")
     eval_batches: int = Field(16, ge=1)
     eval_every: int = Field(5, ge=0, description="evaluate on the held-out split every N outer rounds (0 = only at exit)")
     info_file: Path | None = None
@@ -149,6 +152,11 @@ class NodeConfig(BaseModel):
             self.outer_lr if self.outer_lr is not None else lr_default,
             self.outer_momentum if self.outer_momentum is not None else momentum_default,
         )
+
+    @property
+    def model_seed(self) -> int:
+        """The seed of the model's initialisation in force."""
+        return self.seed if self.init_seed is None else self.init_seed
 
     def feedback_decay(self) -> float:
         """The error-feedback β in force: explicit, else 0.95 for lossy codecs and 0 for (near-)lossless ones."""

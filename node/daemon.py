@@ -80,7 +80,7 @@ class Daemon(NodeBase):
         model_cfg = preset(cfg.model)
         corpus = load_corpus(str(cfg.data) if cfg.data else None, context=model_cfg.context)
         self.val = validation_batches(corpus.val, cfg.batch_size, model_cfg.context, max_batches=cfg.eval_batches)
-        self.trainer = LocalTrainer(model_cfg, device, cfg.lr, cfg.weight_decay, cfg.warmup_steps, seed=cfg.seed)
+        self.trainer = LocalTrainer(model_cfg, device, cfg.lr, cfg.weight_decay, cfg.warmup_steps, seed=cfg.model_seed)
         self.phi = [p.detach().to("cpu", torch.float32).clone() for p in self.trainer.parameters()]
         outer_lr, outer_momentum = cfg.outer_hyper
         if cfg.algorithm == "noloco":

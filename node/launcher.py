@@ -76,6 +76,23 @@ class NodeProcess:
         return self.info
 
 
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _without_flag(args: list[str], flag: str) -> list[str]:
+    """``args`` less every ``flag VALUE`` / ``flag=VALUE`` (the launcher sets that flag per node)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
 def pipeline_role(index: int, nodes: int, stages: int) -> int | None:
     """Role of node ``index`` in a local pipeline swarm: the last ⌊N/(S+1)⌋ (at least 1) nodes are
     trainers, the others serve stages round-robin (node 0, the bootstrap, serves stage 0)."""
@@ -121,12 +138,13 @@ class SwarmLauncher:
     def _spawn(self, node: NodeProcess, initial_peers: list[str]) -> None:
         node.directory.mkdir(parents=True, exist_ok=True)
         node.info_file.unlink(missing_ok=True)
-        own = [*self.join_args, *self.node_args.get(node.index, [])]
+        own = [*_without_flag(self.join_args, "--seed"), *self.node_args.get(node.index, [])]
         args = [sys.executable, "-m", "node", "join", *own,
                 "--listen", "/ip4/127.0.0.1/tcp/0", "--metrics-port", str(node.metrics_port),
                 "--checkpoint-dir", str(node.directory), "--info-file", str(node.info_file)]
-        if "--seed" not in own:
-            args += ["--seed", str(self.config.seed + node.index)]
+        if not _has_flag(self.node_args.get(node.index, []), "--seed"):
+            # each node its own data order, one common initialisation (a swarm-wide --seed S gives node i S + i)
+            args += ["--seed", str(self.config.seed + node.index), "--init-seed", str(self.config.model_seed)]
         if self.config.stages > 1 and "--role" not in own:
             role = pipeline_role(node.index, len(self.nodes), self.config.stages)
             args += ["--role", "trainer"] if role is None else ["--role", "stage", "--stage", str(role)]
@@ -269,6 +287,8 @@ class SwarmLauncher:
             print(f"error: {problem}", file=sys.stderr)
             return 2
         interrupted = False
+        self._stop_signal: int | None = None
+        previous = {sig: signal.signal(sig, self._on_stop_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
         try:
             self._spawn(self.nodes[0], list(self.config.initial_peers))
             bootstrap = self._wait_ready(self.nodes[0])
@@ -298,16 +318,31 @@ class SwarmLauncher:
                     self._stop_live(live)
         except KeyboardInterrupt:
             interrupted = True
-            self.event("interrupted")
+            self.event("interrupted", signal=signal.Signals(self._stop_signal).name if self._stop_signal else "SIGINT")
         except RuntimeError as e:
             self.event("launch_failed", error=str(e))
             print(f"error: {e}", file=sys.stderr)
         finally:
-            self._stop_all()
+            # a second Ctrl-C or SIGTERM must not cut the shutdown short and leave nodes behind
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+            try:
+                self._stop_all()
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
         report = self.write_report()
         self.print_summary(report)
-        ok = all(n["exit_code"] == 0 or n["index"] in self.killed for n in report["nodes"]) and not interrupted
+        if interrupted:
+            return 128 + (self._stop_signal or signal.SIGINT)
+        ok = all(n["exit_code"] == 0 or n["index"] in self.killed for n in report["nodes"])
         return 0 if ok else 1
+
+    def _on_stop_signal(self, signum: int, _frame: Any) -> None:
+        """SIGTERM (a supervisor, ``timeout``, ``docker stop``) and SIGHUP stop the swarm as Ctrl-C does."""
+        self._stop_signal = signum
+        raise KeyboardInterrupt
 
     def _live(self) -> list[NodeProcess]:
         return [n for n in self.nodes if n.process is not None and n.process.poll() is None]

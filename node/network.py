@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import socket
 import threading
+import time
 from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 import uvloop
@@ -17,6 +19,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 
+from node.errors import UserError
 from node.orphans import guard_child, release
 from protocol.hivemind_transport import Transport
 
@@ -24,8 +27,43 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def diagnose_peer(maddr: str, timeout: float = 3.0) -> str:
+    """Why a bootstrap peer may not have answered, found by a plain TCP connect to its address."""
+    parts = maddr.split("/")
+    if len(parts) < 5 or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6") or parts[3] != "tcp":
+        return "not a TCP multiaddr (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)"
+    try:
+        socket.create_connection((parts[2], int(parts[4])), timeout=timeout).close()
+    except socket.timeout:
+        return f"no answer within {timeout:.0f}s (a firewall drops the packets, or the host is down)"
+    except OSError as e:
+        return (e.strerror or str(e)).lower()
+    return "its port accepts connections, but its libp2p node did not answer (another program on that port, or it is still starting)"
+
+
 class Interrupted(Exception):
     """The stop event fired while the main thread waited on network work."""
+
+
+class DaemonThreadExecutor(concurrent.futures.Executor):
+    """Runs each call on a daemon thread of its own: the loop's ``to_thread`` work (codecs, aggregation,
+    outer steps) never keeps a stopping node alive, as the default executor's joined threads would."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def work() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+        threading.Thread(target=work, name="locomesh-compute", daemon=True).start()
+        return future
 
 
 class NetworkThread:
@@ -33,6 +71,7 @@ class NetworkThread:
 
     def __init__(self) -> None:
         self.loop = uvloop.new_event_loop()
+        self.loop.set_default_executor(DaemonThreadExecutor())
         self._thread = threading.Thread(target=self._serve, name="locomesh-network", daemon=True)
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
@@ -56,8 +95,14 @@ class NetworkThread:
         swarm_key: bytes | None = None,
         stream_timeout: float = 30.0,
         timeout: float = 60.0,
+        join_timeout: float = 60.0,
+        stop: threading.Event | None = None,
     ) -> None:
-        """Start p2pd and join the DHT (bootstrapping from ``initial_peers`` when given)."""
+        """Start p2pd and join the DHT (bootstrapping from ``initial_peers`` when given).
+
+        A bootstrap peer may be restarting: failed attempts are retried with backoff (a log line each,
+        naming every peer and why it failed) for ``join_timeout`` seconds, then :class:`UserError`
+        names each peer tried and why."""
         self._thread.start()
 
         async def _start() -> None:
@@ -81,7 +126,38 @@ class NetworkThread:
             self.transport = Transport(self.p2p, on_bytes=on_bytes, on_error=on_error, swarm_key=swarm_key,
                                        idle_timeout=stream_timeout)
 
-        self.call(_start(), timeout=timeout + 30)
+        deadline = time.monotonic() + join_timeout
+        delay, attempt = 1.0, 0
+        while True:
+            attempt += 1
+            try:
+                self.call(_start(), timeout=timeout + 30)
+                return
+            except Exception as e:
+                if not initial_peers:
+                    raise
+                self.call(self._discard_partial_start(), timeout=30)
+                reasons = "; ".join(f"{peer}: {diagnose_peer(peer)}" for peer in initial_peers)
+                if time.monotonic() + delay > deadline or (stop is not None and stop.is_set()):
+                    raise UserError(f"could not join through --initial-peers after {attempt} attempts in {join_timeout:.0f}s: "
+                                    f"{reasons}. Check the address and that the node runs, or raise --join-timeout") from None
+                logger.warning("bootstrap attempt %d failed (%s): %s; retrying in %.0fs", attempt,
+                               str(e).splitlines()[0][:120] if str(e) else type(e).__name__, reasons, delay)
+                if stop is not None and stop.wait(delay):
+                    raise UserError("stopped while waiting for the bootstrap peers") from None
+                if stop is None:
+                    time.sleep(delay)
+                delay = min(2 * delay, 10.0)
+
+    async def _discard_partial_start(self) -> None:
+        """Undo a start-up that failed half-way (p2pd may be running without a DHT)."""
+        if self.dht is not None:
+            await self.dht.shutdown()
+        if self.p2p is not None:
+            await self.p2p.shutdown()
+        if self._watchdog is not None:
+            release(self._watchdog)
+        self.p2p = self.dht = self.transport = self._watchdog = None
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result."""

@@ -1,0 +1,11 @@
+"""The one exception type for mistakes in a user's input or environment.
+
+``node`` prints a :class:`UserError` as a single ``error: …`` line (what is wrong, with which flag or
+file, and what to do) and exits with status 2; a traceback is shown only with ``--log-level debug``.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A bad flag, file, port, device or folder: the message names it and says what to do."""
