@@ -39,7 +39,7 @@ def _peer_of_subkey(subkey: object) -> str | None:
     return None
 
 
-async def _read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[str, tuple[object, float]]:
+async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[str, tuple[object, float]]:
     """{peer id: (value, expiration time)} of a key's owned subkeys, freshest copy of each subkey.
 
     hivemind's ``get(latest=True)`` returns the one stored dictionary whose newest subkey is newest,
@@ -158,7 +158,7 @@ async def list_peers(dht: DHTNode, run_id: str) -> dict[str, PeerRecord]:
 async def list_peers_with_expiry(dht: DHTNode, run_id: str) -> dict[str, tuple[PeerRecord, float]]:
     """Like :func:`list_peers`, with each record's DHT expiration time."""
     peers: dict[str, tuple[PeerRecord, float]] = {}
-    for peer, (value, expiration) in (await _read_subkeys(dht, peers_key(run_id))).items():
+    for peer, (value, expiration) in (await read_subkeys(dht, peers_key(run_id))).items():
         try:
             record = PeerRecord.from_value(value)
         except SchemaError as e:
@@ -180,7 +180,7 @@ async def round_members(dht: DHTNode, run_id: str, round_no: int, role: str = "t
 async def read_round_entries(dht: DHTNode, run_id: str, round_no: int) -> dict[str, tuple[RoundEntry, float]]:
     """{peer: (its entry, the entry's expiration time)} of round ``round_no``'s rendezvous."""
     entries: dict[str, tuple[RoundEntry, float]] = {}
-    for peer, (value, expiration) in (await _read_subkeys(dht, round_key(run_id, round_no))).items():
+    for peer, (value, expiration) in (await read_subkeys(dht, round_key(run_id, round_no))).items():
         try:
             candidate = RoundEntry.from_value(value)
         except SchemaError as e:

@@ -46,6 +46,7 @@ from node.recovery import StageRecoverer
 from node.status_service import StatusService
 from node.trainer import pick_device
 from protocol.records import PeerRecord
+from swarm.claims import claim_stage
 from swarm.model import preset
 from swarm.rebalance import plan_move
 from swarm.service import StageService
@@ -131,10 +132,12 @@ class PipelineNode(NodeBase):
         self.summary.protocols = list(net.transport.protocols)
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
-        self.recoverer = StageRecoverer(cfg.stages, self.model_cfg, model_seed(cfg.run_id), cfg.checkfree_plus, cfg.recovery_grace,
-                                        self._fetch_stage, self._new_stage,
-                                        lambda index, module: self._become_stage(index, rebuilt=module, lr_scale=cfg.recovery_lr_scale),
-                                        self.metrics, self.event)
+        self.recoverer = StageRecoverer(
+            cfg.stages, self.model_cfg, model_seed(cfg.run_id), cfg.checkfree_plus, cfg.recovery_grace, self._fetch_stage,
+            self._new_stage, self._serve_rebuilt,
+            claim=lambda stage: net.call(claim_stage(net.dht, net.validator, cfg.run_id, stage, peer_id), timeout=30),
+            refresh=lambda: net.call(list_peers(net.dht, cfg.run_id), timeout=30), metrics=self.metrics, event=self.event,
+        )
         target = None if cfg.role == "spare" else self._pick_role()
         if cfg.role == "spare":
             self.role = self.summary.role = "spare"
@@ -210,6 +213,11 @@ class PipelineNode(NodeBase):
         self._publish_stage_state()
         if rebuilt is None:
             self.event("stage_joined" if previous is None else "stage_moved", stage=index, previous=previous, source=source, round=self.round)
+
+    def _serve_rebuilt(self, index: int, module: Stage) -> None:
+        """Serve a stage the recoverer rebuilt, and announce it at once (so nobody else rebuilds it)."""
+        self._become_stage(index, rebuilt=module, lr_scale=self.cfg.recovery_lr_scale)
+        self.net.call(self._heartbeat(), timeout=30)
 
     def _new_stage(self, index: int) -> Stage:
         return Stage(self.model_cfg, index, self.cfg.stages, model_seed(self.cfg.run_id), plus=self.cfg.checkfree_plus)

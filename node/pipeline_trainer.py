@@ -45,6 +45,7 @@ class PipelineTrainer:
         self.tokens_per_step = cfg.batch_size * model_cfg.context
         self.client: PipelineClient | None = None
         self.val: list = []
+        self.waiting: dict[str, Any] | None = None  # the wait for an unserved stage in progress
 
     def run(self) -> None:
         cfg = self.cfg
@@ -72,19 +73,40 @@ class PipelineTrainer:
                 w.cancel()
 
     async def _microbatch_loop(self, client: PipelineClient, batches: ByteBatches) -> None:
-        """One pipeline in flight: a microbatch goes through every stage; a failed one is retried."""
+        """One pipeline in flight: a microbatch goes through every stage; a failed one is retried the
+        same, with backoff while a stage has no server (one log line and one event per wait)."""
         while not self.stop.is_set():
             x, y = batches.next()
+            backoff = 0.5
             while not self.stop.is_set():
                 try:
                     result = await client.step(x, y)
                 except PipelineStepFailed as e:
                     self.metrics.pipeline_steps.labels("failed").inc()
-                    self.event("step_failed", step=self.summary.steps, reason=str(e)[:300])
-                    await asyncio.sleep(1.0)  # wait for the DHT to show a live replica, then retry the same microbatch
+                    self._wait_started(e)
+                    await asyncio.sleep(backoff)  # for the DHT to show a live (or rebuilt) replica
+                    backoff = min(2 * backoff, 5.0)
                     continue
+                self._wait_ended()
                 self._count_step(result)
                 break
+
+    def _wait_started(self, error: PipelineStepFailed) -> None:
+        """The first failure of a wait logs why; later ones are only counted."""
+        if self.waiting is None:
+            self.waiting = {"since": time.monotonic(), "stage": error.stage, "attempts": 0, "reason": str(error)[:300]}
+            logger.warning("waiting for stage %s: %s (retrying with backoff)", "?" if error.stage is None else error.stage, error)
+        self.waiting["attempts"] += 1
+
+    def _wait_ended(self) -> None:
+        """A microbatch went through: one ``waiting_for_stage`` event for the whole wait, with its duration."""
+        if self.waiting is None:
+            return
+        waited, self.waiting = self.waiting, None
+        duration = time.monotonic() - waited["since"]
+        logger.info("stage %s is served again after %.1fs", waited["stage"], duration)
+        self.event("waiting_for_stage", stage=waited["stage"], duration_s=round(duration, 2), attempts=waited["attempts"],
+                   reason=waited["reason"], step=self.summary.steps)
 
     def _count_step(self, result: Any) -> None:
         m, summary = self.metrics, self.summary

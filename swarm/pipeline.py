@@ -29,7 +29,11 @@ MAX_BUSY_RETRIES = 200  # with backoff capped at 0.5 s: up to ~100 s waiting for
 
 
 class PipelineStepFailed(Exception):
-    """No replica of some stage could take the microbatch."""
+    """No replica of some stage could take the microbatch (``stage``: which one, when known)."""
+
+    def __init__(self, message: str, stage: int | None = None) -> None:
+        super().__init__(message)
+        self.stage = stage
 
 
 @dataclass
@@ -66,7 +70,7 @@ class PipelineClient:
                 else:
                     peer = self.router.choose(stage, float(len(x)), exclude=tried)
             except NoPeerAvailable as e:
-                raise PipelineStepFailed(str(e)) from None
+                raise PipelineStepFailed(str(e), stage) from None
             try:
                 return await call_stage(self.transport, peer, self.run_id, stage, kind, x, codec=self.codec, timeout=self.timeout, **kw), peer
             except StageCallError as e:
@@ -80,7 +84,7 @@ class PipelineClient:
                 result.retries += 1
                 result.errors.append(str(e))
                 attempt += 1
-        raise PipelineStepFailed(f"stage {stage}: {self.max_retries + 1} replicas failed: {result.errors[-1]}")
+        raise PipelineStepFailed(f"stage {stage}: {self.max_retries + 1} replicas failed: {result.errors[-1]}", stage)
 
     async def step(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         """One training microbatch through the pipeline; raises :class:`PipelineStepFailed`."""

@@ -14,6 +14,10 @@ import time
 from typing import Callable, Iterable
 
 
+STALE_S = 30.0  # an announced throughput unchanged this long is treated as unmeasured
+MIN_SHARE_OF_MEDIAN = 0.25  # no peer counts as slower than this fraction of its stage's median
+
+
 class NoPeerAvailable(Exception):
     """Every peer of a stage is banned, excluded or gone."""
 
@@ -24,24 +28,37 @@ class Router:
     :param ban_s: how long a failing peer is avoided (default: a peer record's lifetime)
     """
 
-    def __init__(self, seed: int = 0, ban_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, seed: int = 0, ban_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 stale_s: float = STALE_S) -> None:
         self.rng = random.Random(seed)
-        self.ban_s, self.clock = ban_s, clock
+        self.ban_s, self.clock, self.stale_s = ban_s, clock, stale_s
         self.loads: dict[int, dict[str, float]] = {}
         self.throughput: dict[str, float] = {}
         self.banned: dict[str, float] = {}
+        self.announced: dict[str, tuple[float, float]] = {}  # peer → (announced throughput, when it last changed)
 
     def update(self, stage: int, peers: dict[str, float]) -> None:
-        """The stage's live peers with their announced throughput. A peer that has not measured its
-        throughput yet (≤ 0) counts as the stage's median peer, so it is neither flooded nor starved."""
+        """The stage's live peers with their announced throughput.
+
+        A peer that has not measured its throughput yet (≤ 0) counts as the stage's median peer, so it
+        is neither flooded nor starved. A server measures its speed only on the work it gets, so an
+        estimate that has not changed for ``stale_s`` (a replica the router stopped choosing) counts
+        as at least the median again until it is re-measured; and no peer counts below a quarter of
+        the median, so every replica keeps a share of the work."""
+        now = self.clock()
         loads = self.loads.setdefault(stage, {})
         floor = min(loads.values(), default=0.0)
         for gone in set(loads) - set(peers):
             del loads[gone]
         known = sorted(tp for tp in peers.values() if tp > 0)
-        default = known[len(known) // 2] if known else 1.0
+        median = known[len(known) // 2] if known else 1.0
         for peer, tp in peers.items():
-            self.throughput[peer] = tp if tp > 0 else default
+            if peer not in self.announced or self.announced[peer][0] != tp:
+                self.announced[peer] = (tp, now)
+            estimate = tp if tp > 0 else median
+            if now - self.announced[peer][1] > self.stale_s:
+                estimate = max(estimate, median)
+            self.throughput[peer] = max(estimate, MIN_SHARE_OF_MEDIAN * median)
             loads.setdefault(peer, floor)
 
     def peers(self, stage: int) -> list[str]:

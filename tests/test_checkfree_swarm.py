@@ -65,5 +65,11 @@ def test_lost_middle_and_last_stages_come_back_from_their_neighbours(tmp_path, n
     points = _val_points(trainer)
     before_kill = [v for s, v in points][:3]
     assert points[-1][1] < min(before_kill), f"held-out loss kept falling across both recoveries: {points}"
-    recovered_by = {e["stage"]: s.name for s in (spare_a, spare_b) for e in _events(s, "stage_recovered")}
-    assert set(recovered_by) == {1, 3} and len(set(recovered_by.values())) == 2, "each spare took one stage"
+    recoveries = [(e["stage"], s.name) for s in (spare_a, spare_b) for e in _events(s, "stage_recovered")]
+    assert sorted(stage for stage, _ in recoveries) == [1, 3], f"one rebuilder per lost stage: {recoveries}"
+    assert len({name for _, name in recoveries}) == 2, "each spare took one stage; the other stayed a spare"
+    for spare in (spare_a, spare_b):
+        assert not _events(spare, "stage_unrecoverable") and not _events(spare, "stage_recovery_failed")
+    # the trainer waited calmly: one event per wait, not one per attempt
+    waits = _events(trainer, "waiting_for_stage")
+    assert 1 <= len(waits) <= 4 and not _events(trainer, "step_failed"), waits

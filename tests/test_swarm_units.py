@@ -169,6 +169,37 @@ def test_router_new_peer_enters_at_the_minimum_and_failures_are_banned():
         router.choose(0)
 
 
+def test_a_starved_replica_with_a_stale_estimate_gets_work_again():
+    now = [0.0]
+    router = Router(seed=3, clock=lambda: now[0])
+    # the slow replica measured itself on a few early steps and the router then never chose it again
+    router.update(0, {"starved": 9_368.0, "busy": 400_000.0})
+    picks = [router.choose(0) for _ in range(800)]
+    assert picks.count("starved") >= 0.25 * 400 * 0.5, "never below a quarter of the median's share"
+    for second in range(1, 40):  # the busy server keeps re-measuring; the starved one's number never moves
+        now[0] = float(second)
+        router.update(0, {"starved": 9_368.0, "busy": 400_000.0 + second})
+    picks = [router.choose(0) for _ in range(800)]
+    assert picks.count("starved") >= 0.25 * 400, "a stale estimate counts as the median: at least a quarter of a fair share"
+    router.update(0, {"starved": 9_500.0, "busy": 400_040.0})  # re-measured: its own number counts again
+    assert router.throughput["starved"] == 0.25 * 400_040.0
+
+
+def test_missing_roles_name_what_a_short_pipeline_needs():
+    from protocol.records import PeerRecord
+    from swarm.stage_map import missing_roles
+
+    def rec(peer: str, role: str, stage: int = -1) -> PeerRecord:
+        return PeerRecord(peer_id=peer, role=role, stage=stage)
+
+    full = [rec("a", "stage", 0), rec("b", "stage", 1), rec("c", "stage", 2), rec("t", "trainer")]
+    assert missing_roles(full, 3) == []
+    assert missing_roles(full[1:], 3) == ["a server for stage 0"]
+    assert missing_roles(full[1:] + [rec("s", "spare")], 3) == [], "a spare will take it"
+    assert missing_roles(full[1:] + [rec("b2", "stage", 1)], 3) == [], "a second stage-1 server can move"
+    assert missing_roles(full[:3], 3) == ["a trainer"]
+
+
 # ---- rebalancing ----------------------------------------------------------------------------------
 def _simulate(stages: list[dict[str, float]], rounds: int = 5) -> tuple[list[float], int]:
     """Every peer runs plan_move each period, as stage servers do; returns throughput per period and moves."""

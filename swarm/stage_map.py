@@ -1,0 +1,31 @@
+"""The stage map of a pipeline run, read from its DHT records: who serves each stage, and which role
+a pipeline short of nodes is missing (so ``node status`` and the log can say what the next joiner
+should be)."""
+
+from __future__ import annotations
+
+from protocol.records import PeerRecord
+
+
+def servers_per_stage(records: dict[str, PeerRecord] | list[PeerRecord], stages: int) -> list[list[PeerRecord]]:
+    """The stage servers of each stage 0..stages-1."""
+    values = records.values() if isinstance(records, dict) else records
+    out: list[list[PeerRecord]] = [[] for _ in range(stages)]
+    for rec in values:
+        if rec.role == "stage" and 0 <= rec.stage < stages:
+            out[rec.stage].append(rec)
+    return out
+
+
+def missing_roles(records: dict[str, PeerRecord] | list[PeerRecord], stages: int) -> list[str]:
+    """What the pipeline lacks to train: a server for each unserved stage that no spare is there to
+    take over, and a trainer when there is none. Empty when it can train."""
+    values = list(records.values() if isinstance(records, dict) else records)
+    per_stage = servers_per_stage(values, stages)
+    spares = sum(1 for r in values if r.role == "spare")
+    donors = sum(len(p) - 1 for p in per_stage if len(p) > 1)  # servers that can move without emptying a stage
+    unserved = [s for s in range(stages) if not per_stage[s]]
+    missing = [f"a server for stage {s}" for s in unserved[spares + donors:]]
+    if not any(r.role == "trainer" for r in values):
+        missing.append("a trainer")
+    return missing
