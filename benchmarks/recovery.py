@@ -1,6 +1,7 @@
 """Stage-recovery benchmark: CheckFree and its baselines under simulated stage failures.
 
     python -m benchmarks.recovery --out runs/bench/recovery.json [--quick]
+    python -m benchmarks.recovery --churn --out runs/bench/churn.json [--minutes 15] [--nodes 8]   # real processes
 
 An in-process pipeline (the ``micro`` model, 4 blocks, cut into 4 stages, one AdamW per stage, the
 stage code of ``swarm/``) trains on the embedded corpus. Every step each stage fails with
@@ -185,8 +186,16 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=300.0, help="nominal pipeline step time the hourly rates refer to")
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--churn", action="store_true", help="instead: a real-process churn run (benchmarks/churn.py), with and without kills")
+    parser.add_argument("--minutes", type=float, default=15.0, help="with --churn: wall time of each run")
+    parser.add_argument("--nodes", type=int, default=8, help="with --churn: nodes in the swarm")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.churn:
+        from benchmarks.churn import churn
+
+        print(json.dumps(churn(args.out, args.nodes, args.minutes), indent=2))
+        return
     steps = args.steps or (700 if args.quick else 1500)
     rates = (0.16,) if args.quick else (0.05, 0.10, 0.16)
     corpus = load_corpus(None, context=preset("micro").context)

@@ -13,6 +13,7 @@ from hivemind.utils import get_dht_time
 
 from gossip.rendezvous import list_peers_with_expiry
 from node.status_service import fetch_status
+from swarm.stage_map import missing_roles
 from protocol.hivemind_transport import Transport
 
 
@@ -65,7 +66,11 @@ class StatusClient:
                 "maddrs": rec.maddrs, "protocols": rec.protocols, "reachable": st is not None, "live": st,
                 "stage": rec.stage, "queue": rec.queue,
             })
-        result = {"run_id": self.run_id, "time": time.time(), "peers": sorted(rows, key=lambda r: r["peer_id"]), "stages": stage_map(rows)}
+        stages = max((st.get("stages", 0) for st in live if isinstance(st, dict) and isinstance(st.get("stages"), int)), default=0)
+        result = {"run_id": self.run_id, "time": time.time(), "peers": sorted(rows, key=lambda r: r["peer_id"]),
+                  "stages": stage_map(rows, stages)}
+        if stages > 1:
+            result["missing"] = missing_roles([rec for rec, _ in records.values()], stages)
         if not rows:
             result["hint"] = await self._other_runs_hint()
         return result
@@ -92,13 +97,14 @@ class StatusClient:
         return f"no peers of run {self.run_id}, and no initial peer answered: check the multiaddr and that the node runs"
 
 
-def stage_map(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Pipeline runs: per stage its servers, summed throughput and queued requests (empty otherwise)."""
+def stage_map(rows: list[dict[str, Any]], stages: int = 0) -> list[dict[str, Any]]:
+    """Pipeline runs: per stage its servers, summed throughput and queued requests (empty otherwise);
+    ``stages`` (from the peers' live status) makes unserved last stages show too."""
     servers = [r for r in rows if r["role"] == "stage" and r.get("stage", -1) >= 0]
-    if not servers:
+    if not servers and stages <= 1:
         return []
     out = []
-    for stage in range(max(r["stage"] for r in servers) + 1):
+    for stage in range(max([stages] + [r["stage"] + 1 for r in servers])):
         members = [r for r in servers if r["stage"] == stage]
         out.append({"stage": stage, "peers": [r["peer_id"] for r in members], "tokens_per_s": sum(r["tokens_per_s"] for r in members),
                     "queue": sum(r["queue"] for r in members)})
@@ -154,6 +160,9 @@ def status_table(result: dict[str, Any]) -> Any:
         for st in result["stages"]:
             stages.add_row(str(st["stage"]), str(len(st["peers"])) + ("  (none: lost!)" if not st["peers"] else ""),
                            f"{st['tokens_per_s']:.0f}", str(st["queue"]))
+        if result.get("missing"):
+            return Group(table, stages, f"pipeline short of nodes: it needs {' and '.join(result['missing'])}; "
+                                        "the next node that joins takes that role")
         return Group(table, stages)
     return table
 

@@ -35,6 +35,10 @@ def test_pipeline_trains_replicas_agree_and_a_killed_replica_is_routed_around(tm
         joint = [(x, y) for x, y in _matching_rounds(a.info(), b.info()) if x["contributors"] == 2 and x["in_sync"] and y["in_sync"]]
         assert joint and all(x["fingerprint"] == y["fingerprint"] for x, y in joint), "replicas of a stage agree after averaging"
 
+    for a, b in ((s0a, s0b), (s1a, s1b)):  # every replica gets work: at least a quarter of its fair share
+        served = [a.info()["steps"], b.info()["steps"]]
+        assert min(served) >= 0.25 * sum(served) / 2, served
+
     os.killpg(s1b.process.pid, signal.SIGKILL)
     before = {t.name: t.info()["steps"] for t in (t0, t1)}
     for trainer in (t0, t1):

@@ -1,0 +1,108 @@
+"""Pipeline churn with real processes: the same swarm with and without random SIGKILLs.
+
+    python -m benchmarks.recovery --churn --out runs/bench/churn.json [--minutes 15] [--nodes 8]
+
+Runs ``node swarm --nodes N --stages 3 --checkfree-plus`` twice for the same wall time and seeds:
+once with ``--chaos kill:random:every=45s --restart-killed 20`` and once without kills. From the
+two reports it computes, for the run with kills:
+
+- ``progress_fraction``: the share of the trainer's training time it was not waiting for an unserved
+  stage (from its ``waiting_for_stage`` events; time the trainer itself was dead counts as waiting);
+- every recovery (method, seconds), ``fresh_initialisations`` (``stage_unrecoverable``) and
+  ``stages_emptied_by_recovery`` (a stage declared lost within 30 s after one of its servers left it
+  to rebuild another);
+- held-out loss at equal trainer steps: both runs' trainer evaluations, compared at the largest
+  step both reached (linear interpolation between evaluations).
+
+The swarm runs on one machine: with 8 processes on 2 cores the absolute speed is low and noisy;
+the comparison between the two runs is what it measures.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SWARM_ARGS = ["--stages", "3", "--checkfree-plus", "--model", "micro", "--batch-size", "8", "--eval-every", "2",
+              "--eval-batches", "4", "--sync-every", "20", "--recovery-grace", "6", "--microbatches", "2",
+              "--activation-compression", "int8-block"]
+
+
+def run_swarm(folder: Path, nodes: int, seconds: float, chaos: bool) -> dict[str, Any]:
+    report = folder / "report.json"
+    cmd = [sys.executable, "-m", "node", "swarm", "--nodes", str(nodes), "--duration", str(seconds), "--report", str(report),
+           "--fresh", *SWARM_ARGS]
+    if chaos:
+        cmd += ["--chaos", "kill:random:every=45s", "--restart-killed", "20"]
+    subprocess.run(cmd, check=False, timeout=seconds + 600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads(report.read_text())
+
+
+def _trainer(report: dict[str, Any]) -> dict[str, Any]:
+    trainers = [n for n in report["nodes"] if n.get("role") == "trainer"]
+    return max(trainers, key=lambda n: n.get("steps", 0)) if trainers else {}
+
+
+def val_at(points: list[tuple[int, float]], step: int) -> float | None:
+    """Held-out loss at ``step``, interpolated between evaluations."""
+    points = sorted(points)
+    for (s0, v0), (s1, v1) in zip(points, points[1:]):
+        if s0 <= step <= s1:
+            return v0 + (v1 - v0) * (step - s0) / max(1, s1 - s0)
+    return points[-1][1] if points and points[-1][0] == step else None
+
+
+def analyse(killed: dict[str, Any], calm: dict[str, Any]) -> dict[str, Any]:
+    events = killed["events"]
+    trainer = _trainer(killed)
+    index = trainer.get("index")
+    waits = sum(e.get("duration_s", 0.0) for e in events if e["event"] == "waiting_for_stage" and e.get("node") == index)
+    trainer_kills = [e for e in events if e["event"] == "chaos_kill" and e.get("node") == index]
+    dead = 20.0 * len(trainer_kills)  # restarted 20 s after each kill
+    wall = max(1e-9, killed["duration_s"])
+    recoveries = [{"stage": e["stage"], "method": e["method"], "duration_s": e.get("duration_s"), "node": e["node"]}
+                  for e in events if e["event"] == "stage_recovered"]
+    emptied = 0
+    for e in events:
+        if e["event"] != "stage_lost":
+            continue
+        for r in events:
+            if r["event"] != "stage_recovered" or not 0 <= e["t"] - r["t"] <= 30:
+                continue
+            before = [m for m in events if m.get("node") == r["node"] and m["t"] < r["t"]
+                      and m["event"] in ("stage_joined", "stage_moved", "stage_recovered")]
+            if before and before[-1].get("stage") == e["stage"]:  # the rebuilder had been serving the stage now lost
+                emptied += 1
+                break
+    points = {name: [(r["step"], r["val_loss"]) for r in _trainer(rep).get("rounds", []) if "val_loss" in r and r["step"] > 0]
+              for name, rep in (("killed", killed), ("calm", calm))}
+    common = min((max(s for s, _ in p) for p in points.values() if p), default=0)
+    at = {name: val_at(p, common) for name, p in points.items()}
+    return {
+        "wall_s": killed["duration_s"],
+        "progress_fraction": round(max(0.0, 1.0 - (waits + dead) / wall), 4),
+        "trainer_waits_s": round(waits, 2),
+        "trainer_kills": len(trainer_kills),
+        "kills": sum(1 for e in events if e["event"] == "chaos_kill"),
+        "recoveries": recoveries,
+        "recovery_failures": sum(1 for e in events if e["event"] == "stage_recovery_failed"),
+        "fresh_initialisations": sum(1 for e in events if e["event"] == "stage_unrecoverable"),
+        "stages_emptied_by_recovery": emptied,
+        "equal_steps": common,
+        "val_loss_at_equal_steps": at,
+        "val_loss_gap": (at["killed"] / at["calm"] - 1.0) if at.get("killed") and at.get("calm") else None,
+        "trainer_steps": {"killed": _trainer(killed).get("steps"), "calm": _trainer(calm).get("steps")},
+    }
+
+
+def churn(out: Path, nodes: int = 8, minutes: float = 15.0) -> dict[str, Any]:
+    folder = out.parent / (out.stem + "-runs")
+    killed = run_swarm(folder / "killed", nodes, minutes * 60, chaos=True)
+    calm = run_swarm(folder / "calm", nodes, minutes * 60, chaos=False)
+    result = {"nodes": nodes, "minutes": minutes, "swarm_args": SWARM_ARGS, **analyse(killed, calm)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    return result
