@@ -218,16 +218,8 @@ class FramedStream:
         """Wait until the peer closes its side (it has read everything), so closing ours cannot cut a
         reply short. Bytes it still sends are read and dropped, up to ``max_bytes``."""
 
-        async def drain() -> None:
-            dropped = 0
-            while dropped <= max_bytes:
-                chunk = await self.reader.read(1 << 16)
-                if not chunk:
-                    return
-                dropped += len(chunk)
-
         try:
-            await asyncio.wait_for(drain(), timeout=timeout)
+            await asyncio.wait_for(drain(self.reader, max_bytes), timeout=timeout)
         except (asyncio.TimeoutError, ConnectionError, OSError):
             pass
 
@@ -238,6 +230,16 @@ class FramedStream:
             await asyncio.wait_for(self.writer.wait_closed(), timeout=2)
         except (ConnectionError, OSError, RuntimeError, asyncio.TimeoutError):
             pass
+
+
+async def drain(reader: Any, max_bytes: int) -> None:
+    """Read and drop what the peer still sends until it closes its side (or ``max_bytes`` were dropped)."""
+    dropped = 0
+    while dropped <= max_bytes:
+        chunk = await reader.read(1 << 16)
+        if not chunk:
+            return
+        dropped += len(chunk)
 
 
 def require(body: dict[str, Any], field: str, kind: type | tuple[type, ...]) -> Any:

@@ -40,7 +40,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from protocol.auth import client_hello
 from protocol.errors import StreamTimeout
-from protocol.frames import DEFAULT_MAX_FRAME, FramedStream, read_frame
+from protocol.frames import DEFAULT_MAX_FRAME, FramedStream, drain, read_frame
 
 logging.getLogger("libp2p").addHandler(logging.NullHandler())  # no stray records on stderr (see module doc)
 
@@ -131,12 +131,7 @@ class Libp2pStream(FramedStream):
     async def wait_peer_closed(self, timeout: float = 10.0, max_bytes: int = 1 << 22) -> None:
         with trio.move_on_after(timeout):
             try:
-                dropped = 0
-                while dropped <= max_bytes:
-                    chunk = await self.reader.read(1 << 16)
-                    if not chunk:
-                        return
-                    dropped += len(chunk)
+                await drain(self.reader, max_bytes)
             except ConnectionError:
                 pass
 
