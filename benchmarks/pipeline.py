@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from node.cli import parse_join_args
-from node.launcher import SwarmLauncher, scrape, total
+from node.launcher import SwarmLauncher
+from node.progress import scrape, total
 
 BASE = ["--model", "tiny", "--batch-size", "8", "--threads", "1", "--warmup-steps", "20", "--eval-batches", "8",
         "--stages", "2", "--sync-every", "10", "--microbatches", "8", "--eval-every", "0", "--averaging-timeout", "10"]

@@ -20,12 +20,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.request import urlopen
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from node.chaos import ChaosAction
 from node.config import NodeConfig
+from node.progress import LiveProgress, progress_lines, progress_rows, progress_table, scrape
 
 logger = logging.getLogger("locomesh.swarm")
 STOP_GRACE_S = 60.0
@@ -35,24 +33,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def scrape(port: int, timeout: float = 1.0) -> dict[str, float]:
-    """Flattened ``{name{labels}: value}`` of a node's /metrics, or {} if unreachable."""
-    try:
-        text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout).read().decode()
-    except OSError:
-        return {}
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return out
-
-
-def total(metrics: dict[str, float], prefix: str) -> float:
-    return sum(v for k, v in metrics.items() if k == prefix or k.startswith(prefix + "{"))
 
 
 @dataclass
@@ -167,58 +147,9 @@ class SwarmLauncher:
             time.sleep(0.2)
         raise RuntimeError(f"node {node.index} was not ready after {timeout:.0f}s; see {node.directory / 'log.txt'}")
 
-    def _progress_rows(self) -> list[dict[str, str]]:
-        """One row per node: what ``node swarm`` shows while it runs."""
-        rows = []
-        for node in self.nodes:
-            m, info = scrape(node.metrics_port), node.read_info()
-            role = str(info.get("role") or "-") + (f" {info['stage']}" if info.get("stage") is not None else "")
-            if not m:
-                state = "exited" if node.process is not None and node.process.poll() is not None else "starting"
-                rows.append({"node": str(node.index), "role": role, "step": state})
-                continue
-            rows.append({
-                "node": str(node.index), "role": role, "step": f"{total(m, 'locomesh_inner_steps_total'):.0f}",
-                "loss": f"{m.get('locomesh_train_loss', math.nan):.3f}", "tok/s": f"{m.get('locomesh_tokens_per_second', 0):.0f}",
-                "round": f"{m.get('locomesh_outer_round', 0):.0f}", "peers": f"{m.get('locomesh_peers', 0):.0f}",
-                "sent": f"{total(m, 'locomesh_bytes_sent_total') / 1e6:.1f} MB",
-            })
-        return rows
-
     def _progress_table(self) -> Any:
-        from rich.table import Table
-
-        table = Table(title=f"swarm of {len(self.nodes)} nodes, {time.time() - self.t0:.0f}s of {self.duration:.0f}s (Ctrl-C stops)")
-        columns = ("node", "role", "step", "loss", "tok/s", "round", "peers", "sent")
-        for col in columns:
-            table.add_column(col, justify="left" if col == "role" else "right")
-        for row in self._progress_rows():
-            table.add_row(*(row.get(col, "") for col in columns))
-        return table
-
-    def _progress_lines(self) -> list[str]:
-        """Plain progress for logs and CI: one short line per node."""
-        now = f"[{time.time() - self.t0:5.0f}s]"
-        return [f"{now} node {r['node']} {r['role']}: " + " ".join(f"{k} {r[k]}" for k in ("step", "loss", "tok/s", "round", "peers", "sent") if k in r)
-                for r in self._progress_rows()]
-
-    def _start_live(self) -> Any:
-        """A table redrawn in place on a terminal; log lines print above it while it runs."""
-        from rich.live import Live
-        from rich.logging import RichHandler
-
-        live = Live(self._progress_table(), auto_refresh=False, transient=False)
-        live.start()
-        handler = RichHandler(console=live.console, show_path=False, markup=False)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        self._saved_handlers = logging.getLogger().handlers[:]
-        logging.getLogger().handlers[:] = [handler]
-        return live
-
-    def _stop_live(self, live: Any) -> None:
-        live.update(self._progress_table(), refresh=True)
-        live.stop()
-        logging.getLogger().handlers[:] = self._saved_handlers
+        title = f"swarm of {len(self.nodes)} nodes, {time.time() - self.t0:.0f}s of {self.duration:.0f}s (Ctrl-C stops)"
+        return progress_table(progress_rows(self.nodes), title)
 
     def _stop_all(self) -> None:
         # in a pipeline, trainers stop first: their final evaluation needs the stage servers
@@ -298,7 +229,7 @@ class SwarmLauncher:
                 self._spawn(node, bootstrap[:1])
             end = self.t0 + self.duration
             next_line = 0.0
-            live = self._start_live() if sys.stdout.isatty() else None
+            live = LiveProgress(self._progress_table()) if sys.stdout.isatty() else None
             try:
                 while time.time() < end:
                     if all(n.process is not None and n.process.poll() is not None for n in self.nodes) and not self.restarts:
@@ -307,15 +238,15 @@ class SwarmLauncher:
                     self._inject_faults(bootstrap[:1])
                     if time.time() >= next_line:
                         if live is not None:
-                            live.update(self._progress_table(), refresh=True)
+                            live.update(self._progress_table())
                             next_line = time.time() + 2
                         else:
-                            print("\n".join(self._progress_lines()), flush=True)
+                            print("\n".join(progress_lines(progress_rows(self.nodes), time.time() - self.t0)), flush=True)
                             next_line = time.time() + 10
                     time.sleep(0.5)
             finally:
                 if live is not None:
-                    self._stop_live(live)
+                    live.stop(self._progress_table())
         except KeyboardInterrupt:
             interrupted = True
             self.event("interrupted", signal=signal.Signals(self._stop_signal).name if self._stop_signal else "SIGINT")

@@ -48,6 +48,7 @@ from node.trainer import pick_device
 from protocol.records import PeerRecord
 from swarm.claims import claim_stage
 from swarm.model import preset
+from swarm.stage_map import choose_role
 from swarm.rebalance import plan_move
 from swarm.service import StageService
 from swarm.stages import Stage, model_seed
@@ -59,20 +60,6 @@ logger = logging.getLogger("locomesh.pipeline")
 def stage_run(run_id: str, stage: int) -> str:
     """The sub-run in which the replicas of one stage average and share state."""
     return f"{run_id}.s{stage}"
-
-
-def choose_role(records: list[PeerRecord], stages: int) -> int | None:
-    """``--role auto``: the stage to serve, or None to be a trainer (see the module docstring)."""
-    servers = [r for r in records if r.role == "stage" and 0 <= r.stage < stages]
-    per_stage = [[r for r in servers if r.stage == s] for s in range(stages)]
-    empty = [s for s in range(stages) if not per_stage[s]]
-    if empty:
-        return empty[0]
-    trainers = sum(1 for r in records if r.role == "trainer")
-    if trainers < min(len(p) for p in per_stage):
-        return None
-    totals = [sum(max(r.tokens_per_s, 1e-3) for r in p) for p in per_stage]
-    return min(range(stages), key=lambda s: (totals[s], s))
 
 
 class PipelineNode(NodeBase):

@@ -1,6 +1,6 @@
-"""The stage map of a pipeline run, read from its DHT records: who serves each stage, and which role
-a pipeline short of nodes is missing (so ``node status`` and the log can say what the next joiner
-should be)."""
+"""The stage map of a pipeline run, read from its DHT records: who serves each stage, which role a
+pipeline short of nodes is missing (so ``node status`` and the log can say what the next joiner
+should be), and which role a joiner with ``--role auto`` takes."""
 
 from __future__ import annotations
 
@@ -29,3 +29,18 @@ def missing_roles(records: dict[str, PeerRecord] | list[PeerRecord], stages: int
     if not any(r.role == "trainer" for r in values):
         missing.append("a trainer")
     return missing
+
+
+def choose_role(records: list[PeerRecord], stages: int) -> int | None:
+    """``--role auto``: the stage to serve, or None to be a trainer: a stage nobody serves, else a
+    trainer when trainers are fewer than the thinnest stage's replicas, else the stage with the least
+    total throughput."""
+    per_stage = servers_per_stage(records, stages)
+    empty = [s for s in range(stages) if not per_stage[s]]
+    if empty:
+        return empty[0]
+    trainers = sum(1 for r in records if r.role == "trainer")
+    if trainers < min(len(p) for p in per_stage):
+        return None
+    totals = [sum(max(r.tokens_per_s, 1e-3) for r in p) for p in per_stage]
+    return min(range(stages), key=lambda s: (totals[s], s))

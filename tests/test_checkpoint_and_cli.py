@@ -155,3 +155,22 @@ def test_join_hint_leads_with_addresses_others_can_dial():
     assert dialable_addresses([loopback, lan, public]) == [public, lan]
     assert dialable_addresses([loopback, lan, relay]) == [relay, lan]
     assert dialable_addresses([loopback]) == [loopback], "loopback only when it is all there is"
+
+
+def test_swarm_progress_is_a_table_of_one_row_per_node(tmp_path):
+    from rich.console import Console
+
+    from node.launcher import NodeProcess
+    from node.progress import progress_lines, progress_rows, progress_table
+
+    nodes = [NodeProcess(i, tmp_path / f"node{i}", 1) for i in range(3)]  # port 1: nothing answers yet
+    (tmp_path / "node1").mkdir()
+    (tmp_path / "node1" / "info.json").write_text('{"role": "stage", "stage": 2}')
+    rows = progress_rows(nodes)
+    assert [r["step"] for r in rows] == ["starting"] * 3 and rows[1]["role"] == "stage 2"
+    console = Console(width=80, record=True, file=open(tmp_path / "screen.txt", "w"))
+    console.print(progress_table(rows, "swarm of 3 nodes"))
+    screen = console.export_text()
+    assert all(len(line) <= 80 for line in screen.splitlines())
+    assert sum(1 for line in screen.splitlines() if "starting" in line) == 3
+    assert all(len(line) <= 120 for line in progress_lines(rows, 12.0))

@@ -10,7 +10,7 @@ import torch
 
 from node.launcher import pipeline_role
 from swarm.model import GPT, preset
-from node.pipeline import choose_role
+from swarm.stage_map import choose_role
 from protocol.errors import SchemaError
 from protocol.frames import decode_message, read_frame
 from protocol.records import PeerRecord
