@@ -52,6 +52,8 @@ def check_port_free(flag: str, port: int) -> None:
     if not port:
         return
     with socket.socket() as s:
+        # as the metrics server binds: a port left in TIME_WAIT by a previous run is free to reuse
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("0.0.0.0", port))
         except OSError as e:

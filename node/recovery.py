@@ -99,7 +99,8 @@ class StageRecoverer:
             return False
         order = self.candidates(me, my_role, my_stage, lost)
         if me not in order:
-            self._report_short(lost)
+            if not order:  # nobody at all can take it over
+                self._report_short(lost)
             return False
         plan = recoverable(lost, self.stages, self.plus)
         stage = min(lost, key=lambda s: (plan[s] == "unrecoverable", s))
