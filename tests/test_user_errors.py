@@ -173,3 +173,19 @@ def test_swarm_seed_gives_each_node_its_own_data_order_and_one_initialisation(tm
     assert [flag(a, "--seed") for a in spawned] == [["7"], ["8"], ["100"]]  # node i: S + i; an explicit one wins
     assert [flag(a, "--init-seed") for a in spawned[:2]] == [["7"], ["7"]]
     assert NodeConfig(seed=8, init_seed=7).model_seed == 7 and NodeConfig(seed=8).model_seed == 8
+
+
+def test_a_port_left_in_time_wait_by_a_killed_node_is_free_for_its_restart():
+    from node.preflight import check_port_free
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("0.0.0.0", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server side closes first: its end of the connection waits in TIME_WAIT
+    server.close()
+    client.close()
+    check_port_free("--metrics-port", port)  # a scrape's TIME_WAIT must not block the restarted node
