@@ -168,24 +168,15 @@ class FramedStream:
             pass
 
     async def refuse(self, error: ProtocolError | str, message: str = "") -> None:
-        """Send the error frame, close our writing side, then read and drop whatever the peer still
-        sends until it closes its side (bounded by :meth:`wait_peer_closed`).
+        """Send the error frame, then read and drop whatever the peer still sends until it has read the
+        error and closed its side (bounded by :meth:`wait_peer_closed`); the caller closes after that.
 
-        Closing a socket that holds unread bytes makes p2pd see a connection reset and reset the
-        libp2p stream, and a reset makes the peer's muxer drop data it has not read yet: the error
-        frame would be lost and the peer would see only "stream closed". Draining first avoids it."""
+        Closing, or even half-closing, while the peer's request may still be arriving makes p2pd reset
+        the libp2p stream (a socket closed with unread bytes reads as a connection reset; a closed read
+        side answers later data with a reset), and a reset makes the peer's side drop data it has not
+        read yet: the error frame would be lost and the peer would see only a broken stream."""
         await self.send_error(error, message)
-        self.close_write()
         await self.wait_peer_closed()
-
-    def close_write(self) -> None:
-        """Half-close: the peer reads EOF after what we sent; we can still read. Never raises."""
-        can_write_eof = getattr(self.writer, "can_write_eof", None)  # the light client's writer has none: it never serves
-        try:
-            if can_write_eof is not None and can_write_eof():
-                self.writer.write_eof()
-        except (ConnectionError, OSError, RuntimeError):
-            pass
 
     async def recv(self, expect: str | Iterable[str] | None = None) -> Message:
         """Receive one envelope; an error envelope raises :class:`RemoteError`, an unexpected kind

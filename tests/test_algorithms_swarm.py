@@ -89,7 +89,8 @@ def test_sparseloco_streaming_overlap_and_eager_updates_train(tmp_path, nodes):
         elif name == "stream":
             fragments = {r["fragment"] for r in _rounds(infos[0])}
             assert fragments == {0, 1}, "both fragments take turns"
-            assert all(r["steps"] == 10 for r in _rounds(infos[0])[1:]), "a round every H/P = 10 steps"
+            rounds = [(r["round"], r["steps"], r["contributors"], r["in_sync"]) for r in _rounds(infos[0])]
+            assert all(steps == 10 for _, steps, _, _ in rounds[1:]), f"a round every H/P = 10 steps: {rounds} {infos[0]['events'][-8:]}"
         else:
             per_round = infos[0]["bytes_sent_by_kind"]["average"] / max(1, infos[0]["outer_rounds"])
             assert per_round < 20_000, f"top-k + 2-bit payloads of the nano model are a few kB, got {per_round:.0f} B"

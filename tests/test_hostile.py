@@ -33,11 +33,12 @@ async def _client(boot: str, swarm_key: bytes | None = None) -> tuple[P2P, Trans
 
 
 async def _raw_exchange(transport: Transport, peer: str, protocol: str, raw: bytes) -> bytes:
-    """Send raw bytes on a fresh stream and return everything the node answers before closing."""
+    """Send raw bytes on a fresh stream and return the node's first answer frame (it waits for us to close)."""
     _, reader, writer = await transport.p2p.call_binary_stream_handler(__import__("hivemind").p2p.PeerID.from_base58(peer), protocol)
     writer.write(raw)
     await writer.drain()
-    data = await asyncio.wait_for(reader.read(), timeout=30)
+    header = await asyncio.wait_for(reader.readexactly(4), timeout=30)
+    data = header + await asyncio.wait_for(reader.readexactly(struct.unpack(">I", header)[0]), timeout=30)
     writer.close()
     return data
 
