@@ -89,8 +89,13 @@ def test_sparseloco_streaming_overlap_and_eager_updates_train(tmp_path, nodes):
         elif name == "stream":
             fragments = {r["fragment"] for r in _rounds(infos[0])}
             assert fragments == {0, 1}, "both fragments take turns"
-            rounds = [(r["round"], r["steps"], r["contributors"], r["in_sync"]) for r in _rounds(infos[0])]
-            assert all(steps == 10 for _, steps, _, _ in rounds[1:]), f"a round every H/P = 10 steps: {rounds} {infos[0]['events'][-8:]}"
+            # a node that caught up with its peer (or resynced) takes over the peer's progress into the
+            # round, so the round after that is legitimately shorter; every other round takes H/P steps
+            jumps = [e["t"] for e in infos[0]["events"] if e["event"] in ("caught_up", "resynced", "out_of_sync")]
+            rounds = _rounds(infos[0])
+            regular = [r for prev, r in zip(rounds, rounds[1:]) if not any(prev["t"] <= t <= r["t"] for t in jumps)]
+            assert len(regular) >= 2 and all(r["steps"] == 10 for r in regular), \
+                f"a round every H/P = 10 steps: {[(r['round'], r['steps']) for r in rounds]}, jumps at {jumps}"
         else:
             per_round = infos[0]["bytes_sent_by_kind"]["average"] / max(1, infos[0]["outer_rounds"])
             assert per_round < 20_000, f"top-k + 2-bit payloads of the nano model are a few kB, got {per_round:.0f} B"
