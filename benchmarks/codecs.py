@@ -2,16 +2,24 @@
 
     python -m benchmarks.codecs --numel 25000000 --out runs/codecs.json
     python -m benchmarks.codecs --quick            # 1M values, a few seconds per codec
+    python -m benchmarks.codecs --codecs "rot2;topk:64/4096+q2" --no-hivemind   # only some codecs
 
 For every codec: encode and decode speed in GB/s of float32 input (numel·4 bytes / median seconds of
 ``--runs`` timed runs after one warm-up), once with ``torch.set_num_threads(1)`` and once with all
 threads; bits per parameter (8·wire bytes / numel, headers included) and the relative L2 error
 ‖x̂ − x‖ / ‖x‖. Encode is ``codec.encode(x).to_bytes()``, decode is ``codec.decode(Payload.from_bytes(b))``:
 bytes to bytes, as on the wire. hivemind's Float16Compression and Uniform8BitQuantization are timed
-the same way (``compress(...).SerializeToString()`` / ``ParseFromString`` + ``extract``).
+the same way (``compress(...).SerializeToString()`` / ``ParseFromString`` + ``extract``). The bare
+``torch.topk(k=64)`` over rows of 4096 values is timed as a yardstick (``baselines``): a codec whose
+encode and decode both beat it costs less than the selection step of top-k alone. Each codec is also
+raced against it on one thread in alternating rounds (``encode_vs_topk_1t``, ``decode_vs_topk_1t``: the
+median over rounds of topk seconds / codec seconds per value, > 1 when the codec is faster), which
+stays meaningful when other work on the machine slows some minutes more than others.
 
-The input is a standard-normal float32 matrix as close to square as the element count allows, so the
-chunked codecs use their 2-D tiling.
+The timed input is a standard-normal float32 matrix as close to square as the element count allows,
+so the chunked codecs use their 2-D tiling. Errors (normalised squared error ‖x̂ − x‖²/‖x‖² and
+relative L2 error) are also measured on a Student-t(2) matrix (heavy tails) and a rank-4 matrix of
+the same shape (``errors``).
 """
 
 from __future__ import annotations
@@ -43,8 +51,14 @@ DEFAULT_SPECS = [
     "int8-block",
     "topk:64/4096",
     "topk:64/4096+q2",
+    "topk:64/4096+rot2",
+    "rot1",
+    "rot2",
+    "rot4",
+    "rot8",
     "dct:32/4096+q2",
     "seed:r=8",
+    "seed:r=64",
     "subspace:k=64,d={cols}",
 ]
 
@@ -87,25 +101,94 @@ def measure(encode: Callable[[], bytes], decode: Callable[[bytes], torch.Tensor]
     return result
 
 
-def bench_codec(spec: str, x: torch.Tensor, runs: int, threads: int) -> dict[str, float]:
+def error_inputs(rows: int, cols: int) -> dict[str, torch.Tensor]:
+    """Student-t(2) (Z/√(χ²₂/2), with χ²₂/2 = −ln U) and rank-4 matrices of shape (rows, cols)."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(rows, cols, generator=g)
+    u = torch.rand(rows, cols, generator=g).clamp_min_(1e-30)
+    return {
+        "student_t2": z.div_(u.log_().neg_().sqrt_()),
+        "low_rank": torch.randn(rows, 4, generator=g) @ torch.randn(4, cols, generator=g),
+    }
+
+
+def errors(roundtrip: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, others: dict[str, torch.Tensor]
+           ) -> dict[str, dict[str, float]]:
+    """Normalised squared error and relative L2 error of one round trip per input."""
+    out: dict[str, dict[str, float]] = {}
+    for name, t in {"gaussian": x, **others}.items():
+        ref = t.double()
+        nse = float((roundtrip(t).double() - ref).square().sum() / ref.square().sum())
+        out[name] = {"nse": nse, "rel_l2": math.sqrt(nse)}
+    return out
+
+
+def bench_codec(spec: str, x: torch.Tensor, runs: int, threads: int, others: dict[str, torch.Tensor]
+                ) -> dict[str, Any]:
     codec = get_codec(spec)
-    return measure(
+
+    def roundtrip(t: torch.Tensor) -> torch.Tensor:
+        return codec.decode(Payload.from_bytes(codec.encode(t).to_bytes(), max_bytes=1 << 31))
+
+    result: dict[str, Any] = measure(
         lambda: codec.encode(x).to_bytes(),
         lambda data: codec.decode(Payload.from_bytes(data, max_bytes=1 << 31)),
         x,
         runs,
         threads,
     )
+    result["errors"] = errors(roundtrip, x, others)
+    result.update(race_topk(lambda: codec.encode(x).to_bytes(),
+                            lambda data: codec.decode(Payload.from_bytes(data, max_bytes=1 << 31)), x, runs))
+    return result
 
 
-def bench_hivemind(x: torch.Tensor, runs: int, threads: int) -> dict[str, dict[str, float]]:
+def race_topk(encode: Callable[[], bytes], decode: Callable[[bytes], torch.Tensor], x: torch.Tensor, runs: int
+              ) -> dict[str, float]:
+    """On one thread, alternate torch.topk(rows of 4096, 64), encode and decode for ``runs`` rounds (after
+    a warm-up); per round the speed ratio topk time / codec time per value; the medians of those."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = x.reshape(-1)[: x.numel() // 4096 * 4096].view(-1, 4096)
+    data = encode()
+    ratios: dict[str, list[float]] = {"encode_vs_topk_1t": [], "decode_vs_topk_1t": []}
+    for round_ in range(runs + 1):
+        start = time.perf_counter()
+        torch.topk(rows, 64, dim=1)
+        topk = (time.perf_counter() - start) / rows.numel()
+        start = time.perf_counter()
+        data = encode()
+        middle = time.perf_counter()
+        decode(data)
+        end = time.perf_counter()
+        if round_:
+            ratios["encode_vs_topk_1t"].append(topk * x.numel() / (middle - start))
+            ratios["decode_vs_topk_1t"].append(topk * x.numel() / (end - middle))
+    torch.set_num_threads(threads)
+    return {key: statistics.median(values) for key, values in ratios.items()}
+
+
+def bench_topk(x: torch.Tensor, runs: int, threads: int) -> dict[str, float]:
+    """GB/s of the bare ``torch.topk(rows, 64)`` over rows of 4096 values (the whole rows of ``x``)."""
+    rows = x.reshape(-1)[: x.numel() // 4096 * 4096].view(-1, 4096)
+    gigabytes = rows.numel() * 4 / 1e9
+    result = {}
+    for suffix, n_threads in (("", threads), ("_1t", 1)):
+        torch.set_num_threads(n_threads)
+        result[f"gbps{suffix}"] = gigabytes / median_seconds(lambda: torch.topk(rows, 64, dim=1), runs)
+    torch.set_num_threads(threads)
+    return result
+
+
+def bench_hivemind(x: torch.Tensor, runs: int, threads: int, others: dict[str, torch.Tensor]
+                   ) -> dict[str, dict[str, Any]]:
     """hivemind's float16 and uniform 8-bit codecs, serialised to bytes and parsed back."""
     warnings.filterwarnings("ignore", category=UserWarning)
     from hivemind.compression import CompressionInfo, Float16Compression, Uniform8BitQuantization
     from hivemind.proto import runtime_pb2
 
     info = CompressionInfo.from_tensor(x)
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}
     theirs = {"Float16Compression": Float16Compression(), "Uniform8BitQuantization": Uniform8BitQuantization()}
     for name, codec in theirs.items():
 
@@ -115,6 +198,11 @@ def bench_hivemind(x: torch.Tensor, runs: int, threads: int) -> dict[str, dict[s
             return codec.extract(message)
 
         out[name] = measure(lambda codec=codec: codec.compress(x, info).SerializeToString(), decode, x, runs, threads)
+
+        def roundtrip(t: torch.Tensor, codec: Any = codec, decode: Any = decode) -> torch.Tensor:
+            return decode(codec.compress(t, CompressionInfo.from_tensor(t)).SerializeToString())
+
+        out[name]["errors"] = errors(roundtrip, x, others)
     return out
 
 
@@ -139,16 +227,24 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 
 def print_table(results: dict[str, Any]) -> None:
-    columns = ("enc GB/s", "dec GB/s", "enc 1t", "dec 1t", "bits/p", "rel err")
+    columns = ("enc GB/s", "dec GB/s", "enc 1t", "dec 1t", "bits/p", "rel err", "nse", "nse t2", "nse lowr")
     header = f"{'codec':34s} " + " ".join(f"{c:>9s}" for c in columns)
     print(header)
     print("-" * len(header))
     rows = list(results["codecs"].items()) + [(f"hivemind {k}", v) for k, v in results["hivemind"].items()]
     for name, r in rows:
+        nse = [r.get("errors", {}).get(k, {}).get("nse", float("nan")) for k in ("gaussian", "student_t2", "low_rank")]
         print(
             f"{name:34s} {r['encode_gbps']:9.2f} {r['decode_gbps']:9.2f} {r['encode_gbps_1t']:9.2f} "
-            f"{r['decode_gbps_1t']:9.2f} {r['bits_per_param']:9.4f} {r['rel_error']:9.2e}"
+            f"{r['decode_gbps_1t']:9.2f} {r['bits_per_param']:9.4f} {r['rel_error']:9.2e} "
+            + " ".join(f"{v:9.2e}" for v in nse)
         )
+    topk = results["baselines"].get("torch.topk")
+    if topk:
+        print(f"{'torch.topk k=64, rows of 4096':34s} {topk['gbps']:9.2f} {'':9s} {topk['gbps_1t']:9.2f}")
+        for name, r in results["codecs"].items():
+            print(f"{name} vs torch.topk (1 thread, raced round by round): encode ×{r['encode_vs_topk_1t']:.2f}, "
+                  f"decode ×{r['decode_vs_topk_1t']:.2f}")
     for ours, theirs in (("fp16", "Float16Compression"), ("q8", "Uniform8BitQuantization")):
         if ours in results["codecs"] and theirs in results["hivemind"]:
             print(f"{ours} vs hivemind {theirs}: " + ", ".join(
@@ -180,15 +276,19 @@ def main(argv: list[str] | None = None) -> int:
         "runs": args.runs,
         "codecs": {},
         "hivemind": {},
+        "baselines": {},
         "machine": machine_info(threads),
     }
+    others = error_inputs(rows, cols)
+    print("… torch.topk", file=sys.stderr, flush=True)
+    results["baselines"]["torch.topk"] = bench_topk(x, args.runs, threads)
     for spec in args.codecs.split(";"):
         spec = spec.strip().format(cols=cols)
         print(f"… {spec}", file=sys.stderr, flush=True)
-        results["codecs"][spec] = bench_codec(spec, x, args.runs, threads)
+        results["codecs"][spec] = bench_codec(spec, x, args.runs, threads, others)
     if not args.no_hivemind:
         print("… hivemind", file=sys.stderr, flush=True)
-        results["hivemind"] = bench_hivemind(x, args.runs, threads)
+        results["hivemind"] = bench_hivemind(x, args.runs, threads, others)
     print_table(results)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,10 +7,11 @@ forms); ``codec.encode(tensor, state=None)`` returns a :class:`Payload` whose ``
 Depends on torch, numpy, msgpack and :mod:`protocol` only.
 
 Modules: ``base`` (Codec interface), ``payload`` (wire form), ``registry`` (specs), ``feedback``
-(error feedback); codecs ``dense`` (none/fp16/bf16), ``quantize`` (q8/q4/q2), ``blockwise``
-(int8-block), ``topk``, ``dct``, ``seeded`` (seed projection), ``activations`` (subspace); helpers
-``bitpack``, ``chunking``, ``wire`` (tensor fields), ``msgpack_view`` (zero-copy msgpack),
-``memory`` (huge-page friendly buffers), ``flat``, ``errors``.
+(error feedback); codecs ``dense`` (none/fp16/bf16), ``quantize`` (q8/q4/q2), ``rotation``
+(rot1/2/4/8), ``blockwise`` (int8-block), ``topk``, ``dct``, ``seeded`` (seed projection),
+``activations`` (subspace); helpers ``bitpack``, ``chunking``, ``hadamard`` (randomized Hadamard
+transform, seeded signs), ``wire`` (tensor fields), ``msgpack_view`` (zero-copy msgpack), ``memory``
+(huge-page friendly buffers), ``flat``, ``errors``.
 """
 
 from compression.base import Codec

@@ -4,10 +4,16 @@ Valid forms (K, C, R, k, d, B, S are positive integers):
 
   none | fp16 | bf16                 dense float32 / 16-bit casts
   q8 | q4 | q2                       statistical quantizer, 256 / 16 / 4 bins
+  rot1 | rot2 | rot4 | rot8          randomized Hadamard rotation + Gaussian Lloyd–Max levels (DRIVE/EDEN)
   int8-block[:B]                     blockwise absmax int8, blocks of B (default 4096)
-  topk:K/C[+q8|+q4|+q2]              chunked top-k, K kept per chunk of C (2-D: √C×√C tiles)
+  topk:K/C[+qB|+rotB]                chunked top-k, K kept per chunk of C (2-D: √C×√C tiles);
+                                     values as float32, statistically quantized (B = 8, 4, 2) or
+                                     rotated and quantized (B = 1, 2, 4, 8)
   dct:K/C[+q8|+q4|+q2]               chunked DCT-II, top-K coefficients per chunk (DeMo)
-  seed:r=R[,dist=rademacher|gaussian]   shared-seed random projection onto R directions
+  seed:r=R[,dist=rademacher|gaussian]   shared-seed projection, block by block: R directions per block
+                                     of 4096 values on average (the tensor's budget of R·⌈numel/4096⌉
+                                     directions is shared out by block norm); 1 ≤ R ≤ 64 (16 for
+                                     gaussian), because encoding costs numel·R random numbers
   subspace:k=K,d=D[,seed=S][,dtype=bf16|fp16]   fixed orthonormal projection of the last dim
 """
 
@@ -24,6 +30,7 @@ from compression.blockwise import BlockwiseInt8
 from compression.dct import DCTCompression
 from compression.dense import CastCompression, NoCompression
 from compression.quantize import StatisticalQuantization
+from compression.rotation import RotationQuantization
 from compression.seeded import SeedProjection
 from compression.topk import TopKCompression
 
@@ -34,8 +41,12 @@ SPEC_FORMS = (
     "q8",
     "q4",
     "q2",
+    "rot1",
+    "rot2",
+    "rot4",
+    "rot8",
     "int8-block[:B]",
-    "topk:K/C[+q8|+q4|+q2]",
+    "topk:K/C[+q8|+q4|+q2|+rot1|+rot2|+rot4|+rot8]",
     "dct:K/C[+q8|+q4|+q2]",
     "seed:r=R[,dist=rademacher|gaussian]",
     "subspace:k=K,d=D[,seed=S][,dtype=bf16|fp16]",
@@ -63,6 +74,15 @@ def _quantized(spec: str) -> Codec | None:
     return StatisticalQuantization(int(match.group(1))) if match else None
 
 
+def _rotation(spec: str) -> Codec | None:
+    if not spec.startswith("rot"):
+        return None
+    match = re.fullmatch(r"rot([1248])", spec)
+    if not match:
+        raise _invalid(spec, "rotation quantization takes 1, 2, 4 or 8 bits, as in rot2")
+    return RotationQuantization(int(match.group(1)))
+
+
 def _blockwise(spec: str) -> Codec | None:
     if not spec.startswith("int8-block"):
         return None
@@ -86,13 +106,16 @@ def _chunked(spec: str) -> Codec | None:
     family = spec.split(":", 1)[0]
     if family not in ("topk", "dct"):
         return None
-    match = re.fullmatch(rf"(topk|dct):({_INT})/({_INT})(?:\+q([248]))?", spec)
+    quantizers = "q[248]|rot[1248]" if family == "topk" else "q[248]"  # DCT coefficients: +qB only
+    match = re.fullmatch(rf"(topk|dct):({_INT})/({_INT})(?:\+({quantizers}))?", spec)
     if not match:
-        raise _invalid(spec, f"{family} needs K/C and an optional +q8/+q4/+q2, as in {family}:64/4096+q2")
-    k, chunk = int(match.group(2)), int(match.group(3))
-    bits = int(match.group(4)) if match.group(4) else None
-    cls = TopKCompression if family == "topk" else DCTCompression
-    return _build(spec, lambda: cls(k, chunk, bits))
+        options = "+q8/+q4/+q2 or +rot1/+rot2/+rot4/+rot8" if family == "topk" else "+q8/+q4/+q2"
+        raise _invalid(spec, f"{family} needs K/C and an optional {options}, as in {family}:64/4096+q2")
+    k, chunk, values = int(match.group(2)), int(match.group(3)), match.group(4) or ""
+    bits = int(values[-1]) if values else None
+    if family == "dct":
+        return _build(spec, lambda: DCTCompression(k, chunk, bits))
+    return _build(spec, lambda: TopKCompression(k, chunk, bits, rotated=values.startswith("rot")))
 
 
 def _options(spec: str, body: str, allowed: dict[str, str]) -> dict[str, str]:
@@ -129,7 +152,9 @@ def _subspace(spec: str) -> Codec | None:
     return _build(spec, lambda: SubspaceProjection(k, d, seed, opts.get("dtype", "bf16")))
 
 
-_PARSERS: tuple[Callable[[str], Codec | None], ...] = (_dense, _quantized, _blockwise, _chunked, _seeded, _subspace)
+_PARSERS: tuple[Callable[[str], Codec | None], ...] = (
+    _dense, _quantized, _rotation, _blockwise, _chunked, _seeded, _subspace
+)
 
 
 def get_codec(spec: str) -> Codec:

@@ -3,8 +3,11 @@
 Chunks follow :mod:`compression.chunking` (64×64 tiles for 2-D tensors at C = 4096, flat runs of C
 otherwise). Per chunk the K positions are sent as indices packed to ⌈log₂ C⌉ bits (12 for 4096) and
 the values either as float32 or, composed as ``topk:K/C+q2``, through the statistical quantizer
-(one shift/table for the whole tensor). Wire cost per value: (index bits + value bits)·K/C bits, e.g.
-(12 + 2)·64/4096 = 0.219 bits/param for ``topk:64/4096+q2``, plus a fixed ~100-byte header.
+(one shift/table for the whole tensor), or, composed as ``topk:K/C+rot2``, through the rotation
+quantizer (:mod:`compression.rotation`: the kept values, rotated in blocks of 1024, 2 bits each plus
+one float32 scale per block). Wire cost per value: (index bits + value bits)·K/C bits, e.g.
+(12 + 2)·64/4096 = 0.219 bits/param for ``topk:64/4096+q2`` ((12 + 2.03)·64/4096 for ``+rot2``),
+plus a fixed ~100-byte header.
 
 A tensor with fewer than K elements keeps all of them (its single chunk is mostly padding).
 Pair it with :class:`compression.ErrorFeedback` so dropped mass is sent in later rounds. With K = C
@@ -24,6 +27,7 @@ from compression.chunking import BAND, ChunkLayout
 from compression.errors import CodecError
 from compression.payload import Payload
 from compression.quantize import Quantized, dequantize, quantize, read_quantized
+from compression.rotation import dequantize_rotated, read_rotated, rotate_quantize
 from compression.wire import owned_tensor_map, read_tensor
 
 
@@ -33,30 +37,35 @@ def index_bits(chunk: int) -> int:
 
 
 class TopKCompression(Codec):
-    """``topk:K/C[+qB]``: per chunk of C values keep the K of largest magnitude.
+    """``topk:K/C[+qB|+rotB]``: per chunk of C values keep the K of largest magnitude.
 
-    Fields: ``idx`` (packed uint8 indices, chunk by chunk), then ``values`` (float32, n_chunks·K) or
-    the quantizer's ``shift``/``lut``/``codes`` when ``value_bits`` is set.
+    Fields: ``idx`` (packed uint8 indices, chunk by chunk), then ``values`` (float32, n_chunks·K),
+    the statistical quantizer's ``shift``/``lut``/``codes`` when ``value_bits`` is set, or the rotation
+    quantizer's ``seed``/``scales``/``codes`` when ``rotated`` is also set.
 
     :param k: values kept per chunk (K), 1 ≤ K ≤ C
     :param chunk: values per chunk (C); a perfect square tiles 2-D tensors as √C×√C
     :param value_bits: None for float32 values, or 8/4/2 to quantize them statistically
+        (8/4/2/1 with ``rotated``)
+    :param rotated: quantize the values with the rotation codec (``+rotB``) instead of ``+qB``
     """
 
     family = "topk"
 
-    def __init__(self, k: int, chunk: int, value_bits: int | None = None) -> None:
+    def __init__(self, k: int, chunk: int, value_bits: int | None = None, rotated: bool = False) -> None:
         if not 1 <= chunk <= 1 << 24:
             raise ValueError(f"{self.family} chunk size must be in 1..2**24, got {chunk}")
         if not 1 <= k <= chunk:
             raise ValueError(f"{self.family} must keep between 1 and C={chunk} values per chunk, got K={k}")
-        if value_bits not in (None, 2, 4, 8):
+        if rotated and value_bits not in (1, 2, 4, 8):
+            raise ValueError(f"{self.family} rotated values take 8, 4, 2 or 1 bits, got {value_bits}")
+        if not rotated and value_bits not in (None, 2, 4, 8):
             raise ValueError(f"{self.family} values can be quantized to 8, 4 or 2 bits, got {value_bits}")
-        self.k, self.chunk, self.value_bits = k, chunk, value_bits
+        self.k, self.chunk, self.value_bits, self.rotated = k, chunk, value_bits, rotated
 
     @property
     def spec(self) -> str:
-        suffix = f"+q{self.value_bits}" if self.value_bits else ""
+        suffix = f"+{'rot' if self.rotated else 'q'}{self.value_bits}" if self.value_bits else ""
         return f"{self.family}:{self.k}/{self.chunk}{suffix}"
 
     # chunk transforms: identity here, the DCT in compression.dct
@@ -89,6 +98,8 @@ class TopKCompression(Codec):
         fields: dict[str, Any] = {"idx": owned_tensor_map(pack_bits(indices.reshape(-1), index_bits(self.chunk)))}
         if self.value_bits is None:
             fields["values"] = owned_tensor_map(values.reshape(-1))
+        elif self.rotated:
+            fields.update(rotate_quantize(values.reshape(-1), self.value_bits).fields())
         else:
             fields.update(quantize(values.reshape(-1), self.value_bits).fields())
         return Payload(self.spec, self.version, tuple(x.shape), fields)
@@ -110,6 +121,8 @@ class TopKCompression(Codec):
             values = read_tensor(payload.fields, "values", [total], torch.float32, self.spec)
             if total and not bool(torch.isfinite(values).all()):
                 raise CodecError(f"{self.spec}: values hold NaN or Inf")
+        elif self.rotated:
+            values = dequantize_rotated(read_rotated(payload.fields, self.value_bits, total, self.spec), total)
         else:
             q: Quantized = read_quantized(payload.fields, self.value_bits, total, self.spec)
             values = dequantize(q, total)

@@ -57,7 +57,7 @@ def join_flags(
     seed: Annotated[Optional[int], opt("Seed of this node's data order, and of the model's initialisation unless --init-seed; node swarm gives node i the seed S + i (default: 0)", TRAIN, "seed")] = None,
     init_seed: Annotated[Optional[int], opt("Seed of the model's initialisation (default: --seed)", TRAIN, "init_seed")] = None,
     algorithm: Annotated[Optional[str], opt("diloco (whole-group rounds, Nesterov outer step) | noloco (random groups of --group-size, no global barrier) | sparseloco (top-k + 2-bit pseudo-gradients, error feedback, SGD outer step) (default: diloco)", AVG, "algorithm")] = None,
-    compression: Annotated[Optional[str], opt("Codec for pseudo-gradients: none, fp16, bf16, q8, q4, q2, int8-block, topk:64/4096+q2, dct:32/4096, seed:r=1024 (default: none; topk:64/4096+q2 for sparseloco)", AVG, "compression")] = None,
+    compression: Annotated[Optional[str], opt("Codec for pseudo-gradients: none, fp16, bf16, q8, q4, q2, int8-block, topk:64/4096+q2, dct:32/4096, rot2, topk:64/4096+rot2, seed:r=16 (default: none; topk:64/4096+q2 for sparseloco)", AVG, "compression")] = None,
     group_size: Annotated[Optional[int], opt("noloco: members per averaging group (default: 2)", AVG, "group_size")] = None,
     noloco_pull: Annotated[Optional[float], opt("noloco: γ, pull toward the group's mean weights (default: the outer lr)", AVG, "noloco_pull")] = None,
     fragments: Annotated[Optional[int], opt("Streaming: split the model into P fragments synchronised in rotation, one every H/P steps (default: 1)", AVG, "fragments")] = None,
