@@ -56,7 +56,11 @@ def join_flags(
     slowdown: Annotated[Optional[float], opt("Experiments: make every inner step this many times slower, to emulate slower hardware (default: 1)", OPS, "slowdown")] = None,
     seed: Annotated[Optional[int], opt("Seed of this node's data order, and of the model's initialisation unless --init-seed; node swarm gives node i the seed S + i (default: 0)", TRAIN, "seed")] = None,
     init_seed: Annotated[Optional[int], opt("Seed of the model's initialisation (default: --seed)", TRAIN, "init_seed")] = None,
-    algorithm: Annotated[Optional[str], opt("diloco (whole-group rounds, Nesterov outer step) | noloco (random groups of --group-size, no global barrier) | sparseloco (top-k + 2-bit pseudo-gradients, error feedback, SGD outer step) (default: diloco)", AVG, "algorithm")] = None,
+    algorithm: Annotated[Optional[str], opt("diloco (whole-group rounds, Nesterov outer step) | noloco (random groups of --group-size, no global barrier) | sparseloco (top-k + 2-bit pseudo-gradients, error feedback, SGD outer step) | zo (zeroth-order fine-tuning: forward passes only, one byte per step on the wire) (default: diloco)", AVG, "algorithm")] = None,
+    zo_eps: Annotated[Optional[float], opt("zo: perturbation size ε of each step's two loss evaluations at θ ± εz (default: 1e-3)", AVG, "zo_eps")] = None,
+    zo_lr: Annotated[Optional[float], opt("zo: learning rate lr of every one-byte step (θ moves by −lr·g·z); each peer's steps are applied, so lower it for many peers (default: 1e-4)", AVG, "zo_lr")] = None,
+    min_peers: Annotated[Optional[int], opt("zo: wait until this many peers (this one included) are in the run before the first step, at most --join-timeout seconds (default: 1)", SWARM, "min_peers")] = None,
+    init_from: Annotated[Optional[Path], opt("Start a new run from the weights of a locomesh checkpoint (a checkpoint.pt a node wrote, or its --checkpoint-dir); used by --algorithm zo", TRAIN, "init_from")] = None,
     compression: Annotated[Optional[str], opt("Codec for pseudo-gradients: none, fp16, bf16, q8, q4, q2, int8-block, topk:64/4096+q2, dct:32/4096, rot2, topk:64/4096+rot2, seed:r=16 (default: none; topk:64/4096+q2 for sparseloco)", AVG, "compression")] = None,
     group_size: Annotated[Optional[int], opt("noloco: members per averaging group (default: 2)", AVG, "group_size")] = None,
     noloco_pull: Annotated[Optional[float], opt("noloco: γ, pull toward the group's mean weights (default: the outer lr)", AVG, "noloco_pull")] = None,
@@ -124,8 +128,10 @@ def join(
 
     setup_logging(cfg.log_level, log_format)
     lock = preflight(cfg)  # bad paths, ports and devices fail here, before anything starts
-    if cfg.stages > 1:  # the one place that picks the kind of node: neither kind imports the other
+    if cfg.stages > 1:  # the one place that picks the kind of node: no kind imports another
         from node.pipeline import PipelineNode as Node
+    elif cfg.algorithm == "zo":
+        from node.zo_node import ZONode as Node
     else:
         from node.daemon import Daemon as Node
     node = Node(cfg)

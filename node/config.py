@@ -38,7 +38,7 @@ class NodeConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     model: str = "tiny"
     data: Path | None = None
-    algorithm: Literal["diloco", "noloco", "sparseloco"] = "diloco"
+    algorithm: Literal["diloco", "noloco", "sparseloco", "zo"] = "diloco"
     compression: str | None = Field(None, description="pseudo-gradient codec; default none, topk:64/4096+q2 for sparseloco")
     error_feedback_decay: float | None = Field(None, ge=0, le=1, description="β of error feedback; default 0.95 for lossy codecs, 0 for none/fp16/bf16")
     inner_steps: int | Literal["auto"] = Field(50, description="local steps per round, or auto: sized from this peer's speed")
@@ -56,6 +56,10 @@ class NodeConfig(BaseModel):
     overlap_mode: Literal["asap", "delayed", "eager"] = Field("asap", description="apply a round's result as soon as it arrives, at the next round (one-step delay), or eagerly estimate it from the previous round")
     fragment_alpha: float = Field(0.0, ge=0, le=1, description="θ_f ← (1−α)·φ_f + α·θ_f when a round's result is applied")
     aggregate: Literal["mean", "median-clip", "trimmed-mean"] = "mean"
+    zo_eps: float = Field(1e-3, gt=0, le=1, description="zo: ε of the central difference (L(θ+εz) − L(θ−εz))/(2ε)")
+    zo_lr: float = Field(1e-4, gt=0, le=1, description="zo: learning rate of each one-byte step θ ← θ − lr·ĝ·z")
+    init_from: Path | None = Field(None, description="start a new run from the weights of a locomesh checkpoint (checkpoint.pt or its folder)")
+    min_peers: int = Field(1, ge=1, le=1024, description="zo: wait until this many peers (self included) are in the run before the first step, up to --join-timeout")
     join_timeout: float = Field(60.0, gt=0, description="how long a joiner keeps trying to download the swarm's state")
     stream_timeout: float = Field(30.0, gt=0, description="a peer that stalls mid-request this long is refused, seconds")
     averaging_timeout: float = Field(30.0, gt=0, description="longest wait for late peers at a round, seconds")
@@ -115,8 +119,24 @@ class NodeConfig(BaseModel):
             raise ValueError(f"must lie in [1, 1000000], got {steps}")
         return steps
 
+    @field_validator("init_from")
+    @classmethod
+    def _init_from(cls, value: Path | None) -> Path | None:
+        if value is not None and not Path(value).exists():
+            raise ValueError(f"{value} does not exist; give the checkpoint.pt a locomesh node wrote (or its --checkpoint-dir)")
+        return value
+
     @model_validator(mode="after")
     def _fits_together(self) -> "NodeConfig":
+        if self.algorithm == "zo":
+            for wrong, why in ((self.fragments > 1, "--fragments"), (self.overlap, "--overlap"),
+                               (self.compression not in (None, "none"), "--compression")):
+                if wrong:
+                    raise ValueError(f"{why} does not apply to --algorithm zo (it sends one byte per step and never a model)")
+        elif self.init_from is not None:
+            raise ValueError("--init-from starts --algorithm zo runs; other algorithms start from --init-seed or a checkpoint in --checkpoint-dir")
+        elif self.min_peers > 1:
+            raise ValueError("--min-peers is used by --algorithm zo; other algorithms start at once and let peers join")
         if self.overlap_mode == "eager" and self.algorithm == "noloco":
             raise ValueError("--overlap-mode eager estimates a group average: use it with diloco or sparseloco")
         if self.fragments > 1 and self.algorithm == "noloco":
@@ -147,7 +167,8 @@ class NodeConfig(BaseModel):
     @property
     def outer_hyper(self) -> tuple[float, float]:
         """(outer lr, outer momentum) in force for the algorithm."""
-        lr_default, momentum_default = {"diloco": (0.7, 0.9), "noloco": (0.7, 0.5), "sparseloco": (1.0, 0.0)}[self.algorithm]
+        lr_default, momentum_default = {"diloco": (0.7, 0.9), "noloco": (0.7, 0.5), "sparseloco": (1.0, 0.0),
+                                        "zo": (1.0, 0.0)}[self.algorithm]
         return (
             self.outer_lr if self.outer_lr is not None else lr_default,
             self.outer_momentum if self.outer_momentum is not None else momentum_default,

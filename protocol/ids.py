@@ -15,3 +15,4 @@ STATE = protocol_id("state")  # joiners download weights, outer-optimizer state 
 AVERAGE = protocol_id("average")  # members of an outer round fetch each other's pseudo-gradients
 STATUS = protocol_id("status")  # anyone may ask a node what it is doing
 STAGE = protocol_id("stage")  # pipeline trainers send activations through stage servers
+ZO = protocol_id("zo")  # zeroth-order replicas fetch each other's one-byte step codes and the log of applied rounds
