@@ -233,12 +233,16 @@ def test_subspace_is_exact_on_its_span() -> None:
     u = codec.basis
     assert u.shape == (128, 32)
     assert torch.allclose(u.T @ u, torch.eye(32), atol=1e-6)
-    coef = torch.randn(4, 10, 32).bfloat16().float()  # representable in the bf16 wire format
+    generator = torch.Generator().manual_seed(0)
+    coef = torch.randn(4, 10, 32, generator=generator).bfloat16().float()  # representable in the bf16 wire format
     x = coef @ u.T  # (batch, tokens, d) activations inside span(U)
     payload = codec.encode(x)
-    assert torch.equal(payload_coef(payload), coef)
+    # the float32 projection x·U is exact up to ~1e-6·‖x‖: a tiny coefficient may round to its bf16
+    # neighbour, never further (an unseeded draw made this test fail now and then)
+    ulp = coef.abs().clamp_min(1e-30) * 2.0 ** -7
+    assert bool(((payload_coef(payload) - coef).abs() <= torch.maximum(ulp, torch.full_like(ulp, 1e-5))).all())
     out = codec.decode(Payload.from_bytes(payload.to_bytes()))
-    assert torch.allclose(out, x, atol=1e-6, rtol=0)
+    assert torch.allclose(out, x, atol=1e-5, rtol=0)
     assert payload.fields["coef"]["shape"] == [4, 10, 32]
     assert payload.nbytes < 4 * 10 * 32 * 2 + 120  # 2k bytes per token plus the header
 
