@@ -160,6 +160,26 @@ class NodeBase:
             return True
         return cfg.duration is not None and time.monotonic() - self.started >= cfg.duration
 
+    def _prepare_local(self) -> tuple[Any, Any, Any]:
+        """What a whole-model node needs before networking: threads, seeds, device, model preset, corpus
+        and held-out batches (``self.val``); returns (device, model config, corpus)."""
+        import random
+
+        import torch
+
+        from node.data import load_corpus, validation_batches
+        from node.trainer import pick_device
+        from swarm.model import preset
+
+        cfg = self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        random.seed(cfg.seed)
+        device, model_cfg = pick_device(cfg.device), preset(cfg.model)
+        corpus = load_corpus(str(cfg.data) if cfg.data else None, context=model_cfg.context)
+        self.val = validation_batches(corpus.val, cfg.batch_size, model_cfg.context, max_batches=cfg.eval_batches)
+        return device, model_cfg, corpus
+
     def _start_network(self) -> bool:
         """Start p2pd and the DHT; False (after logging why) when it cannot."""
         cfg = self.cfg

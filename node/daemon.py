@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import statistics
 import time
 from pathlib import Path
@@ -43,16 +42,15 @@ from node import __version__
 from node.base import HEARTBEAT_S, RECORD_TTL_S, NodeBase
 from node.checkpoint import CHECKPOINT_NAME, save_atomic
 from node.config import NodeConfig
-from node.data import ByteBatches, load_corpus, validation_batches
+from node.data import ByteBatches
 from node.joiner import Joiner, JoinRefused
 from node.network import Interrupted
 from node.resume import ResumeRefused, check_resumable
 from node.rounds import PendingRound, RoundPlan, RoundRunner
 from node.settings import run_settings
 from node.status_service import StatusService
-from node.trainer import LocalTrainer, pick_device
+from node.trainer import LocalTrainer
 from protocol.records import PeerRecord
-from swarm.model import preset
 
 logger = logging.getLogger("locomesh.node")
 AUTO_STEPS_MAX_FACTOR = 20  # --inner-steps auto never goes past this × --round-steps
@@ -73,13 +71,7 @@ class Daemon(NodeBase):
 
     def run(self) -> int:
         cfg = self.cfg
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        random.seed(cfg.seed)
-        device = pick_device(cfg.device)
-        model_cfg = preset(cfg.model)
-        corpus = load_corpus(str(cfg.data) if cfg.data else None, context=model_cfg.context)
-        self.val = validation_batches(corpus.val, cfg.batch_size, model_cfg.context, max_batches=cfg.eval_batches)
+        device, model_cfg, corpus = self._prepare_local()
         self.trainer = LocalTrainer(model_cfg, device, cfg.lr, cfg.weight_decay, cfg.warmup_steps, seed=cfg.model_seed)
         self.phi = [p.detach().to("cpu", torch.float32).clone() for p in self.trainer.parameters()]
         outer_lr, outer_momentum = cfg.outer_hyper

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -44,17 +43,17 @@ from node import __version__
 from node.base import HEARTBEAT_S, RECORD_TTL_S, NodeBase
 from node.checkpoint import CHECKPOINT_NAME, load, save_atomic
 from node.config import NodeConfig
-from node.data import ByteBatches, load_corpus, validation_batches
+from node.data import ByteBatches
 from node.errors import UserError
 from node.joiner import JoinRefused
 from node.network import Interrupted
 from node.resume import ResumeRefused, check_resumable
 from node.settings import run_settings
 from node.status_service import StatusService
-from node.trainer import LocalTrainer, pick_device
+from node.trainer import LocalTrainer
 from node.zo_joiner import ZO_KEYS, Replica, ZOJoiner
 from protocol.records import PeerRecord, RoundEntry
-from swarm.model import PRESETS, GPTConfig, preset
+from swarm.model import PRESETS, GPTConfig
 
 logger = logging.getLogger("locomesh.node")
 SNAPSHOT_EVERY = 4  # rounds between published weight snapshots (joiners replay the log since)
@@ -95,13 +94,7 @@ class ZONode(NodeBase):
 
     def run(self) -> int:
         cfg = self.cfg
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        random.seed(cfg.seed)
-        device = pick_device(cfg.device)
-        model_cfg = preset(cfg.model)
-        corpus = load_corpus(str(cfg.data) if cfg.data else None, context=model_cfg.context)
-        self.val = validation_batches(corpus.val, cfg.batch_size, model_cfg.context, max_batches=cfg.eval_batches)
+        device, model_cfg, corpus = self._prepare_local()
         self.trainer = LocalTrainer(model_cfg, device, cfg.lr, seed=cfg.model_seed)
         self.trainer.model.eval()  # never trained by backprop: no gradients, no optimizer state
         self.params = self.rep.params = self.trainer.parameters()
