@@ -9,7 +9,7 @@ import torch
 
 from node.checkpoint import load
 from node.data import load_corpus, load_text_corpus, validation_batches
-from swarm.model import GPTConfig
+from swarm.model import config_from_dict
 from node.trainer import LocalTrainer, pick_device
 
 
@@ -20,7 +20,7 @@ def evaluate_checkpoint(path: Path, data: Path | None, weights: str, max_batches
     for key in ("model_config", weights, "round"):
         if key not in state:
             raise ValueError(f"{path} lacks {key!r}: not a locomesh checkpoint")
-    cfg = GPTConfig(**state["model_config"])
+    cfg = config_from_dict(state["model_config"])
     trainer = LocalTrainer(cfg, pick_device("auto"), lr=1e-3)
     trainer.load_weights(state[weights])
     if data is None:

@@ -20,7 +20,7 @@ from node.config import NodeConfig
 from node.data import ByteBatches, load_corpus, validation_batches
 from node.metrics import NodeMetrics
 from node.network import NetworkThread
-from swarm.model import GPTConfig
+from swarm.model import ModelConfig
 from swarm.pipeline import PipelineClient, PipelineStepFailed
 from swarm.router import Router
 
@@ -34,7 +34,7 @@ class PipelineTrainer:
     :param write_info: rewrites the node's ``--info-file``
     """
 
-    def __init__(self, cfg: NodeConfig, model_cfg: GPTConfig, net: NetworkThread, metrics: NodeMetrics, summary: Summary,
+    def __init__(self, cfg: NodeConfig, model_cfg: ModelConfig, net: NetworkThread, metrics: NodeMetrics, summary: Summary,
                  event: Callable[..., None], stop: threading.Event, done: Callable[[], bool],
                  announce: Callable[[], Awaitable[None]], write_info: Callable[[], None]) -> None:
         self.cfg, self.model_cfg, self.net, self.metrics, self.summary = cfg, model_cfg, net, metrics, summary

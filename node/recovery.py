@@ -30,7 +30,7 @@ from node.metrics import NodeMetrics
 from protocol.records import PeerRecord
 from swarm.checkfree import lost_stages, rebuild_stage, recoverable, restore_from_replica
 from swarm.claims import CLAIM_TTL_S
-from swarm.model import GPTConfig
+from swarm.model import ModelConfig
 from swarm.stage_map import missing_roles, servers_per_stage
 from swarm.stages import Stage
 
@@ -56,7 +56,7 @@ class StageRecoverer:
     :param refresh: reads the run's DHT records afresh
     """
 
-    def __init__(self, stages: int, model_cfg: GPTConfig, seed: int, plus: bool, grace: float, fetch_stage: FetchStage,
+    def __init__(self, stages: int, model_cfg: ModelConfig, seed: int, plus: bool, grace: float, fetch_stage: FetchStage,
                  new_stage: Callable[[int], Stage], become: Callable[[int, Stage], None], claim: Callable[[int], str],
                  refresh: Callable[[], dict[str, PeerRecord]], metrics: NodeMetrics, event: Callable[..., None],
                  sleep: Callable[[float], None] = time.sleep) -> None:

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from swarm.model import GPTConfig
+from swarm.model import ModelConfig
 from swarm.stages import Stage
 
 METHODS = ("checkfree", "uniform", "copy", "random")
@@ -47,7 +47,7 @@ def _blocks(stage: Stage) -> list[dict[str, torch.Tensor]]:
 
 @torch.no_grad()
 def rebuild_stage(
-    cfg: GPTConfig, index: int, count: int, seed: int, method: str,
+    cfg: ModelConfig, index: int, count: int, seed: int, method: str,
     prev: Stage | None = None, next_: Stage | None = None, norms: tuple[float, float] = (1.0, 1.0), plus: bool = False,
 ) -> Stage:
     """A new stage ``index`` built from its neighbours (``prev`` = stage index−1, ``next_`` = index+1)."""
@@ -73,11 +73,11 @@ def rebuild_stage(
 
 
 @torch.no_grad()
-def restore_from_replica(cfg: GPTConfig, index: int, count: int, seed: int, neighbour: Stage, plus: bool = True) -> Stage:
+def restore_from_replica(cfg: ModelConfig, index: int, count: int, seed: int, neighbour: Stage, plus: bool = True) -> Stage:
     """CheckFree+: a lost first (last) stage ← its neighbour's blocks and its replica of the
     embeddings (final norm and head)."""
     stage = rebuild_stage(cfg, index, count, seed, "copy", prev=neighbour, plus=plus)
-    names = ("tok_emb", "pos_emb") if stage.first else ("ln_f", "head")
+    names = [n for n in (("tok_emb", "pos_emb") if stage.first else ("ln_f", "head")) if hasattr(stage, n)]
     for name in names:
         if not hasattr(neighbour, name):
             raise ValueError(f"stage {neighbour.index} holds no replica of {name}: was the swarm run with --checkfree-plus?")

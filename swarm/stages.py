@@ -1,10 +1,10 @@
-"""The GPT cut into S contiguous pipeline stages (SWARM parallelism, Ryabinin et al. 2023).
+"""A model (GPT or Llama) cut into S contiguous pipeline stages (SWARM parallelism, Ryabinin et al. 2023).
 
-Stage 0 owns the token and position embeddings, the last stage the final norm, the head and the
-loss; blocks are dealt out as evenly as possible (earlier stages get the extra block). Every replica
-of a stage builds it from the same full-model initialisation (seeded by the run, not the node), so
-replicas start identical without a download and stage boundaries match a single-process model.
-The head is untied from the embedding: the two live on different stages.
+Stage 0 owns the token embedding (and the GPT's position embedding), the last stage the final norm,
+the head and the loss; blocks are dealt out as evenly as possible (earlier stages get the extra
+block). Every replica of a stage builds it from the same full-model initialisation (seeded by the
+run, not the node), so replicas start identical without a download and stage boundaries match a
+single-process model. The head is untied from the embedding: the two live on different stages.
 
 With CheckFree+ (``plus=True``) stage 1 also holds a replica of the embeddings and stage S−2 a replica
 of the final norm and head, so that on out-of-order microbatches they can act as first or last stage
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.model import GPT, GPTConfig
+from swarm.model import ModelConfig, build_model
 
 
 def block_range(n_layer: int, index: int, count: int) -> tuple[int, int]:
@@ -42,30 +42,31 @@ class Stage(nn.Module):
     """Stage ``index`` of ``count``. ``forward(x)`` maps tokens (stage 0) or activations (B, T, d) to
     activations, or, on the last stage with ``targets``, to the mean cross-entropy."""
 
-    def __init__(self, cfg: GPTConfig, index: int, count: int, seed: int, plus: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, count: int, seed: int, plus: bool = False) -> None:
         super().__init__()
         start, end = block_range(cfg.n_layer, index, count)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            full = GPT(cfg)
+            full = build_model(cfg)
         self.cfg, self.index, self.count = cfg, index, count
         self.first, self.last = index == 0, index == count - 1
         if self.first:
-            self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
+            self._take_embeddings(full)
         self.blocks = nn.ModuleList(full.blocks[start:end])
         if self.last:
             self.ln_f = full.ln_f
-            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-            with torch.no_grad():
-                self.head.weight.copy_(full.tok_emb.weight)
+            self.head = _untied_head(full)
         self.plus = plus
         if plus and index == 1 and not self.first:
-            self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb  # replica of stage 0's embeddings
+            self._take_embeddings(full)  # replica of stage 0's embeddings
         if plus and index == count - 2 and not self.last:
             self.ln_f = full.ln_f
-            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # replica of the last stage's head
-            with torch.no_grad():
-                self.head.weight.copy_(full.tok_emb.weight)
+            self.head = _untied_head(full)  # replica of the last stage's head
+
+    def _take_embeddings(self, full: nn.Module) -> None:
+        self.tok_emb = full.tok_emb
+        if hasattr(full, "pos_emb"):  # GPT: learned positions; Llama rotates inside each attention layer
+            self.pos_emb = full.pos_emb
 
     @property
     def can_embed(self) -> bool:
@@ -87,7 +88,9 @@ class Stage(nn.Module):
                 raise ValueError(f"stage 0 takes token ids of shape (batch, time), got {x.dtype} {list(x.shape)}")
             if x.shape[1] > self.cfg.context:
                 raise ValueError(f"sequence of {x.shape[1]} tokens exceeds the model context of {self.cfg.context}")
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+            x = self.tok_emb(x)
+            if hasattr(self, "pos_emb"):
+                x = x + self.pos_emb(torch.arange(x.shape[1], device=x.device))
         elif x.dim() != 3 or x.shape[-1] != self.cfg.d_model:
             raise ValueError(f"stage {self.index} takes activations (batch, time, {self.cfg.d_model}), got {list(x.shape)}")
         for block in self.blocks:
@@ -100,3 +103,9 @@ class Stage(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def _untied_head(full: nn.Module) -> nn.Linear:
+    """A head of its own, starting from the full model's (for a tied model: the token embedding)."""
+    head = nn.Linear(full.head.in_features, full.head.out_features, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(full.head.weight)
+    return head
