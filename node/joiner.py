@@ -139,7 +139,7 @@ class Joiner:
             try:
                 got = self.download_from(peer)
                 if got.snapshot.round > failed_round:
-                    self.event("resynced", peer=peer, round=got.snapshot.round)
+                    self.event("resynced", peer=peer, round=got.snapshot.round, fingerprint=got.snapshot.fingerprint)
                     return
             except Exception as e:
                 logger.warning("resync from %s failed: %s", peer, e)
