@@ -40,6 +40,7 @@ from gossip.exchange import Contribution, RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter, pseudo_gradient
 from gossip.partition import join, split
+from gossip.placement import to_host
 from gossip.rendezvous import gather_group, round_members
 from protocol.records import RoundEntry
 
@@ -131,7 +132,7 @@ class DiLoCoAverager(GroupAverager):
         started = time.monotonic()
         shapes = [tuple(p.shape) for p in phi]
         my_fp = fingerprint(phi)
-        delta = pseudo_gradient(phi, theta)
+        delta = to_host(pseudo_gradient(phi, theta))  # codecs and the wire work on the CPU
         blobs, my_decoded = await asyncio.to_thread(self.exchange.encode, round_no, split(delta, self.part_numel), feedback)
         self.exchange.publish(Contribution(round_no, samples, my_fp, self.exchange.wire, blobs, self.peer_id, my_decoded))
         if before_gather is not None:

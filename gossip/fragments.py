@@ -15,6 +15,8 @@ from typing import Sequence
 
 import torch
 
+from gossip.placement import settle
+
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)\.")
 
 
@@ -44,12 +46,13 @@ def sync_interval(inner_steps: int, fragments: int) -> int:
 
 @torch.no_grad()
 def merge_fragment(local: Sequence[torch.Tensor], synced: Sequence[torch.Tensor], alpha: float) -> None:
-    """θ_f ← (1 − α)·φ_f + α·θ_f in place on ``local``."""
+    """θ_f ← (1 − α)·φ_f + α·θ_f in place on ``local``. Copies from (pinned) host memory to a CUDA model
+    are issued without blocking and waited for once, so ``synced`` may be stepped again afterwards."""
     if not 0 <= alpha <= 1:
         raise ValueError(f"fragment merge α must lie in [0, 1], got {alpha}")
     for t, p in zip(local, synced):
-        p = p.to(t.device, t.dtype)
         if alpha == 0:
-            t.copy_(p)
+            t.copy_(p, non_blocking=True)
         else:
-            t.mul_(alpha).add_(p, alpha=1 - alpha)
+            t.mul_(alpha).add_(p.to(t.device, t.dtype, non_blocking=True), alpha=1 - alpha)
+    settle(local)

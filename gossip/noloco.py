@@ -36,6 +36,7 @@ from gossip.exchange import Contribution, RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NoLoCoOuter, pseudo_gradient
 from gossip.partition import join, split
+from gossip.placement import to_host
 from gossip.rendezvous import read_round_entries, register_round, round_members
 from protocol.records import RoundEntry
 
@@ -126,8 +127,8 @@ class NoLoCoAverager(GroupAverager):
         for a partner (a member with no partner takes a local outer step)."""
         started = time.monotonic()
         shapes = [tuple(p.shape) for p in phi]
-        delta = split(pseudo_gradient(phi, theta), self.part_numel)
-        weights = split([p.detach().float() for p in phi], self.part_numel)
+        delta = split(to_host(pseudo_gradient(phi, theta)), self.part_numel)  # codecs and the wire work on the CPU
+        weights = split(to_host([p.detach().float() for p in phi]), self.part_numel)
         n_delta = len(delta)
         blobs, decoded = await asyncio.to_thread(
             self.exchange.encode, round_no, delta + weights, list(feedback or [None] * n_delta) + [None] * len(weights)

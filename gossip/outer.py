@@ -32,14 +32,19 @@ class _IndexedState:
         self.buffers: dict[int, torch.Tensor] = {}
 
     def _buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        """The buffer of parameter ``index``, on ``like``'s device: the state follows φ (``gossip.placement``)."""
         buf = self.buffers.get(index)
         if buf is None or buf.shape != like.shape:
             buf = self.buffers[index] = torch.zeros_like(like, dtype=torch.float32)
+        elif buf.device != like.device:
+            buf = self.buffers[index] = buf.to(like.device)
         return buf
 
     def state_tensors(self, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The buffers of every parameter (zeros where none was stepped yet), for checkpoints and state transfer."""
-        return [self.buffers[i].clone() if i in self.buffers else torch.zeros_like(p, dtype=torch.float32) for i, p in enumerate(like)]
+        """Host copies of the buffers of every parameter (zeros where none was stepped yet), for
+        checkpoints and state transfer."""
+        return [self.buffers[i].to("cpu", copy=True) if i in self.buffers else torch.zeros(tuple(p.shape), dtype=torch.float32)
+                for i, p in enumerate(like)]
 
     def load_state_tensors(self, buffers: Sequence[torch.Tensor]) -> None:
         self.buffers = {i: b.detach().to(torch.float32).clone() for i, b in enumerate(buffers)}
@@ -74,7 +79,7 @@ class NesterovOuter(_IndexedState):
             raise ValueError(f"{len(phi)} parameters but {len(delta)} pseudo-gradients")
         for i, p, d in zip(_indices(indices, len(phi)), phi, delta):
             v = self._buffer(i, p)
-            d = d.to(v.dtype)
+            d = d.to(v.device, v.dtype)
             v.mul_(self.momentum).add_(d)
             update = d.add(v, alpha=self.momentum) if self.nesterov else v
             p.sub_(update.to(p.dtype), alpha=self.lr)
@@ -85,8 +90,8 @@ class NesterovOuter(_IndexedState):
         """What :meth:`step` would make of ``phi``, leaving ``phi`` and the momentum untouched (eager updates)."""
         out = []
         for i, p, d in zip(_indices(indices, len(phi)), phi, delta):
-            v = self.buffers[i].clone() if i in self.buffers else torch.zeros_like(p, dtype=torch.float32)
-            d = d.to(torch.float32)
+            v = self.buffers[i].to(p.device, copy=True) if i in self.buffers else torch.zeros_like(p, dtype=torch.float32)
+            d = d.to(p.device, torch.float32)
             v.mul_(self.momentum).add_(d)
             update = d.add(v, alpha=self.momentum) if self.nesterov else v
             out.append(p.detach().float() - self.lr * update)
@@ -125,8 +130,8 @@ class NoLoCoOuter(_IndexedState):
             raise ValueError(f"{len(phi)} parameters, {len(group_phi)} mean weights, {len(group_progress)} mean updates")
         for i, p, mean_p, u in zip(_indices(indices, len(phi)), phi, group_phi, group_progress):
             d = self._buffer(i, p)
-            pull = mean_p.to(torch.float32) - p.to(torch.float32)
-            d.mul_(self.momentum).add_(u.to(torch.float32), alpha=self.lr).add_(pull, alpha=self.pull)
+            pull = mean_p.to(p.device, torch.float32) - p.to(torch.float32)
+            d.mul_(self.momentum).add_(u.to(p.device, torch.float32), alpha=self.lr).add_(pull, alpha=self.pull)
             p.add_(d.to(p.dtype))
 
 

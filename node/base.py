@@ -55,6 +55,9 @@ class Summary:
     comm_wait_s: float = 0.0
     wall_s: float = 0.0  # from start-up (model, corpus, networking, join) to the end of training
     train_s: float = 0.0  # the training loop alone
+    tokens_per_s: float = 0.0  # tokens per second of the inner steps, outer rounds left out
+    mfu: float | None = None  # model FLOPs utilisation at that rate (node.mfu); None on CPU or an unknown GPU
+    peak_mem_mb: float | None = None  # peak CUDA memory allocated, or peak RSS on the CPU
     rounds: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     state: str = "starting"
@@ -179,6 +182,34 @@ class NodeBase:
         corpus = load_corpus(str(cfg.data) if cfg.data else None, context=model_cfg.context)
         self.val = validation_batches(corpus.val, cfg.batch_size, model_cfg.context, max_batches=cfg.eval_batches)
         return device, model_cfg, corpus
+
+    def _trainer_options(self) -> dict[str, Any]:
+        """The memory and speed options of :class:`node.trainer.LocalTrainer` (the config refuses the
+        ones that do not apply to the node's kind)."""
+        cfg = self.cfg
+        return {"micro_batch_size": cfg.micro_batch_size, "activation_checkpointing": cfg.activation_checkpointing,
+                "compile": cfg.compile}
+
+    def _start_throughput(self, device: Any, model_cfg: Any) -> None:
+        """What MFU needs: the model's FLOPs per token and the device's peak (``--peak-tflops`` or the table)."""
+        from node.mfu import flops_per_token, peak_flops
+
+        self.device = device
+        self.flops_per_token = flops_per_token(model_cfg)
+        self.peak_flops = peak_flops(device, self.cfg.peak_tflops)
+
+    def _record_throughput(self, recent_tokens_per_s: float | None = None, inner_tokens_per_s: float | None = None) -> None:
+        """Export the MFU of the recent rate (``locomesh_mfu``) and put the inner steps' rate, its MFU and
+        the peak memory in the summary."""
+        from node.mfu import mfu, peak_memory_mb
+
+        if recent_tokens_per_s is not None:
+            value = mfu(self.flops_per_token, recent_tokens_per_s, self.peak_flops)
+            self.metrics.mfu.set(math.nan if value is None else value)
+        if inner_tokens_per_s is not None:
+            self.summary.tokens_per_s = inner_tokens_per_s
+            self.summary.mfu = mfu(self.flops_per_token, inner_tokens_per_s, self.peak_flops)
+        self.summary.peak_mem_mb = round(peak_memory_mb(self.device), 1)
 
     def _start_network(self) -> bool:
         """Start p2pd and the DHT; False (after logging why) when it cannot."""

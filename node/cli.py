@@ -52,6 +52,11 @@ def join_flags(
     batch_size: Annotated[Optional[int], opt("Sequences per inner step (default: 16)", TRAIN, "batch_size")] = None,
     lr: Annotated[Optional[float], opt("Inner AdamW learning rate (default: 1e-3)", TRAIN, "lr")] = None,
     warmup_steps: Annotated[Optional[int], opt("Linear warmup of the inner lr (default: 50)", TRAIN, "warmup_steps")] = None,
+    micro_batch_size: Annotated[Optional[int], opt("Sequences per forward/backward pass: each batch runs in pieces of at most this many, gradients accumulated, so the update is the whole batch's with less memory (default: the whole batch)", TRAIN, "micro_batch_size")] = None,
+    activation_checkpointing: Annotated[Optional[bool], opt("Recompute each transformer block's activations in the backward pass instead of storing them: less memory, about one more forward pass of compute (default: off)", TRAIN, "activation_checkpointing")] = None,
+    compile: Annotated[Optional[bool], opt("torch.compile the model: faster steps after a slow first one; falls back to eager with a warning if compilation fails (default: off)", TRAIN, "compile")] = None,
+    outer_device: Annotated[Optional[str], opt("Where the agreed weights and outer momentum live and the outer step runs: cpu (pinned host memory, leaves GPU memory to the model) | same (the model's device) (default: cpu)", TRAIN, "outer_device")] = None,
+    peak_tflops: Annotated[Optional[float], opt("Peak dense bf16 TFLOPS of this device, for MFU (default: looked up from the GPU's name; none on CPU)", TRAIN, "peak_tflops")] = None,
     threads: Annotated[Optional[int], opt("torch CPU threads (default: torch's choice)", TRAIN, "threads")] = None,
     slowdown: Annotated[Optional[float], opt("Experiments: make every inner step this many times slower, to emulate slower hardware (default: 1)", OPS, "slowdown")] = None,
     seed: Annotated[Optional[int], opt("Seed of this node's data order, and of the model's initialisation unless --init-seed; node swarm gives node i the seed S + i (default: 0)", TRAIN, "seed")] = None,
@@ -340,6 +345,18 @@ def eval_cmd(
               f"over {result['tokens']} bytes of {result['data']}, round {result['round']}")
 
 
+@app.command("export")
+def export_cmd(
+    checkpoint: Annotated[Path, typer.Option(help="Checkpoint of a --model llama-* run (checkpoint.pt, or its --checkpoint-dir)")],
+    out: Annotated[Path, typer.Option(help="Folder to create (must not exist, or be empty)")],
+    weights: Annotated[str, typer.Option(help="phi (the swarm's agreed weights) or theta (the node's last local weights)")] = "phi",
+) -> None:
+    """Write a checkpoint as a Hugging Face LlamaForCausalLM folder (config, safetensors, tokenizer)."""
+    from node.hf_export import export_checkpoint
+
+    print(f"wrote {export_checkpoint(checkpoint, out, weights)}: load it with transformers' AutoModelForCausalLM.from_pretrained")
+
+
 @app.command()
 def doctor(
     listen_port: Annotated[int, typer.Option(help="TCP port you will listen on (0 = any)", min=0, max=65535)] = 0,
@@ -364,6 +381,12 @@ def doctor(
     else:
         render(checks)
     raise typer.Exit(0 if all(c.ok for c in checks) else 1)
+
+
+# `node data tokenizer | prepare` (node/data_cli.py): tokenizer training and token shards
+from node.data_cli import data_app  # noqa: E402
+
+app.add_typer(data_app, name="data")
 
 
 def _debug_requested(args: list[str]) -> bool:

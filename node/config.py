@@ -47,6 +47,11 @@ class NodeConfig(BaseModel):
     lr: float = Field(1e-3, gt=0, le=10)
     warmup_steps: int = Field(50, ge=0)
     weight_decay: float = Field(0.1, ge=0)
+    micro_batch_size: int | None = Field(None, ge=1, le=65536, description="sequences per forward/backward pass; a batch runs as ceil(batch_size/m) passes with gradients accumulated (same update, less memory); default: the whole batch")
+    activation_checkpointing: bool = Field(False, description="recompute each transformer block's activations in the backward pass instead of storing them")
+    compile: bool = Field(False, description="torch.compile the model; falls back to eager with one warning if compilation fails")
+    outer_device: Literal["cpu", "same"] = Field("cpu", description="where φ and the outer momentum live and the outer step runs: cpu (pinned host memory when training on CUDA) or same (the model's device)")
+    peak_tflops: float | None = Field(None, gt=0, le=100_000, description="peak dense bf16 TFLOPS of this device for MFU; default: looked up from the GPU's name (none on CPU)")
     outer_lr: float | None = Field(None, gt=0, le=10, description="η (β for noloco); default 0.7, 1.0 for sparseloco")
     outer_momentum: float | None = Field(None, ge=0, lt=1, description="μ (α for noloco); default 0.9, 0.5 for noloco, 0 for sparseloco")
     noloco_pull: float | None = Field(None, ge=0, le=10, description="γ of noloco: pull toward the group's mean weights; default = outer lr")
@@ -128,6 +133,17 @@ class NodeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _fits_together(self) -> "NodeConfig":
+        memory_flags = [flag for flag, on in (("--micro-batch-size", self.micro_batch_size is not None),
+                                              ("--activation-checkpointing", self.activation_checkpointing),
+                                              ("--compile", self.compile)) if on]
+        if memory_flags and self.stages > 1:
+            raise ValueError(f"{', '.join(memory_flags)} {'is' if len(memory_flags) == 1 else 'are'} for whole-model replicas (--stages 1), "
+                             "not pipelines (a pipeline trainer cuts its batches with --microbatches)")
+        if self.algorithm == "zo" and (self.micro_batch_size is not None or self.activation_checkpointing):
+            raise ValueError("--micro-batch-size and --activation-checkpointing do not apply to --algorithm zo (forward passes only, no gradients)")
+        if self.micro_batch_size is not None and self.micro_batch_size > self.batch_size:
+            raise ValueError(f"--micro-batch-size {self.micro_batch_size} is larger than --batch-size {self.batch_size}: it cuts each batch "
+                             f"into pieces, so use at most {self.batch_size} (or raise --batch-size)")
         if self.algorithm == "zo":
             for wrong, why in ((self.fragments > 1, "--fragments"), (self.overlap, "--overlap"),
                                (self.compression not in (None, "none"), "--compression")):

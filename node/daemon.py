@@ -36,6 +36,7 @@ from gossip.fingerprint import fingerprint
 from gossip.fragments import fragment_of_round, merge_fragment, sync_interval
 from gossip.noloco import NoLoCoAverager
 from gossip.outer import NesterovOuter, NoLoCoOuter
+from gossip.placement import OuterPlacement
 from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
 from gossip.state_transfer import DownloadedState, StateServer, StateSnapshot
 from node import __version__
@@ -72,8 +73,11 @@ class Daemon(NodeBase):
     def run(self) -> int:
         cfg = self.cfg
         device, model_cfg, corpus = self._prepare_local()
-        self.trainer = LocalTrainer(model_cfg, device, cfg.lr, cfg.weight_decay, cfg.warmup_steps, seed=cfg.model_seed)
-        self.phi = [p.detach().to("cpu", torch.float32).clone() for p in self.trainer.parameters()]
+        self.trainer = LocalTrainer(model_cfg, device, cfg.lr, cfg.weight_decay, cfg.warmup_steps, seed=cfg.model_seed,
+                                    **self._trainer_options())
+        self.placement = OuterPlacement.choose(device, cfg.outer_device)  # φ, and the outer momentum with it
+        self.phi = self.placement.copy_of(self.trainer.parameters())
+        self._start_throughput(device, model_cfg)
         outer_lr, outer_momentum = cfg.outer_hyper
         if cfg.algorithm == "noloco":
             self.outer: NesterovOuter | NoLoCoOuter = NoLoCoOuter(outer_lr, cfg.noloco_pull, outer_momentum)
@@ -126,7 +130,7 @@ class Daemon(NodeBase):
                 keep_others=cfg.overlap and cfg.overlap_mode == "eager",
             )
         self.rounds = RoundRunner(net, self.averager, cfg.overlap and cfg.overlap_mode == "eager", self._heartbeat, self.stop,
-                                  final_timeout=2 * cfg.averaging_timeout + 30)
+                                  final_timeout=2 * cfg.averaging_timeout + 30, placement=self.placement)
         self.joiner = Joiner(net, cfg.run_id, peer_id, run_settings(cfg), self._state_layout, self._adopt, self._heartbeat,
                              self.metrics, self.event, self.stop, cfg.join_timeout)
         if cfg.metrics_port:
@@ -181,7 +185,7 @@ class Daemon(NodeBase):
         """Take over a downloaded state, and the peer's progress into the round (so this node runs only
         the round's remaining inner steps)."""
         snap = got.snapshot
-        self.phi = [t.clone() for t in snap.tensors["params"]]
+        self.phi = self.placement.copy_of(snap.tensors["params"])
         self.outer.load_state_tensors(snap.tensors["outer_momentum"])
         self.trainer.load_weights(self.phi)
         self.round = snap.round
@@ -197,7 +201,7 @@ class Daemon(NodeBase):
         if [tuple(t.shape) for t in state["phi"]] != [tuple(p.shape) for p in self.phi]:
             logger.warning("checkpoint %s holds tensors of other shapes; ignoring it", path)
             return False
-        self.phi = [t.float().clone() for t in state["phi"]]
+        self.phi = self.placement.copy_of(state["phi"])
         self.trainer.load_weights(state["theta"])
         self.outer.load_state_tensors(state["outer_momentum"])
         self.trainer.optimizer.load_state_dict(state["inner_optimizer"])
@@ -215,10 +219,12 @@ class Daemon(NodeBase):
         self.train_started = time.monotonic()
         tokens_per_step = cfg.batch_size * self.trainer.model.cfg.context
         window_start, window_tokens = time.monotonic(), 0
+        self.inner_s, self.inner_tokens = 0.0, 0  # the inner steps' time and tokens, outer rounds left out
         samples = 0
         self.round_target = max(self._round_steps(), self.inner_step + 1)
         self.metrics.round_inner_steps.set(self.round_target)
         while not self.stop.is_set() and not self._deadline_reached():
+            fetch_started = time.monotonic()
             x, y = self.batches.next()
             step_started = time.monotonic()
             loss = self.trainer.step(x, y)
@@ -237,9 +243,12 @@ class Daemon(NodeBase):
             self.metrics.tokens.inc(tokens_per_step)
             window_tokens += tokens_per_step
             elapsed = time.monotonic() - window_start
+            self.inner_s += time.monotonic() - fetch_started
+            self.inner_tokens += tokens_per_step
             if elapsed >= 2.0:
                 self.tokens_per_s = window_tokens / elapsed
                 self.metrics.tokens_per_second.set(self.tokens_per_s)
+                self._record_throughput(self.tokens_per_s, self._inner_rate())
                 window_start, window_tokens = time.monotonic(), 0
             if cfg.overlap_mode != "delayed" and self.rounds.ready():
                 self._finish_pending()
@@ -250,6 +259,11 @@ class Daemon(NodeBase):
                 self.round_target = self._round_steps()
                 self.metrics.round_inner_steps.set(self.round_target)
         self._finish_pending(final=True)
+
+    def _inner_rate(self) -> float:
+        """Tokens per second of the inner steps so far (batch, step and bookkeeping; outer rounds left out)."""
+        inner_s = getattr(self, "inner_s", 0.0)
+        return self.inner_tokens / inner_s if inner_s > 0 else 0.0
 
     def _start_round(self, samples: int) -> None:
         """Run the outer round of the fragment that is due: in the background with ``--overlap``,
@@ -320,6 +334,7 @@ class Daemon(NodeBase):
         if self.cfg.eval_every and self.summary.outer_rounds % self.cfg.eval_every == 0 and result.in_sync:
             record["val_loss"] = self.summary.val_loss = self.trainer.evaluate(self.val)
             self.metrics.val_loss.set(self.summary.val_loss)
+        self._record_throughput(inner_tokens_per_s=self._inner_rate())
         self._write_info()
         logger.info("round %d done: %d/%d peers averaged in %.2fs (waited %.2fs), loss %.3f",
                     result.round, len(result.contributors), len(result.group), result.duration_s, result.gather_s, self.last_loss)
@@ -327,7 +342,7 @@ class Daemon(NodeBase):
     def _publish_snapshot(self) -> None:
         snap = StateSnapshot(
             round=self.round,
-            tensors={"params": [t.clone() for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
+            tensors={"params": [t.to("cpu", copy=True) for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
             fingerprint=fingerprint(self.phi),
             meta={**run_settings(self.cfg), "error_feedback_decay": self.cfg.feedback_decay()},
         )
@@ -367,7 +382,7 @@ class Daemon(NodeBase):
             "model_config": self.trainer.model.cfg.to_dict(),
             "round": self.round,
             "inner_steps_total": self.trainer.steps,
-            "phi": [t.clone() for t in self.phi],
+            "phi": [t.to("cpu", copy=True) for t in self.phi],
             "theta": [p.detach().cpu().clone() for p in self.trainer.parameters()],
             "outer_momentum": self.outer.state_tensors(self.phi),
             "inner_optimizer": self.trainer.optimizer.state_dict(),
@@ -381,6 +396,7 @@ class Daemon(NodeBase):
         self.summary.state = "stopping"
         self.summary.wall_s = time.monotonic() - self.started
         self.summary.train_s = time.monotonic() - getattr(self, "train_started", time.monotonic())
+        self._record_throughput(inner_tokens_per_s=self._inner_rate())
         self.role = "leaving"
         try:
             self.net.call(self._heartbeat(), timeout=10)

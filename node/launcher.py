@@ -339,6 +339,9 @@ class SwarmLauncher:
                 "wall_s": info.get("wall_s"),
                 "train_s": info.get("train_s"),
                 "comm_wait_s": info.get("comm_wait_s"),
+                "tokens_per_s": info.get("tokens_per_s"),
+                "mfu": info.get("mfu"),
+                "peak_mem_mb": info.get("peak_mem_mb"),
                 "rounds": info.get("rounds", []),
                 "log": str(node.directory / "log.txt"),
             })

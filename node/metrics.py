@@ -23,6 +23,7 @@ class NodeMetrics:
         self.val_loss = Gauge("locomesh_val_loss", "Loss on the held-out split at the last evaluation (nats per byte)", registry=r)
         self.tokens = Counter("locomesh_tokens", "Tokens (bytes) trained on by this node", registry=r)
         self.tokens_per_second = Gauge("locomesh_tokens_per_second", "Training throughput over recent inner steps", registry=r)
+        self.mfu = Gauge("locomesh_mfu", "Model FLOPs utilisation over recent inner steps (NaN on CPU or a GPU of unknown peak: set --peak-tflops)", registry=r)
         self.inner_steps = Counter("locomesh_inner_steps", "Local optimizer steps taken", registry=r)
         self.outer_round = Gauge("locomesh_outer_round", "Outer round this node is in", registry=r)
         self.outer_rounds = Counter("locomesh_outer_rounds", "Outer rounds finished, by result (completed, failed, alone)", ["result"], registry=r)
@@ -52,6 +53,7 @@ class NodeMetrics:
             self.state_downloads.labels(result)
             self.pipeline_steps.labels(result)
         self.stage.set(-1)
+        self.mfu.set(float("nan"))
         for method in ("checkfree", "copy-plus", "unrecoverable"):
             self.recoveries.labels(method)
         # every known label exists from the start, so dashboards and alerts see 0 rather than no data

@@ -22,6 +22,7 @@ from gossip.exchange import PartSpec
 from gossip.fragments import assign_fragments, fragment_of_round, merge_fragment
 from gossip.noloco import NoLoCoAverager
 from gossip.partition import part_shapes
+from gossip.placement import OuterPlacement
 from node.network import Interrupted, NetworkThread
 
 
@@ -84,11 +85,14 @@ class RoundRunner:
     :param before_gather: coroutine run before a round's rendezvous (the node's heartbeat)
     :param stop: the node's stop event (a wait is cut short when it is set)
     :param final_timeout: longest wait for the last round when the node stops
+    :param placement: where φ lives (``--outer-device``); θ's snapshot of a round is copied there
     """
 
     def __init__(self, net: NetworkThread, averager: DiLoCoAverager | NoLoCoAverager, eager: bool,
-                 before_gather: Callable[[], Awaitable[None]], stop: threading.Event, final_timeout: float) -> None:
+                 before_gather: Callable[[], Awaitable[None]], stop: threading.Event, final_timeout: float,
+                 placement: OuterPlacement | None = None) -> None:
         self.net, self.averager, self.eager = net, averager, eager
+        self.placement = placement or OuterPlacement(torch.device("cpu"))
         self.before_gather, self.stop, self.final_timeout = before_gather, stop, final_timeout
         self.pending: PendingRound | None = None
         self.others_prev: dict[int, tuple[list[torch.Tensor], int]] = {}  # fragment → others' Σ samples·Δ, samples
@@ -96,7 +100,7 @@ class RoundRunner:
     def start(self, round_no: int, fragment: int, indices: list[int], phi: list[torch.Tensor], params: list[torch.nn.Parameter],
               samples: int, steps: int, feedback: list | None) -> PendingRound:
         """Start the round of ``fragment`` (parameters ``indices``); ``phi`` is the node's φ, stepped in place."""
-        theta = [params[i].detach().to("cpu", torch.float32).clone() for i in indices]
+        theta = self.placement.copy_of([params[i] for i in indices])
         phi_fragment = [phi[i] for i in indices]
         coro = self.averager.run_round(round_no, phi_fragment, theta, samples, before_gather=self.before_gather,
                                        indices=indices, feedback=feedback)
@@ -113,7 +117,7 @@ class RoundRunner:
         fresh pseudo-gradient standing in with the others' last ones; the true average corrects it later."""
         others_sum, others_samples = self.others_prev[fragment]
         total = samples + others_samples
-        estimate = [(samples * (p.float() - t) + o) / total for p, t, o in zip(phi, theta, others_sum)]
+        estimate = [(samples * (p.float() - t) + o.to(p.device)) / total for p, t, o in zip(phi, theta, others_sum)]
         phi_estimate = self.averager.outer.preview(phi, estimate, indices)  # type: ignore[union-attr]
         merge_fragment([params[i].data for i in indices], phi_estimate, 0.0)
         return phi_estimate

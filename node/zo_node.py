@@ -53,7 +53,7 @@ from node.status_service import StatusService
 from node.trainer import LocalTrainer
 from node.zo_joiner import ZO_KEYS, Replica, ZOJoiner
 from protocol.records import PeerRecord, RoundEntry
-from swarm.model import PRESETS, GPTConfig
+from swarm.model import PRESETS, ModelConfig
 
 logger = logging.getLogger("locomesh.node")
 SNAPSHOT_EVERY = 4  # rounds between published weight snapshots (joiners replay the log since)
@@ -61,7 +61,7 @@ LOG_ROUNDS = 16  # applied rounds kept for joiners (and every round since the sn
 LINGER_S = 5.0
 
 
-def load_init_weights(path: Path, model: GPTConfig) -> tuple[list[torch.Tensor], Path]:
+def load_init_weights(path: Path, model: ModelConfig) -> tuple[list[torch.Tensor], Path]:
     """The weights of a locomesh checkpoint for ``--init-from`` (``phi``, else ``theta``); raises :class:`UserError`."""
     file = Path(path) / CHECKPOINT_NAME if Path(path).is_dir() else Path(path)
     hint = "give the checkpoint.pt a locomesh node wrote (or its --checkpoint-dir)"
@@ -95,7 +95,7 @@ class ZONode(NodeBase):
     def run(self) -> int:
         cfg = self.cfg
         device, model_cfg, corpus = self._prepare_local()
-        self.trainer = LocalTrainer(model_cfg, device, cfg.lr, seed=cfg.model_seed)
+        self.trainer = LocalTrainer(model_cfg, device, cfg.lr, seed=cfg.model_seed, compile=cfg.compile)
         self.trainer.model.eval()  # never trained by backprop: no gradients, no optimizer state
         self.params = self.rep.params = self.trainer.parameters()
         self.batches = ByteBatches(corpus.train, cfg.batch_size, model_cfg.context, seed=cfg.seed)
@@ -206,7 +206,7 @@ class ZONode(NodeBase):
             began = time.monotonic()
             seed = step_seed(cfg.run_id, self.round, self.step, self.summary.peer_id)
             with self.trainer.autocast:
-                g, plus, minus = spsa_estimate(lambda: model(x, y)[1], self.params, seed, cfg.zo_eps)
+                g, plus, minus = spsa_estimate(lambda: self.trainer.forward_loss(x, y), self.params, seed, cfg.zo_eps)
             self.codes.append(encode_grad(g))
             self.step += 1
             self._set_position()
