@@ -56,6 +56,7 @@ class Summary:
     wall_s: float = 0.0  # from start-up (model, corpus, networking, join) to the end of training
     train_s: float = 0.0  # the training loop alone
     tokens_per_s: float = 0.0  # tokens per second of the inner steps, outer rounds left out
+    val_bits_per_byte: float | None = None  # the held-out loss in bits per UTF-8 byte, whatever the tokenizer
     mfu: float | None = None  # model FLOPs utilisation at that rate (node.mfu); None on CPU or an unknown GPU
     peak_mem_mb: float | None = None  # peak CUDA memory allocated, or peak RSS on the CPU
     rounds: list[dict[str, Any]] = field(default_factory=list)
@@ -164,24 +165,31 @@ class NodeBase:
         return cfg.duration is not None and time.monotonic() - self.started >= cfg.duration
 
     def _prepare_local(self) -> tuple[Any, Any, Any]:
-        """What a whole-model node needs before networking: threads, seeds, device, model preset, corpus
-        and held-out batches (``self.val``); returns (device, model config, corpus)."""
+        """What a whole-model node needs before networking: threads, seeds, device, and its workload
+        (model config, data, held-out batches ``self.val``); returns (device, model config, workload)."""
         import random
 
         import torch
 
-        from node.data import load_corpus, validation_batches
         from node.trainer import pick_device
-        from swarm.model import preset
+        from node.workload import load_workload
 
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         random.seed(cfg.seed)
-        device, model_cfg = pick_device(cfg.device), preset(cfg.model)
-        corpus = load_corpus(str(cfg.data) if cfg.data else None, context=model_cfg.context)
-        self.val = validation_batches(corpus.val, cfg.batch_size, model_cfg.context, max_batches=cfg.eval_batches)
-        return device, model_cfg, corpus
+        device = pick_device(cfg.device)
+        self.workload = load_workload(cfg)
+        self.val = self.workload.val
+        logger.info("training %s (%s parameters) on %s", type(self.workload.model_cfg).__name__.replace("Config", ""),
+                    f"{_param_count(self.workload.model_cfg):,}", self.workload.source)
+        return device, self.workload.model_cfg, self.workload
+
+    def _record_val_loss(self, loss: float) -> None:
+        """The held-out loss (nats per token, or per byte for byte-level data) and its bits per byte."""
+        self.summary.val_loss = loss
+        self.summary.val_bits_per_byte = self.workload.bits_per_byte(loss)
+        self.metrics.val_loss.set(loss)
 
     def _trainer_options(self) -> dict[str, Any]:
         """The memory and speed options of :class:`node.trainer.LocalTrainer` (the config refuses the
@@ -243,3 +251,9 @@ class NodeBase:
         peers = " ".join(f"--initial-peers {a}" for a in dialable_addresses(self.summary.multiaddrs)[:2])
         print(f"locomesh node {self.summary.peer_id} is up{what}. Others can join with:\n"
               f"  node join --run-id {self.cfg.run_id}{extra} {peers}", flush=True)
+
+
+def _param_count(model_cfg: Any) -> int:
+    from swarm.model import num_params
+
+    return num_params(model_cfg)

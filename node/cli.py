@@ -5,7 +5,6 @@ TOML file; flags win over env over file over defaults.
 """
 
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -45,8 +44,10 @@ def join_flags(
     identity: Annotated[Optional[Path], opt("Private key file for a stable peer id (created if missing)", SWARM, "identity")] = None,
     swarm_key: Annotated[Optional[Path], opt("Secret file of a private swarm: peers without it are refused", SWARM, "swarm_key")] = None,
     device: Annotated[Optional[str], opt("auto | cpu | cuda (default: auto)", TRAIN, "device")] = None,
-    model: Annotated[Optional[str], opt("Model preset: nano, tiny, small, medium (default: tiny)", TRAIN, "model")] = None,
-    data: Annotated[Optional[Path], opt("Text file or folder to train on (default: the embedded Shakespeare corpus)", TRAIN, "data")] = None,
+    model: Annotated[Optional[str], opt("Model preset: byte GPTs nano, micro, tiny, small, medium; Llama llama-tiny, llama-20m, llama-150m, llama-1b (the vocabulary comes from --data) (default: tiny)", TRAIN, "model")] = None,
+    model_config_file: Annotated[Optional[Path], typer.Option("--model-config", help="A Hugging Face config.json (LlamaConfig fields) to train instead of a --model preset", rich_help_panel=TRAIN, envvar=_env("model_config"), show_envvar=True)] = None,
+    context: Annotated[Optional[int], opt("Tokens per training sequence (default: the model's)", TRAIN, "context")] = None,
+    data: Annotated[Optional[Path], opt("Text file or folder to train on as bytes, or a folder of token shards from `node data prepare` (default: the embedded Shakespeare corpus)", TRAIN, "data")] = None,
     inner_steps: Annotated[Optional[str], opt("Local steps between outer rounds (H), or auto: sized from this peer's measured speed so that fast and slow peers finish a round together (default: 50)", TRAIN, "inner_steps")] = None,
     round_steps: Annotated[Optional[int], opt("With --inner-steps auto: steps the swarm's median-speed peer takes per round (default: 50)", TRAIN, "round_steps")] = None,
     batch_size: Annotated[Optional[int], opt("Sequences per inner step (default: 16)", TRAIN, "batch_size")] = None,
@@ -65,7 +66,7 @@ def join_flags(
     zo_eps: Annotated[Optional[float], opt("zo: perturbation size ε of each step's two loss evaluations at θ ± εz (default: 1e-3)", AVG, "zo_eps")] = None,
     zo_lr: Annotated[Optional[float], opt("zo: learning rate lr of every one-byte step (θ moves by −lr·g·z); each peer's steps are applied, so lower it for many peers (default: 1e-4)", AVG, "zo_lr")] = None,
     min_peers: Annotated[Optional[int], opt("zo: wait until this many peers (this one included) are in the run before the first step, at most --join-timeout seconds (default: 1)", SWARM, "min_peers")] = None,
-    init_from: Annotated[Optional[Path], opt("Start a new run from the weights of a locomesh checkpoint (a checkpoint.pt a node wrote, or its --checkpoint-dir); used by --algorithm zo", TRAIN, "init_from")] = None,
+    init_from: Annotated[Optional[Path], opt("Start a new run from existing weights: a locomesh checkpoint (a checkpoint.pt a node wrote, or its --checkpoint-dir) or a Hugging Face Llama folder (config.json, model.safetensors, tokenizer.json; node export writes one). Joiners still take the swarm's state", TRAIN, "init_from")] = None,
     compression: Annotated[Optional[str], opt("Codec for pseudo-gradients: none, fp16, bf16, q8, q4, q2, int8-block, topk:64/4096+q2, dct:32/4096, rot2, topk:64/4096+rot2, seed:r=16 (default: none; topk:64/4096+q2 for sparseloco)", AVG, "compression")] = None,
     group_size: Annotated[Optional[int], opt("noloco: members per averaging group (default: 2)", AVG, "group_size")] = None,
     noloco_pull: Annotated[Optional[float], opt("noloco: γ, pull toward the group's mean weights (default: the outer lr)", AVG, "noloco_pull")] = None,
@@ -319,13 +320,13 @@ def probe_cmd(
 @app.command("eval")
 def eval_cmd(
     checkpoint: Annotated[Path, typer.Option(help="Checkpoint file written by a node (checkpoint.pt)")],
-    data: Annotated[Optional[Path], typer.Option(help="Evaluate on this text (file or folder) instead of the held-out split")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="Evaluate on this text (file or folder; tokenized with the checkpoint's tokenizer) or a token shard folder instead of the held-out split")] = None,
     weights: Annotated[str, typer.Option(help="theta (the node's last local weights) or phi (the swarm's agreed weights)")] = "theta",
     batches: Annotated[int, typer.Option(help="Evaluation batches (at most)", min=1)] = 64,
     batch_size: Annotated[int, typer.Option(help="Sequences per batch", min=1)] = 16,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
-    """Mean validation loss (nats per byte) of a saved checkpoint."""
+    """Held-out loss of a saved checkpoint: nats per token (per byte for byte models) and bits per byte."""
     from node.evaluate import evaluate_checkpoint
     from node.preflight import check_data
 
@@ -341,8 +342,9 @@ def eval_cmd(
     if as_json:
         print(json.dumps(result))
     else:
-        print(f"val loss {result['val_loss']:.4f} nats/byte ({result['val_loss'] / math.log(2):.3f} bits/byte) "
-              f"over {result['tokens']} bytes of {result['data']}, round {result['round']}")
+        unit = result["unit"]
+        print(f"val loss {result['loss']:.4f} nats/{unit} ({result['bits_per_byte']:.3f} bits/byte) over {result['tokens']} "
+              f"{unit}s{'' if unit == 'byte' else ' (' + str(result['bytes']) + ' bytes)'} of {result['data']}, round {result['round']}")
 
 
 @app.command("export")

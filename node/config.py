@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from node.errors import UserError
 
 ENV_PREFIX = "LOCOMESH_"
+FLAG_OF = {"model_config_file": "model_config"}  # fields whose flag differs (pydantic reserves model_config)
 
 
 class ConfigError(UserError, ValueError):
@@ -37,6 +38,8 @@ class NodeConfig(BaseModel):
     # training
     device: Literal["auto", "cpu", "cuda"] = "auto"
     model: str = "tiny"
+    model_config_file: Path | None = Field(None, description="--model-config: a Hugging Face LlamaConfig-style config.json: the architecture instead of --model")
+    context: int | None = Field(None, ge=8, le=131072, description="tokens per training sequence (default: the model's)")
     data: Path | None = None
     algorithm: Literal["diloco", "noloco", "sparseloco", "zo"] = "diloco"
     compression: str | None = Field(None, description="pseudo-gradient codec; default none, topk:64/4096+q2 for sparseloco")
@@ -63,7 +66,7 @@ class NodeConfig(BaseModel):
     aggregate: Literal["mean", "median-clip", "trimmed-mean"] = "mean"
     zo_eps: float = Field(1e-3, gt=0, le=1, description="zo: ε of the central difference (L(θ+εz) − L(θ−εz))/(2ε)")
     zo_lr: float = Field(1e-4, gt=0, le=1, description="zo: learning rate of each one-byte step θ ← θ − lr·ĝ·z")
-    init_from: Path | None = Field(None, description="start a new run from the weights of a locomesh checkpoint (checkpoint.pt or its folder)")
+    init_from: Path | None = Field(None, description="start a new run from the weights of a locomesh checkpoint (checkpoint.pt or its folder) or a Hugging Face model folder")
     min_peers: int = Field(1, ge=1, le=1024, description="zo: wait until this many peers (self included) are in the run before the first step, up to --join-timeout")
     join_timeout: float = Field(60.0, gt=0, description="how long a joiner keeps trying to download the swarm's state")
     stream_timeout: float = Field(30.0, gt=0, description="a peer that stalls mid-request this long is refused, seconds")
@@ -128,7 +131,15 @@ class NodeConfig(BaseModel):
     @classmethod
     def _init_from(cls, value: Path | None) -> Path | None:
         if value is not None and not Path(value).exists():
-            raise ValueError(f"{value} does not exist; give the checkpoint.pt a locomesh node wrote (or its --checkpoint-dir)")
+            raise ValueError(f"{value} does not exist; give the checkpoint.pt a locomesh node wrote (or its --checkpoint-dir), "
+                             "or a Hugging Face model folder (node export writes one)")
+        return value
+
+    @field_validator("model_config_file")
+    @classmethod
+    def _model_config(cls, value: Path | None) -> Path | None:
+        if value is not None and not Path(value).is_file():
+            raise ValueError(f"{value} is not a file; give a Hugging Face config.json (LlamaConfig fields)")
         return value
 
     @model_validator(mode="after")
@@ -149,17 +160,17 @@ class NodeConfig(BaseModel):
                                (self.compression not in (None, "none"), "--compression")):
                 if wrong:
                     raise ValueError(f"{why} does not apply to --algorithm zo (it sends one byte per step and never a model)")
-        elif self.init_from is not None:
-            raise ValueError("--init-from starts --algorithm zo runs; other algorithms start from --init-seed or a checkpoint in --checkpoint-dir")
         elif self.min_peers > 1:
             raise ValueError("--min-peers is used by --algorithm zo; other algorithms start at once and let peers join")
         if self.overlap_mode == "eager" and self.algorithm == "noloco":
             raise ValueError("--overlap-mode eager estimates a group average: use it with diloco or sparseloco")
         if self.fragments > 1 and self.algorithm == "noloco":
             raise ValueError("--fragments works with diloco and sparseloco; noloco sends whole models (use --fragments 1)")
-        from swarm.model import PRESETS
-
-        layers = PRESETS[self.model].n_layer
+        if self.stages > 1 and self.init_from is not None:
+            raise ValueError("--init-from starts whole-model replicas (--stages 1); a pipeline's stages start from the run's seed")
+        if self.model_config_file is not None and self.init_from is not None:
+            raise ValueError("--init-from a folder brings its own architecture: leave out --model-config")
+        layers = self._layers()
         if self.stages > layers:
             raise ValueError(f"--stages {self.stages}: model {self.model!r} has only {layers} blocks to split")
         if self.stage is not None and self.stage >= self.stages:
@@ -172,6 +183,20 @@ class NodeConfig(BaseModel):
         if self.fragments > steps:
             raise ValueError(f"--fragments {self.fragments} needs at least as many inner steps per round, got {steps}")
         return self
+
+    def _layers(self) -> int:
+        """Transformer blocks of the architecture in force (a config file that cannot be read is refused later, with its reason)."""
+        from swarm.model import PRESETS, config_from_hf
+
+        source = self.model_config_file
+        if source is None and self.init_from is not None and (Path(self.init_from) / "config.json").is_file():
+            source = Path(self.init_from) / "config.json"
+        if source is not None:
+            try:
+                return config_from_hf(source).n_layer
+            except (ValueError, OSError):
+                return 1_000_000
+        return PRESETS[self.model].n_layer
 
     @property
     def codec(self) -> str:
@@ -248,7 +273,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     table = raw.get("node", raw)
-    return {k.replace("-", "_"): v for k, v in table.items()}
+    options = {k.replace("-", "_"): v for k, v in table.items()}
+    return {next((f for f, flag in FLAG_OF.items() if flag == k), k): v for k, v in options.items()}
 
 
 def load_config(flags: dict[str, Any], config_file: Path | None = None) -> NodeConfig:
@@ -261,7 +287,7 @@ def load_config(flags: dict[str, Any], config_file: Path | None = None) -> NodeC
         return NodeConfig(**merged)
     except ValidationError as e:
         problems = "; ".join(
-            (f"--{'.'.join(str(x) for x in err['loc'][:1]).replace('_', '-')}: " if err["loc"] else "") + err["msg"].removeprefix("Value error, ")
+            (f"--{FLAG_OF.get(str(err['loc'][0]), str(err['loc'][0])).replace('_', '-')}: " if err["loc"] else "") + err["msg"].removeprefix("Value error, ")
             for err in e.errors()
         )
         raise ConfigError(f"invalid configuration: {problems}") from None

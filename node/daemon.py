@@ -43,7 +43,6 @@ from node import __version__
 from node.base import HEARTBEAT_S, RECORD_TTL_S, NodeBase
 from node.checkpoint import CHECKPOINT_NAME, save_atomic
 from node.config import NodeConfig
-from node.data import ByteBatches
 from node.joiner import Joiner, JoinRefused
 from node.network import Interrupted
 from node.resume import ResumeRefused, check_resumable
@@ -72,9 +71,12 @@ class Daemon(NodeBase):
 
     def run(self) -> int:
         cfg = self.cfg
-        device, model_cfg, corpus = self._prepare_local()
+        device, model_cfg, work = self._prepare_local()
         self.trainer = LocalTrainer(model_cfg, device, cfg.lr, cfg.weight_decay, cfg.warmup_steps, seed=cfg.model_seed,
                                     **self._trainer_options())
+        if work.init_weights is not None:  # a joiner still takes the swarm's state, a resumed node its checkpoint
+            self.trainer.load_weights(work.init_weights)
+            self.event("init_from", checkpoint=work.init_source)
         self.placement = OuterPlacement.choose(device, cfg.outer_device)  # φ, and the outer momentum with it
         self.phi = self.placement.copy_of(self.trainer.parameters())
         self._start_throughput(device, model_cfg)
@@ -92,14 +94,14 @@ class Daemon(NodeBase):
         if not self._start_network():
             return 2
         try:
-            return self._run_joined(corpus, device)
+            return self._run_joined(work, device)
         finally:
             self.net.shutdown()
             self.summary.state = "stopped"
             self._write_info()
             logger.info("stopped cleanly")
 
-    def _run_joined(self, corpus: Any, device: torch.device) -> int:
+    def _run_joined(self, work: Any, device: torch.device) -> int:
         cfg, net = self.cfg, self.net
         assert net.transport is not None and net.dht is not None and net.p2p is not None
         peer_id = net.transport.peer_id
@@ -109,7 +111,7 @@ class Daemon(NodeBase):
                               noloco=cfg.algorithm == "noloco")
         self.summary.multiaddrs = self._own_multiaddrs()
         self.metrics.info.labels(peer_id, cfg.run_id, device.type, cfg.model, cfg.algorithm, cfg.codec, __version__).set(1)
-        self.batches = ByteBatches(corpus.train, cfg.batch_size, self.trainer.model.cfg.context, seed=cfg.seed)
+        self.batches = work.train_batches(cfg.batch_size, cfg.seed)
 
         self.exchange = RoundExchange(net.transport, cfg.run_id, self.plan.wire(), self.plan.layout, serve_timeout=cfg.averaging_timeout * 2)
         self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.inner_step)
@@ -332,8 +334,8 @@ class Daemon(NodeBase):
         if self.cfg.checkpoint_dir is not None:
             self._save_checkpoint()
         if self.cfg.eval_every and self.summary.outer_rounds % self.cfg.eval_every == 0 and result.in_sync:
-            record["val_loss"] = self.summary.val_loss = self.trainer.evaluate(self.val)
-            self.metrics.val_loss.set(self.summary.val_loss)
+            self._record_val_loss(self.trainer.evaluate(self.val))
+            record["val_loss"] = self.summary.val_loss
         self._record_throughput(inner_tokens_per_s=self._inner_rate())
         self._write_info()
         logger.info("round %d done: %d/%d peers averaged in %.2fs (waited %.2fs), loss %.3f",
@@ -388,6 +390,8 @@ class Daemon(NodeBase):
             "inner_optimizer": self.trainer.optimizer.state_dict(),
             "data_order": self.batches.state_dict(),
         }
+        if self.workload.tokenizer_json is not None:
+            state["tokenizer"] = self.workload.tokenizer_json  # node eval and node export need nothing else
         path = save_atomic(state, Path(self.cfg.checkpoint_dir) / CHECKPOINT_NAME)
         self.summary.checkpoint = str(path)
         self.metrics.checkpoints.inc()
@@ -402,8 +406,7 @@ class Daemon(NodeBase):
             self.net.call(self._heartbeat(), timeout=10)
         except Exception as e:
             logger.info("could not announce leaving: %s", e)
-        self.summary.val_loss = self.trainer.evaluate(self.val)
-        self.metrics.val_loss.set(self.summary.val_loss)
+        self._record_val_loss(self.trainer.evaluate(self.val))
         if self.cfg.checkpoint_dir is not None:
             self._save_checkpoint()
         logger.info("final: %d steps, %d outer rounds, train loss %.3f → %.3f, val loss %.3f",

@@ -150,7 +150,7 @@ def _write_folder(folder: Path, cfg: LlamaConfig, tensors: dict[str, torch.Tenso
     _write_json(folder / "config.json", hf_config(cfg, bos_id, eos_id))
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt", **{f"locomesh_{k}": v for k, v in provenance.items()}})
     _fsync(folder / "model.safetensors")
-    _write_json(folder / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id, "max_length": cfg.context})
+    _write_json(folder / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})  # no max_length: it would clash with a caller's max_new_tokens
     if tokenizer:
         (folder / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
         _fsync(folder / "tokenizer.json")

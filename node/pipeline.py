@@ -47,7 +47,7 @@ from node.status_service import StatusService
 from node.trainer import pick_device
 from protocol.records import PeerRecord
 from swarm.claims import claim_stage
-from swarm.model import preset
+from node.workload import load_workload
 from swarm.stage_map import choose_role
 from swarm.rebalance import plan_move
 from swarm.service import StageService
@@ -83,7 +83,8 @@ class PipelineNode(NodeBase):
             torch.set_num_threads(cfg.threads)
         random.seed(cfg.seed)
         self.device = pick_device(cfg.device)
-        self.model_cfg = preset(cfg.model)
+        self.workload = load_workload(cfg)  # the vocabulary of token shards sizes the embeddings and head
+        self.model_cfg = self.workload.model_cfg
         self.started = time.monotonic()
         if not self._start_network():
             return 2
@@ -141,7 +142,7 @@ class PipelineNode(NodeBase):
         if self.role == "spare":
             self._wait_as_spare()
         if self.stage is None and self.role == "trainer":
-            self.trainer = PipelineTrainer(cfg, self.model_cfg, net, self.metrics, self.summary, self.event, self.stop,
+            self.trainer = PipelineTrainer(cfg, self.workload, net, self.metrics, self.summary, self.event, self.stop,
                                            self._deadline_reached, self._heartbeat, self._write_info)
             self.trainer.run()
         elif self.stage is not None:

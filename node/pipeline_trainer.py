@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 
 from node.base import RECORD_TTL_S, Summary
 from node.config import NodeConfig
-from node.data import ByteBatches, load_corpus, validation_batches
+from node.workload import Workload
 from node.metrics import NodeMetrics
 from node.network import NetworkThread
 from swarm.model import ModelConfig
@@ -34,24 +34,24 @@ class PipelineTrainer:
     :param write_info: rewrites the node's ``--info-file``
     """
 
-    def __init__(self, cfg: NodeConfig, model_cfg: ModelConfig, net: NetworkThread, metrics: NodeMetrics, summary: Summary,
+    def __init__(self, cfg: NodeConfig, workload: Workload, net: NetworkThread, metrics: NodeMetrics, summary: Summary,
                  event: Callable[..., None], stop: threading.Event, done: Callable[[], bool],
                  announce: Callable[[], Awaitable[None]], write_info: Callable[[], None]) -> None:
-        self.cfg, self.model_cfg, self.net, self.metrics, self.summary = cfg, model_cfg, net, metrics, summary
+        self.cfg, self.workload, self.net, self.metrics, self.summary = cfg, workload, net, metrics, summary
+        self.model_cfg: ModelConfig = workload.model_cfg
         self.event, self.stop, self.done, self.announce, self.write_info = event, stop, done, announce, write_info
         self.router = Router(seed=cfg.seed, ban_s=RECORD_TTL_S)
         self.throughput = 0.0  # tokens/s over the last window
         self.last_loss = math.nan
-        self.tokens_per_step = cfg.batch_size * model_cfg.context
+        self.tokens_per_step = cfg.batch_size * self.model_cfg.context
         self.client: PipelineClient | None = None
         self.val: list = []
         self.waiting: dict[str, Any] | None = None  # the wait for an unserved stage in progress
 
     def run(self) -> None:
         cfg = self.cfg
-        corpus = load_corpus(str(cfg.data) if cfg.data else None, context=self.model_cfg.context)
-        self.val = validation_batches(corpus.val, cfg.batch_size, self.model_cfg.context, max_batches=cfg.eval_batches)
-        batches = ByteBatches(corpus.train, cfg.batch_size, self.model_cfg.context, seed=cfg.seed)
+        self.val = self.workload.val
+        batches = self.workload.train_batches(cfg.batch_size, cfg.seed)
         client = self.client = PipelineClient(self.net.transport, cfg.run_id, cfg.stages, self.router, cfg.activation_compression,
                                               timeout=cfg.averaging_timeout, plus=cfg.checkfree_plus)
         self._wait_for_stages()
@@ -72,7 +72,7 @@ class PipelineTrainer:
             for w in workers:
                 w.cancel()
 
-    async def _microbatch_loop(self, client: PipelineClient, batches: ByteBatches) -> None:
+    async def _microbatch_loop(self, client: PipelineClient, batches: Any) -> None:
         """One pipeline in flight: a microbatch goes through every stage; a failed one is retried the
         same, with backoff while a stage has no server (one log line and one event per wait)."""
         while not self.stop.is_set():

@@ -12,14 +12,17 @@ from typing import Any
 from node.config import NodeConfig
 
 SETTINGS_FLAGS = {"run_id": "--run-id", "model": "--model", "algorithm": "--algorithm", "compression": "--compression",
-                  "fragments": "--fragments", "stages": "--stages"}
-SWARM_KEYS = ("model", "algorithm", "compression", "fragments")  # in a state download's meta (the run id is the request's)
+                  "fragments": "--fragments", "stages": "--stages", "tokenizer": "--data with tokenizer"}
+SWARM_KEYS = ("model", "algorithm", "compression", "fragments", "tokenizer")  # in a state download's meta (the run id is the request's)
 
 
 def run_settings(cfg: NodeConfig) -> dict[str, Any]:
-    """What shapes the training run: peers and checkpoints with other values cannot be mixed."""
-    return {"run_id": cfg.run_id, "model": cfg.model, "algorithm": cfg.algorithm, "compression": cfg.codec,
-            "fragments": cfg.fragments, "stages": cfg.stages}
+    """What shapes the training run: peers and checkpoints with other values cannot be mixed (the model is
+    its preset's name or a digest of its architecture file; the tokenizer ``bytes`` or its hash)."""
+    from node.workload import identity
+
+    return {"run_id": cfg.run_id, "algorithm": cfg.algorithm, "compression": cfg.codec, "fragments": cfg.fragments,
+            "stages": cfg.stages, **identity(cfg)}
 
 
 def settings_from_saved_config(config: dict[str, Any]) -> dict[str, Any]:

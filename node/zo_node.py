@@ -41,9 +41,8 @@ from gossip.zo import apply_codes, encode_grad, expand, majority, pack_codes, sp
 from gossip.zo_exchange import CodeExchange, CodeSet, LogEntry, Position, members_digest
 from node import __version__
 from node.base import HEARTBEAT_S, RECORD_TTL_S, NodeBase
-from node.checkpoint import CHECKPOINT_NAME, load, save_atomic
+from node.checkpoint import CHECKPOINT_NAME, save_atomic
 from node.config import NodeConfig
-from node.data import ByteBatches
 from node.errors import UserError
 from node.joiner import JoinRefused
 from node.network import Interrupted
@@ -53,32 +52,11 @@ from node.status_service import StatusService
 from node.trainer import LocalTrainer
 from node.zo_joiner import ZO_KEYS, Replica, ZOJoiner
 from protocol.records import PeerRecord, RoundEntry
-from swarm.model import PRESETS, ModelConfig
 
 logger = logging.getLogger("locomesh.node")
 SNAPSHOT_EVERY = 4  # rounds between published weight snapshots (joiners replay the log since)
 LOG_ROUNDS = 16  # applied rounds kept for joiners (and every round since the snapshot)
 LINGER_S = 5.0
-
-
-def load_init_weights(path: Path, model: ModelConfig) -> tuple[list[torch.Tensor], Path]:
-    """The weights of a locomesh checkpoint for ``--init-from`` (``phi``, else ``theta``); raises :class:`UserError`."""
-    file = Path(path) / CHECKPOINT_NAME if Path(path).is_dir() else Path(path)
-    hint = "give the checkpoint.pt a locomesh node wrote (or its --checkpoint-dir)"
-    if not file.is_file():
-        raise UserError(f"--init-from {path}: no checkpoint at {file}; {hint}")
-    try:
-        state = load(file)
-    except ValueError as e:
-        raise UserError(f"--init-from {path}: {e}") from None
-    weights = state.get("phi", state.get("theta"))
-    if not isinstance(weights, list) or not isinstance(state.get("model_config"), dict):
-        raise UserError(f"--init-from {path}: {file} holds no model weights; {hint}")
-    if state["model_config"] != model.to_dict():
-        names = [n for n, c in PRESETS.items() if c.to_dict() == state["model_config"]]
-        raise UserError(f"--init-from {path} holds a {' / '.join(names) or 'custom'} model, not this --model; "
-                        f"pass --model {names[0] if names else 'matching the checkpoint'}")
-    return [t.float() for t in weights], file
 
 
 class ZONode(NodeBase):
@@ -94,11 +72,11 @@ class ZONode(NodeBase):
 
     def run(self) -> int:
         cfg = self.cfg
-        device, model_cfg, corpus = self._prepare_local()
+        device, model_cfg, work = self._prepare_local()
         self.trainer = LocalTrainer(model_cfg, device, cfg.lr, seed=cfg.model_seed, compile=cfg.compile)
         self.trainer.model.eval()  # never trained by backprop: no gradients, no optimizer state
         self.params = self.rep.params = self.trainer.parameters()
-        self.batches = ByteBatches(corpus.train, cfg.batch_size, model_cfg.context, seed=cfg.seed)
+        self.batches = work.train_batches(cfg.batch_size, cfg.seed)
         try:
             checkpoint = check_resumable(cfg.checkpoint_dir, run_settings(cfg), cfg.fresh) if cfg.checkpoint_dir else None
         except ResumeRefused as e:
@@ -106,10 +84,9 @@ class ZONode(NodeBase):
             return 2
         if checkpoint is not None:
             self._resume(*checkpoint)
-        elif cfg.init_from is not None:
-            weights, path = load_init_weights(cfg.init_from, model_cfg)
-            self.trainer.load_weights(weights)
-            self.event("init_from", checkpoint=str(path))
+        elif work.init_weights is not None:
+            self.trainer.load_weights(work.init_weights)
+            self.event("init_from", checkpoint=work.init_source)
         self.fp = fingerprint(self.params)
         self._set_position()
         self.started = time.monotonic()
@@ -285,8 +262,8 @@ class ZONode(NodeBase):
         if cfg.checkpoint_dir is not None:
             self._save_checkpoint()
         if cfg.eval_every and record["matched"] and self.summary.outer_rounds % cfg.eval_every == 0:
-            record["val_loss"] = self.summary.val_loss = self.trainer.evaluate(self.val)
-            m.val_loss.set(self.summary.val_loss)
+            self._record_val_loss(self.trainer.evaluate(self.val))
+            record["val_loss"] = self.summary.val_loss
         self.summary.rounds.append(record)
         self._write_info()
         how = "came late: took the others' round" if record["late"] else "in sync" if record["matched"] else "resynced"
@@ -361,6 +338,8 @@ class ZONode(NodeBase):
             "phi": weights, "theta": weights, "zo": {k: getattr(self.cfg, k) for k in ZO_KEYS},
             "data_order": self.batches.state_dict(),
         }
+        if self.workload.tokenizer_json is not None:
+            state["tokenizer"] = self.workload.tokenizer_json
         self.summary.checkpoint = str(save_atomic(state, Path(self.cfg.checkpoint_dir) / CHECKPOINT_NAME))
         self.metrics.checkpoints.inc()
 
@@ -382,8 +361,7 @@ class ZONode(NodeBase):
             self.net.call(self._heartbeat(), timeout=5)
         except Exception as e:
             logger.info("could not announce leaving: %s", e)
-        self.summary.val_loss = self.trainer.evaluate(self.val)
-        self.metrics.val_loss.set(self.summary.val_loss)
+        self._record_val_loss(self.trainer.evaluate(self.val))
         if self.cfg.checkpoint_dir is not None:
             self._save_checkpoint()
         logger.info("final: %d steps, %d rounds, train loss %.3f → %.3f, val loss %.3f", self.summary.steps,

@@ -101,9 +101,10 @@ def test_a_traceback_only_with_debug_logging():
 
 def test_help_reads_whole_at_80_columns():
     from node.cli import join_flags
+    from node.config import FLAG_OF
 
-    commands = ["join", "swarm", "status", "probe", "eval", "doctor"]
-    results = batch([[cmd, "--help"] for cmd in commands], env={**ENV, "COLUMNS": "80"})
+    commands = ["join", "swarm", "status", "probe", "eval", "doctor", "export", "data", "data tokenizer", "data prepare"]
+    results = batch([[*cmd.split(), "--help"] for cmd in commands], env={**ENV, "COLUMNS": "80"})
     for cmd, result in zip(commands, results):
         assert result["code"] == 0, (cmd, result["stderr"])
         text = result["stdout"]
@@ -113,8 +114,9 @@ def test_help_reads_whole_at_80_columns():
     for name in join_flags.__annotations__:
         if name in ("config", "return"):
             continue
-        assert f"--{name.replace('_', '-')}" in join_help, name
-        assert f"LOCOMESH_{name.upper()}" in join_help, name
+        flag = FLAG_OF.get(name, name)
+        assert f"--{flag.replace('_', '-')}" in join_help, name
+        assert f"LOCOMESH_{flag.upper()}" in join_help, name
 
 
 def test_a_second_daemon_on_one_checkpoint_folder_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path, nodes):

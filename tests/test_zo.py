@@ -361,7 +361,7 @@ def test_init_from_takes_a_checkpoints_weights_and_names_every_mistake(tmp_path)
     from node.checkpoint import save_atomic
     from node.config import load_config
     from node.errors import UserError
-    from node.zo_node import load_init_weights
+    from node.workload import load_init_weights
 
     nano = preset("nano")
     weights = [p.detach().clone() for p in GPT(nano).parameters()]
@@ -378,5 +378,5 @@ def test_init_from_takes_a_checkpoints_weights_and_names_every_mistake(tmp_path)
     for where, needle in ((tmp_path / "empty", "no checkpoint at"), (garbage, "not a readable locomesh checkpoint")):
         with pytest.raises(UserError, match=needle):
             load_init_weights(where, nano)
-    with pytest.raises(UserError, match="holds a nano model, not this --model; pass --model nano"):
+    with pytest.raises(UserError, match="holds a nano model, not this one; pass --model nano"):
         load_init_weights(path, preset("tiny"))
