@@ -69,3 +69,26 @@ def prepare_cmd(
     reused = f", {len(m.skipped)} reused" if m.skipped else ""
     print(f"prepared {out}: {', '.join(parts)}, {m.dtype}, vocabulary {m.vocab_size:,}{reused}, "
           f"{time.monotonic() - t0:.1f} s")
+
+
+@data_app.command("corpus")
+def corpus_cmd(
+    out: Annotated[Path, typer.Option("--out", help="Folder to write: train/ and val/ with one .txt file per play")] = Path("shakespeare"),
+) -> None:
+    """Write the embedded Shakespeare corpus as text files, to try the token pipeline with nothing to download.
+
+    val/ holds the plays the byte-level demo holds out, so `node eval --data OUT/val` scores a
+    tokenized model on the same text as the byte GPT (compare bits per byte).
+    """
+    from node.data import load_embedded_corpus
+    from node.errors import UserError
+    from node.tokenizer import atomic_write_bytes
+
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out} is not empty; give a new folder")
+    corpus = load_embedded_corpus()
+    for split, docs in (("train", corpus.train_docs), ("val", corpus.val_docs)):
+        (out / split).mkdir(parents=True, exist_ok=True)
+        for i, text in enumerate(docs):
+            atomic_write_bytes(out / split / f"{i:02d}.txt", text.encode("utf-8"))
+    print(f"wrote {out}: {len(corpus.train_docs)} plays in train/, {len(corpus.val_docs)} in val/")

@@ -84,6 +84,20 @@ def test_an_architecture_file_replaces_the_preset_and_must_fit_the_tokenizer(sha
         load_config({"model_config_file": path, "stages": 3})
 
 
+def test_the_embedded_corpus_is_written_as_text_with_the_demo_held_out_plays(tmp_path: Path) -> None:
+    from node.data import load_embedded_corpus
+
+    out = subprocess.run([sys.executable, "-m", "node", "data", "corpus", "--out", str(tmp_path / "plays")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    corpus = load_embedded_corpus()
+    assert sorted(p.read_text() for p in (tmp_path / "plays" / "val").iterdir()) == sorted(corpus.val_docs)
+    assert len(list((tmp_path / "plays" / "train").iterdir())) == len(corpus.train_docs)
+    again = subprocess.run([sys.executable, "-m", "node", "data", "corpus", "--out", str(tmp_path / "plays")],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and again.stderr.strip().startswith("error: ") and len(again.stderr.strip().splitlines()) == 1
+
+
 def test_mismatches_are_one_line_errors(shards: Path, tmp_path: Path) -> None:
     with pytest.raises(UserError, match="--model-config: .*is not a file"):
         load_config({"model_config_file": tmp_path / "missing.json"})
