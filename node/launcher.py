@@ -326,6 +326,7 @@ class SwarmLauncher:
                 "train_loss_first": info.get("train_loss_first"),
                 "train_loss_last": info.get("train_loss_last"),
                 "val_loss": info.get("val_loss"),
+                "val_bits_per_byte": info.get("val_bits_per_byte"),
                 "bytes_sent": info.get("bytes_sent", 0),
                 "bytes_received": info.get("bytes_received", 0),
                 "bytes_sent_by_kind": info.get("bytes_sent_by_kind", {}),

@@ -382,6 +382,8 @@ class PipelineNode(NodeBase):
         self.recoverer.observe(peers)
         if self.stage is None and self.trainer is not None:
             for s, members in enumerate(self._stage_map(peers)):
+                for gone in sorted(set(self.trainer.router.peers(s)) - set(members)):
+                    self.event("stage_peer_gone", stage=s, peer=gone)  # left the DHT: no longer routed to
                 self.trainer.router.update(s, members)
 
     def _trainer_throughput(self) -> float:

@@ -51,6 +51,11 @@ def test_pipeline_trains_replicas_agree_and_a_killed_replica_is_routed_around(tm
         assert info["val_loss"] < 3.5
         kinds = [e["event"] for e in info["events"]]
         assert "step_failed" not in kinds[kinds.index("rerouted") if "rerouted" in kinds else 0:], "another replica took over"
-    assert any(e["event"] == "rerouted" for t in (t0, t1) for e in t.info()["events"]), "the dead replica's calls were retried elsewhere"
+    # routed around either way: a call that reached the dead replica was retried elsewhere, or its DHT
+    # record expired before any trainer chose it again (seen once under a loaded make test)
+    dead = s1b.info()["peer_id"]
+    events = [e for t in (t0, t1) for e in t.info()["events"]]
+    assert any(e["event"] == "rerouted" or (e["event"] == "stage_peer_gone" and e["peer"] == dead) for e in events), \
+        "the dead replica's calls were retried elsewhere or it was dropped when its record expired"
     last = s1a.info()
     assert last["train_loss_last"] < last["train_loss_first"]
