@@ -244,9 +244,12 @@ class PipelineNode(NodeBase):
         cfg = self.cfg
         pending = None
         next_rebalance = time.monotonic() + cfg.rebalance_period
-        last_steps = 0
+        last_steps, info_written = 0, time.monotonic()
         while not self.stop.is_set() and not self._deadline_reached():
             time.sleep(0.1)
+            if time.monotonic() - info_written >= HEARTBEAT_S:  # --info-file stays as fresh as the DHT record
+                self._write_info()
+                info_written = time.monotonic()
             worker = self.worker
             if worker is None:
                 continue

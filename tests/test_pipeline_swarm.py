@@ -6,8 +6,10 @@ goes on and no microbatch is lost (a step only counts once every stage ran it).
 """
 
 import os
+import time
 import signal
 
+from node.base import HEARTBEAT_S, RECORD_TTL_S
 from tests.swarm_utils import start_node
 
 PIPE = ["--model", "nano", "--batch-size", "8", "--threads", "1", "--warmup-steps", "10", "--eval-batches", "4",
@@ -37,6 +39,7 @@ def test_pipeline_trains_replicas_agree_and_a_killed_replica_is_routed_around(tm
     trained_before = {t.name: t.info()["steps"] for t in (t0, t1)}
     for trainer in (t0, t1):
         trainer.wait(lambda i, n=trained_before[trainer.name]: i.get("steps", 0) >= max(60, n + 40), 240, "60 pipeline steps")
+    time.sleep(2 * HEARTBEAT_S)  # a server's --info-file is rewritten every heartbeat: let both catch up
     for a, b in ((s0a, s0b), (s1a, s1b)):  # every replica gets work: at least a quarter of its fair share
         served = [a.info()["steps"] - served_before[a.name], b.info()["steps"] - served_before[b.name]]
         assert min(served) >= 0.25 * sum(served) / 2, served
@@ -53,6 +56,9 @@ def test_pipeline_trains_replicas_agree_and_a_killed_replica_is_routed_around(tm
         assert all(x["fingerprint"] == y["fingerprint"] for x, y in joint), ("replicas of a stage agree after averaging", joint)
 
     os.killpg(s1b.process.pid, signal.SIGKILL)
+    # by the time its record has expired, a trainer has either called the dead replica (and retried
+    # elsewhere) or dropped it; only then count steps (a trainer's --info-file may lag by dozens of steps)
+    time.sleep(RECORD_TTL_S + 2 * HEARTBEAT_S)
     before = {t.name: t.info()["steps"] for t in (t0, t1)}
     for trainer in (t0, t1):
         trainer.wait(lambda i, n=before[trainer.name]: i.get("steps", 0) >= n + 40, 180, "40 steps after the kill")
