@@ -19,6 +19,7 @@ import torch
 
 from compression.errors import CodecError
 from compression.payload import Payload
+from compression.seeds import seed_for_encode
 
 if TYPE_CHECKING:
     from compression.feedback import ErrorFeedback
@@ -47,18 +48,22 @@ class Codec(ABC):
     @abstractmethod
     def _decode(self, payload: Payload) -> torch.Tensor: ...
 
-    def encode(self, tensor: torch.Tensor, state: "ErrorFeedback | None" = None) -> Payload:
+    def encode(self, tensor: torch.Tensor, state: "ErrorFeedback | None" = None, seed: int | None = None) -> Payload:
         """Compress ``tensor``; with ``state``, compress the error-feedback residual instead.
 
         With ``state`` (decay β, buffer e): e' = β·e + tensor; payload = encode(e');
         e ← e' − decode(payload). The buffer is only updated when encoding succeeds.
+        ``seed`` is the payload seed shared-seed codecs draw from (:func:`compression.seeds.payload_seed`);
+        codecs without randomness ignore it.
         Raises ``ValueError`` for non-floating or non-finite input.
         """
         x = as_input(tensor)
         if state is None:
-            return self._encode(x)
+            with seed_for_encode(seed):
+                return self._encode(x)
         residual = state.accumulate(x)
-        payload = self._encode(residual)
+        with seed_for_encode(seed):
+            payload = self._encode(residual)
         state.commit(residual, self._decode(payload))
         return payload
 

@@ -23,8 +23,9 @@ So the codec is contractive, as error feedback needs. On Gaussian input the norm
 ‖x̂ − x‖²/‖x‖² is the Lloyd–Max distortion: 0.363 (1 bit), 0.118 (2), 0.0095 (4), 4·10⁻⁵ (8);
 heavy-tailed inputs (Student-t(2)) do no worse.
 
-Wire: ``seed`` (an int in [0, 2⁶³), hashed from the value count and a sample of the values, so one
-tensor always encodes to the same bytes), ``scales`` (one float32 per block) and ``codes`` (packed B-bit
+Wire: ``seed`` (an int in [0, 2⁶³): the payload seed the caller requested, derived from (run, round,
+peer, part) by :mod:`compression.seeds`; without one, hashed from the value count and a sample of the
+values, so one tensor always encodes to the same bytes), ``scales`` (one float32 per block) and ``codes`` (packed B-bit
 codes, :mod:`compression.bitpack`): B + 32/1024 bits per value plus a ~120-byte header. The levels are
 computed once per process in float64 and rounded to 6 decimals, so every peer holds the same table.
 
@@ -54,11 +55,11 @@ from compression.errors import CodecError
 from compression.flat import flat_float32
 from compression.hadamard import block_size, generator, padded_length, signs_from, walsh_hadamard
 from compression.payload import Payload
+from compression.seeds import MAX_SEED, requested_seed
 from compression.wire import owned_tensor_map, read_scalar, read_tensor
 
 BITS = (1, 2, 4, 8)
 CHUNK = 1 << 18  # values per pass: a multiple of every block size and of 64
-MAX_SEED = (1 << 63) - 1
 _GRID_STEP = 1.0 / 1024  # cell width of the 4- and 8-bit lookup grid, in units of the block's RMS
 _LLOYD_ITERATIONS = 500
 _SEED_SAMPLE = 8192  # values hashed into the seed
@@ -295,7 +296,9 @@ def rotate_quantize(flat: torch.Tensor, bits: int) -> Rotated:
     table = _table(bits)
     n = flat.numel()
     b, padded = block_size(n), padded_length(n)
-    seed = derive_seed(flat)  # NaN/Inf reach the block norms through the rotation: refused there
+    seed = requested_seed()
+    if seed is None:
+        seed = derive_seed(flat)  # NaN/Inf reach the block norms through the rotation: refused there
     packed = memory.empty(packed_size(padded, bits), torch.uint8)
     buf, fit = _Buffers(min(CHUNK, padded)), _Fit(padded // b, b)
     for index, start in enumerate(range(0, padded, CHUNK)):

@@ -21,7 +21,8 @@ numbers and multiply-adds per encode (and per decode), linear in d; R ≤ ``MAX_
 Rademacher, 16 Gaussian directions) keeps one call on 1.6M values at 0.1–0.5 s on one thread. Wire:
 32·R/4096 bits per value for the coefficients plus a 16-bit count per block.
 
-Reproducibility: block j's generator is seeded with ``stream_seed(seed, j)``
+Reproducibility: the payload seed is the one the caller requested (:func:`compression.seeds.payload_seed`
+of run, round, peer and part), else ``seed_source``'s; block j's generator is seeded with ``stream_seed(seed, j)``
 (:mod:`compression.hadamard`); directions are drawn row after row in slabs of at most ``SLAB``
 numbers, so work is bounded per step and the same seed gives bit-identical directions in any process
 (given the same torch build: peers pin one version).
@@ -41,13 +42,13 @@ from compression.errors import CodecError
 from compression.flat import flat_float32
 from compression.hadamard import generator, signs_from
 from compression.payload import Payload
+from compression.seeds import MAX_SEED, requested_seed
 from compression.wire import owned_tensor_map, read_scalar, read_tensor
 
 BLOCK = 4096
 MAX_DIRECTIONS = {"rademacher": 64, "gaussian": 16}  # a Gaussian draw costs ~10× a random sign
 SLAB = 1 << 18  # random numbers drawn per step
 DISTRIBUTIONS = ("rademacher", "gaussian")
-MAX_SEED = (1 << 63) - 1
 
 
 def block_count(d: int) -> int:
@@ -110,7 +111,7 @@ class SeedProjection(Codec):
 
     :param r: average directions per block (R), 1 ≤ R ≤ ``MAX_DIRECTIONS[dist]`` (64, or 16 for gaussian)
     :param dist: ``"rademacher"`` (±1 entries, default) or ``"gaussian"`` (about 10× slower to draw)
-    :param seed_source: draws a fresh seed per encode (default: the OS CSPRNG); tests may fix it
+    :param seed_source: draws a seed for an encode that was not given one (default: the OS CSPRNG)
     """
 
     def __init__(self, r: int, dist: str = "rademacher", seed_source: Callable[[], int] | None = None) -> None:
@@ -131,7 +132,8 @@ class SeedProjection(Codec):
     def _encode(self, x: torch.Tensor) -> Payload:
         flat = flat_float32(x)
         d = flat.numel()
-        seed = int(self.seed_source())
+        requested = requested_seed()
+        seed = int(self.seed_source()) if requested is None else requested
         if not 0 <= seed <= MAX_SEED:
             raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
         norms = _block_norms(flat)

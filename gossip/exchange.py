@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from compression import CodecError, ErrorFeedback, Payload, get_codec
+from compression.seeds import payload_seed
 from protocol import ids
 from protocol.errors import ProtocolError, SchemaError
 from protocol.frames import FramedStream, require
@@ -118,7 +119,8 @@ class RoundExchange:
         blobs, decoded = [], []
         for i, (part, spec) in enumerate(zip(parts, specs)):
             codec = get_codec(spec.codec)
-            payload = codec.encode(part, state=feedback[i] if feedback else None)
+            seed = payload_seed(self.run_id, round_no, self.transport.peer_id, i)
+            payload = codec.encode(part, state=feedback[i] if feedback else None, seed=seed)
             blobs.append(payload.to_bytes())
             decoded.append(codec.decode(payload))
         return blobs, decoded
