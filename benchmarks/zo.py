@@ -116,13 +116,13 @@ def held_out_loss(checkpoint: Path, text: Path, s: Settings) -> float:
     return trainer.evaluate(validation_batches(corpus.val, s.batch_size, cfg.context, max_batches=s.eval_batches))
 
 
-def fine_tune(s: Settings, run_dir: Path, checkpoint: Path, text: Path, peers: int) -> dict[str, Any]:
+def fine_tune(s: Settings, run_dir: Path, checkpoint: Path, text: Path, peers: int, pool: int = 0) -> dict[str, Any]:
     common = ["--algorithm", "zo", "--model", "nano", "--data", str(text), "--init-from", str(checkpoint),
               "--batch-size", str(s.batch_size), "--inner-steps", str(s.inner_steps), "--threads", str(s.threads),
               "--zo-lr", str(s.zo_lr), "--zo-eps", str(s.zo_eps), "--eval-batches", str(s.eval_batches), "--eval-every", "0",
               "--max-steps", str(s.steps), "--min-peers", str(peers), "--join-timeout", "600", "--averaging-timeout", "60",
-              "--run-id", f"bench-zo-{peers}"]
-    folder = run_dir / f"peers{peers}"
+              "--run-id", f"bench-zo-{peers}-{pool}", "--zo-seed-pool", str(pool)]
+    folder = run_dir / (f"peers{peers}" + (f"-pool{pool}" if pool else ""))
     started = time.time()
     procs, infos = [], []
     first, info0 = _node(folder, "n0", [*common, "--seed", "0", "--metrics-port", str(free_port())])
@@ -147,7 +147,7 @@ def fine_tune(s: Settings, run_dir: Path, checkpoint: Path, text: Path, peers: i
     zo_bytes = [n.get("bytes_sent_by_kind", {}).get("zo", 0) / max(1, n.get("steps", 0)) for n in nodes]
     all_bytes = [n.get("bytes_sent", 0) / max(1, n.get("steps", 0)) for n in nodes]
     return {
-        "peers": peers, "exit_codes": codes, "wall_s": round(time.time() - started, 1),
+        "peers": peers, "seed_pool": pool, "exit_codes": codes, "wall_s": round(time.time() - started, 1),
         "steps_per_peer": [n.get("steps") for n in nodes], "rounds": [n.get("outer_rounds") for n in nodes],
         "val_loss_after": [n.get("val_loss") for n in nodes],
         "fingerprints_matched_every_round": matched and agree, "rounds_compared_between_nodes": len(common_rounds),
@@ -163,6 +163,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/zo.json"))
     parser.add_argument("--quick", action="store_true", help=f"{QUICK.pretrain_steps} pretraining steps, {QUICK.steps} ZO steps per peer")
     parser.add_argument("--peers", default=None, help="comma-separated swarm sizes (default 1,2,4)")
+    parser.add_argument("--seed-pool", type=int, default=0,
+                        help="also run the largest swarm with a FedKSeed pool of K seeds (--zo-seed-pool K)")
     args = parser.parse_args()
     s = QUICK if args.quick else Settings()
     if args.peers:
@@ -174,8 +176,9 @@ def main() -> None:
     text = write_text(run_dir)
     before = held_out_loss(checkpoint, text, s)
     results = []
-    for peers in s.peers:
-        result = fine_tune(s, run_dir, checkpoint, text, peers)
+    runs = [(peers, 0) for peers in s.peers] + ([(max(s.peers), args.seed_pool)] if args.seed_pool else [])
+    for peers, pool in runs:
+        result = fine_tune(s, run_dir, checkpoint, text, peers, pool)
         result["val_loss_before"] = before
         results.append(result)
         print(json.dumps(result), flush=True)
@@ -184,11 +187,11 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"\nheld-out loss before: {before:.4f} nats/byte (the pretrained nano on an unseen play)")
-    print("| peers | held-out loss after | Δ | zo bytes/peer/step | all bytes/peer/step | fingerprints matched | wall s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| peers | seed pool | held-out loss after | Δ | zo bytes/peer/step | all bytes/peer/step | fingerprints matched | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         after = max(v for v in r["val_loss_after"] if v is not None) if any(r["val_loss_after"]) else float("nan")
-        print(f"| {r['peers']} | {after:.4f} | {after - before:+.4f} | {max(r['zo_bytes_per_peer_per_step']):.2f} | "
+        print(f"| {r['peers']} | {r['seed_pool'] or '-'} | {after:.4f} | {after - before:+.4f} | {max(r['zo_bytes_per_peer_per_step']):.2f} | "
               f"{max(r['all_bytes_per_peer_per_step']):.2f} | {r['fingerprints_matched_every_round']} | {r['wall_s']} |")
     print(f"report: {args.out}")
 

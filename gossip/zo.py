@@ -15,7 +15,9 @@ Kilobytes" (FedKSeed), https://arxiv.org/abs/2312.06353.
 
 Determinism (what makes the replicas identical):
 
-- Seeds: :func:`step_seed` is a 63-bit BLAKE2b hash of (run id, round, step, peer id); block b of
+- Seeds: :func:`step_seed` is a 63-bit BLAKE2b hash of (run id, round, step, peer id) or, with
+  FedKSeed's fixed pool of K seeds (``--zo-seed-pool K``), the pool entry that hash picks, so the
+  whole fine-tune is K accumulated scalars (:func:`pool_scalars`); block b of
   the direction of seed s comes from a CPU ``torch.Generator`` seeded with :func:`block_seed`
   (SplitMix64 of s and b). Blocks are cut in parameter order, ``BLOCK`` values each (a parameter's
   last block may be shorter), so any block can be regenerated alone and z is never held whole.
@@ -59,9 +61,24 @@ _MASK64 = (1 << 64) - 1
 
 
 # ---- seeds --------------------------------------------------------------------------------------
-def step_seed(run_id: str, round_no: int, step: int, peer_id: str) -> int:
-    """The 63-bit seed of ``peer_id``'s direction at ``step`` of ``round_no`` in ``run_id``."""
+def step_seed(run_id: str, round_no: int, step: int, peer_id: str, pool: int = 0) -> int:
+    """The 63-bit seed of ``peer_id``'s direction at ``step`` of ``round_no`` in ``run_id``; with a seed
+    pool of K > 0 (FedKSeed), the seed of the pool entry that hash picks (:func:`pool_index`)."""
+    if pool:
+        return pool_seed(run_id, pool_index(run_id, round_no, step, peer_id, pool))
     digest = hashlib.blake2b(f"locomesh/zo|{run_id}|{round_no}|{step}|{peer_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & MAX_SEED
+
+
+def pool_index(run_id: str, round_no: int, step: int, peer_id: str, pool: int) -> int:
+    """Which of the run's ``pool`` seeds the step uses: uniform over 0..K−1, a hash of (run, round, step, peer)."""
+    digest = hashlib.blake2b(f"locomesh/zo-pick|{run_id}|{round_no}|{step}|{peer_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % pool
+
+
+def pool_seed(run_id: str, index: int) -> int:
+    """The seed of entry ``index`` of the run's fixed seed pool."""
+    digest = hashlib.blake2b(f"locomesh/zo-pool|{run_id}|{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") & MAX_SEED
 
 
@@ -249,17 +266,38 @@ def agreed_order(messages: Iterable[StepCode]) -> list[StepCode]:
 
 @torch.no_grad()
 def apply_codes(params: Sequence[torch.Tensor], messages: Iterable[StepCode], run_id: str, lr: float,
-                block: int = BLOCK) -> int:
+                block: int = BLOCK, pool: int = 0) -> int:
     """θ ← θ − lr·ĝ·z(s) for every message in :func:`agreed_order` (code 0 is skipped); returns how
     many moved θ. Each update is u = z·(lr·ĝ) then θ − u, both exactly rounded in float32."""
     ordered = [m for m in agreed_order(messages) if m.code != 0]
     shapes = [p.shape for p in params]
     for m in ordered:
         scale = lr * decode_grad(m.code)
-        for i, start, z in z_blocks(shapes, step_seed(run_id, m.round, m.step, m.peer), block):
+        for i, start, z in z_blocks(shapes, step_seed(run_id, m.round, m.step, m.peer, pool), block):
             x = _flat(params[i])[start:start + z.numel()]
             x.sub_(z.to(x.device).mul_(scale))
     return len(ordered)
+
+
+def pool_scalars(messages: Iterable[StepCode], run_id: str, lr: float, pool: int) -> list[float]:
+    """FedKSeed's accumulated scalars: a_k = Σ lr·ĝ over the messages whose step drew pool seed k, so
+    θ = θ₀ − Σ_k a_k·z(k) up to float32 rounding: a fine-tune of any size as K numbers."""
+    scalars = [0.0] * pool
+    for m in agreed_order(messages):
+        if m.code:
+            scalars[pool_index(run_id, m.round, m.step, m.peer, pool)] += lr * decode_grad(m.code)
+    return scalars
+
+
+@torch.no_grad()
+def apply_pool_scalars(params: Sequence[torch.Tensor], scalars: Sequence[float], run_id: str, block: int = BLOCK) -> None:
+    """θ ← θ − Σ_k a_k·z(pool seed k): rebuild a pool fine-tune from θ₀ and its K scalars."""
+    shapes = [p.shape for p in params]
+    for k, a in enumerate(scalars):
+        if a:
+            for i, start, z in z_blocks(shapes, pool_seed(run_id, k), block):
+                x = _flat(params[i])[start:start + z.numel()]
+                x.sub_(z.to(x.device).mul_(a))
 
 
 def majority(fingerprints: dict[str, str]) -> tuple[str, str]:

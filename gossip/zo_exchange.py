@@ -354,7 +354,7 @@ class ReplayError(Exception):
 
 
 def replay(params: Sequence[torch.Tensor], entries: Sequence[LogEntry], round_no: int, fp: str, run_id: str,
-           lr: float) -> Iterator[LogEntry]:
+           lr: float, pool: int = 0) -> Iterator[LogEntry]:
     """Apply the logged rounds from ``round_no`` on to ``params`` (whose fingerprint is ``fp``), yielding
     each entry once applied and checked; raises :class:`ReplayError` at the first entry that does not
     start from the weights reached so far or does not end at its logged fingerprint."""
@@ -363,7 +363,7 @@ def replay(params: Sequence[torch.Tensor], entries: Sequence[LogEntry], round_no
             continue
         if entry.round != round_no or entry.before != fp:
             raise ReplayError(f"the log's round {entry.round} does not continue weights {fp} of round {round_no}")
-        apply_codes(params, [m for s in entry.sets for m in expand(entry.round, s.peer, s.codes)], run_id, lr)
+        apply_codes(params, [m for s in entry.sets for m in expand(entry.round, s.peer, s.codes)], run_id, lr, pool=pool)
         fp = fingerprint(params)
         if fp != entry.after:
             raise ReplayError(f"replaying round {entry.round} gave weights {fp}, the log says {entry.after}")

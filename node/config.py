@@ -66,6 +66,7 @@ class NodeConfig(BaseModel):
     aggregate: Literal["mean", "median-clip", "trimmed-mean"] = "mean"
     zo_eps: float = Field(1e-3, gt=0, le=1, description="zo: ε of the central difference (L(θ+εz) − L(θ−εz))/(2ε)")
     zo_lr: float = Field(1e-4, gt=0, le=1, description="zo: learning rate of each one-byte step θ ← θ − lr·ĝ·z")
+    zo_seed_pool: int = Field(0, ge=0, le=1 << 20, description="zo: draw directions from a fixed pool of K seeds (FedKSeed); 0: a fresh seed per step")
     init_from: Path | None = Field(None, description="start a new run from the weights of a locomesh checkpoint (checkpoint.pt or its folder) or a Hugging Face model folder")
     min_peers: int = Field(1, ge=1, le=1024, description="zo: wait until this many peers (self included) are in the run before the first step, up to --join-timeout")
     join_timeout: float = Field(60.0, gt=0, description="how long a joiner keeps trying to download the swarm's state")
@@ -162,6 +163,8 @@ class NodeConfig(BaseModel):
                     raise ValueError(f"{why} does not apply to --algorithm zo (it sends one byte per step and never a model)")
         elif self.min_peers > 1:
             raise ValueError("--min-peers is used by --algorithm zo; other algorithms start at once and let peers join")
+        elif self.zo_seed_pool:
+            raise ValueError("--zo-seed-pool is used by --algorithm zo; other algorithms send pseudo-gradients, not seeds")
         if self.overlap_mode == "eager" and self.algorithm == "noloco":
             raise ValueError("--overlap-mode eager estimates a group average: use it with diloco or sparseloco")
         if self.fragments > 1 and self.algorithm == "noloco":

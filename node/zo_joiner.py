@@ -32,7 +32,7 @@ from node.network import Interrupted, NetworkThread
 from node.settings import settings_mismatch
 
 logger = logging.getLogger("locomesh.node")
-ZO_KEYS = ("zo_eps", "zo_lr")  # must agree across the swarm, besides node.settings.SWARM_KEYS
+ZO_KEYS = ("zo_eps", "zo_lr", "zo_seed_pool")  # must agree across the swarm, besides node.settings.SWARM_KEYS
 
 
 class SyncFailed(Exception):
@@ -74,7 +74,7 @@ class ZOJoiner:
                  publish_snapshot: Callable[[], None], round_steps: Callable[[], int], metrics: NodeMetrics,
                  event: Callable[..., None], stop: threading.Event, join_timeout: float, wait_timeout: float) -> None:
         self.net, self.exchange, self.rep, self.meta, self.peer_id = net, exchange, rep, meta, peer_id
-        self.run_id, self.lr = meta["run_id"], meta["zo_lr"]
+        self.run_id, self.lr, self.pool = meta["run_id"], meta["zo_lr"], meta.get("zo_seed_pool", 0)
         self.publish_snapshot, self.round_steps, self.metrics, self.event = publish_snapshot, round_steps, metrics, event
         self.stop, self.join_timeout, self.wait_timeout = stop, join_timeout, wait_timeout
 
@@ -155,7 +155,7 @@ class ZOJoiner:
             reply, how = self._log_from(peer, rep.round, after_round), "snapshot+log"
             if not self._replayable(reply):
                 raise SyncFailed(f"{peer}'s log does not reach back to its snapshot of round {rep.round}")
-        for entry in replay(rep.params, reply.entries, rep.round, rep.fp, self.run_id, self.lr):
+        for entry in replay(rep.params, reply.entries, rep.round, rep.fp, self.run_id, self.lr, self.pool):
             self.exchange.record(entry, rep.snapshot_round)
             rep.round, rep.fp = entry.round + 1, entry.after
         if (rep.round, rep.fp) != (reply.position.round, reply.position.fingerprint):

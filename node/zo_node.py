@@ -181,7 +181,7 @@ class ZONode(NodeBase):
                 continue
             x, y = (t.to(self.trainer.device) for t in self.batches.next())
             began = time.monotonic()
-            seed = step_seed(cfg.run_id, self.round, self.step, self.summary.peer_id)
+            seed = step_seed(cfg.run_id, self.round, self.step, self.summary.peer_id, cfg.zo_seed_pool)
             with self.trainer.autocast:
                 g, plus, minus = spsa_estimate(lambda: self.trainer.forward_loss(x, y), self.params, seed, cfg.zo_eps)
             self.codes.append(encode_grad(g))
@@ -239,7 +239,7 @@ class ZONode(NodeBase):
         elif self.fp == agreed:
             before = self.fp
             messages = [msg for s in chosen for msg in expand(r, s.peer, s.codes)]
-            record["applied"] = apply_codes(self.params, messages, cfg.run_id, cfg.zo_lr)
+            record["applied"] = apply_codes(self.params, messages, cfg.run_id, cfg.zo_lr, pool=cfg.zo_seed_pool)
             self.fp = fingerprint(self.params)
             self.exchange.record(LogEntry(r, before, self.fp, chosen), self.snapshot_round)
             self.round, self.step = r + 1, 0

@@ -190,6 +190,28 @@ def test_replicas_stay_identical_when_codes_arrive_late_twice_and_out_of_order()
         zo.agreed_order([zo.StepCode(0, 0, "a", 3), zo.StepCode(0, 0, "a", 4)])
 
 
+def test_a_seed_pool_draws_only_its_k_seeds_and_its_scalars_rebuild_the_fine_tune():
+    pool = 8
+    seeds = {zo.step_seed("run", r, t, p, pool) for r in range(4) for t in range(30) for p in ("a", "b", "c")}
+    assert seeds == {zo.pool_seed("run", k) for k in range(pool)}  # every entry used, nothing else
+    assert zo.pool_seed("run", 0) != zo.pool_seed("other", 0)
+    torch.manual_seed(0)
+    start = [torch.randn(40, 30), torch.randn(70_000)]
+    messages = _messages(rounds=3)
+    stepped = [t.clone() for t in start]
+    zo.apply_codes(stepped, messages, "run", 1e-3, pool=pool)
+    scalars = zo.pool_scalars(messages, "run", 1e-3, pool)
+    assert len(scalars) == pool and sum(a != 0 for a in scalars) > 1
+    rebuilt = [t.clone() for t in start]
+    zo.apply_pool_scalars(rebuilt, scalars, "run")
+    moved = max(float((a - b).abs().max()) for a, b in zip(stepped, start))
+    assert moved > 1e-3
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(stepped, rebuilt))  # float32 rounding only
+    plain = [t.clone() for t in start]
+    zo.apply_codes(plain, messages, "run", 1e-3)  # without the pool: other directions
+    assert not torch.equal(plain[0], stepped[0])
+
+
 def test_the_majority_fingerprint_and_its_tie_break_are_the_same_everywhere():
     assert zo.majority({"a": "x", "b": "y", "c": "y"}) == ("y", "b")
     assert zo.majority({"b": "y", "a": "x"}) == ("x", "a")  # a tie goes to the smallest peer id
