@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -45,12 +44,17 @@ def register(spec: str) -> str:
 
 
 def per_round(rec: dict[str, Any]) -> float | None:
-    """Averaging bytes one node sent per outer round (mean over nodes)."""
+    """Averaging bytes one node sent per outer round it averaged with company (mean over nodes); a
+    round alone (a peer still starting, or already gone) sends nothing and is not counted."""
     nodes = rec.get("nodes") or []
-    rounds = [n["outer_rounds"] for n in nodes if n.get("outer_rounds")]
-    if rec.get("status") != "ok" or not rounds or rec.get("exchange_bytes_per_node") is None:
+    if rec.get("status") != "ok" or not nodes:
         return None
-    return rec["exchange_bytes_per_node"] / (sum(rounds) / len(rounds))
+    sent = [n["bytes_sent"] - sum(v for k, v in n.get("bytes_sent_by_kind", {}).items() if k in ("state", "status"))
+            for n in nodes]
+    rounds = [n.get("outer_rounds", 0) - n.get("rounds_alone", 0) for n in nodes]
+    if sum(rounds) <= 0:
+        return None
+    return sum(sent) / sum(rounds)
 
 
 def diverged(rec: dict[str, Any]) -> bool:
@@ -138,7 +142,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="JSON report; the plot is written next to it (.png)")
+    parser.add_argument("--out", help="JSON report; the plot is written next to it (.png)")
     parser.add_argument("--codecs", default=",".join(CODECS), help="comma separated codec specs")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--nodes", type=int, default=4)
@@ -146,7 +150,20 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=30, help="H: local steps per outer round")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--config-timeout", type=float, default=1200.0)
+    parser.add_argument("--from-report", type=Path, help="recompute the frontier, targets and plot of an earlier report")
     args = parser.parse_args()
+    if args.from_report:
+        earlier = json.loads(args.from_report.read_text())
+        rows = frontier(earlier["configs"])
+        earlier.update(frontier=rows, targets=check(rows))
+        plot(rows, args.from_report.with_suffix(".png"), earlier.get("title", ""))
+        args.from_report.write_text(json.dumps(earlier, indent=2, default=str))
+        print(table(rows))
+        for t in earlier["targets"]:
+            print(f"- [{t['result']}] {t['target']}: {t.get('detail', '')}")
+        return
+    if not args.out:
+        parser.error("--out is required (or --from-report)")
     settings = Settings(model=args.model, nodes=args.nodes, steps=args.steps, inner_steps=args.inner_steps,
                         batch_size=args.batch_size, warmup_steps=30, config_timeout=args.config_timeout)
     out = Path(args.out)
@@ -173,7 +190,7 @@ def main() -> None:
              f"batch {settings.batch_size}, DiLoCo, loopback")
     png = out.with_suffix(".png")
     plot(rows, png, title)
-    report = {"settings": vars(args), "environment": convergence._environment(), "elapsed_s": round(time.time() - started, 1),
+    report = {"settings": {k: v for k, v in vars(args).items() if k != "from_report"}, "title": title, "environment": convergence._environment(), "elapsed_s": round(time.time() - started, 1),
               "frontier": rows, "targets": check(rows), "configs": results, "plot": str(png)}
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=2, default=str))
@@ -182,7 +199,6 @@ def main() -> None:
     for t in report["targets"]:
         print(f"- [{t['result']}] {t['target']}: {t.get('detail', '')}")
     print(f"\nreport: {out}, plot: {png}")
-    sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ def test_algorithm_defaults_follow_the_papers():
     # an explicit value always wins over the algorithm's default
     assert parse_join_args(["--algorithm", "sparseloco", "--compression", "q4", "--outer-lr", "0.5"]).outer_hyper == (0.5, 0.0)
     assert parse_join_args(["--algorithm", "sparseloco", "--compression", "q4"]).codec == "q4"
+    # a shared-seed projection already accumulates in its error feedback: no outer momentum on top
+    assert parse_join_args(["--compression", "seed:r=8"]).outer_hyper == (1.0, 0.0)
+    assert parse_join_args(["--compression", "seed:r=8", "--outer-momentum", "0.5"]).outer_hyper == (1.0, 0.5)
+    assert parse_join_args(["--compression", "rot2"]).outer_hyper == (0.7, 0.9)
 
 
 def test_streaming_and_auto_steps_options():
