@@ -345,10 +345,15 @@ class PipelineNode(NodeBase):
 
     # ---- lost stages ---------------------------------------------------------------------------------
     def _wait_as_spare(self) -> None:
-        """A spare checks the stage map every half second and takes over the first lost stage it should."""
+        """A spare checks the stage map every half second and takes over the first lost stage it should;
+        its info file follows every heartbeat, so ``node status`` and tests see its recovery events."""
+        written = time.monotonic()
         while not self.stop.is_set() and not self._deadline_reached() and self.stage is None:
             time.sleep(0.5)
             self.recoverer.check(self.summary.peer_id, self.role, self.stage)
+            if time.monotonic() - written >= HEARTBEAT_S:
+                self._write_info()
+                written = time.monotonic()
 
     def _fetch_stage(self, index: int) -> tuple[Stage, PeerRecord | None]:
         """A neighbour stage's current weights, downloaded from one of its replicas."""

@@ -31,7 +31,9 @@ def test_two_replicas_train_on_shared_seed_payloads(tmp_path, nodes, codec, fewe
         assert info["val_loss"] < below and max(losses) < losses[0] + 0.3, (codec, losses, info["val_loss"])
         assert info["train_loss_last"] < info["train_loss_first"], info
         norms = [r["update_norm"] for r in rounds if r.get("update_norm") is not None]
-        assert all(math.isfinite(v) for v in norms) and (not norms or max(norms) < 10 * max(norms[0], 1e-3)), norms
+        # bounded: error feedback with β = 0.95 holds at most 1/(1 − β) = 20 rounds of a steady
+        # pseudo-gradient, so the decoded update may grow about 20-fold from the first round, never more
+        assert all(math.isfinite(v) for v in norms) and (not norms or max(norms) < 25 * max(norms[0], 1e-3)), norms
         # a payload is sent about once per round with company (two members: one fetch, now and then a
         # retry); rounds alone send nothing
         with_company = sum(r["contributors"] == 2 for r in rounds)
