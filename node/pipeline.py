@@ -52,6 +52,7 @@ from swarm.stage_map import choose_role
 from swarm.rebalance import plan_move
 from swarm.service import StageService
 from swarm.stages import Stage, model_seed
+from swarm.checkfree import recoverable
 from swarm.worker import StageWorker
 
 logger = logging.getLogger("locomesh.pipeline")
@@ -186,6 +187,9 @@ class PipelineNode(NodeBase):
         source = None
         if rebuilt is None and (cfg.initial_peers or previous is not None):
             source = self._download_stage(module, sub, net.call(list_peers(net.dht, sub), timeout=30))
+            if source is None and self._run_has_trained():
+                self._rebuild_unserved(index)
+                return
         self.phi = [p.detach().to("cpu", torch.float32).clone() for p in module.parameters()]
         self.round = max(self.round, int(time.time() // cfg.sync_every))  # first averaging at the next boundary
         self.state_server.run_id = sub
@@ -201,6 +205,23 @@ class PipelineNode(NodeBase):
         self._publish_stage_state()
         if rebuilt is None:
             self.event("stage_joined" if previous is None else "stage_moved", stage=index, previous=previous, source=source, round=self.round)
+
+    def _run_has_trained(self) -> bool:
+        """Whether any other peer of the run has trained or served steps (so every stage has weights
+        worth more than the run's initialisation)."""
+        records = self.net.call(list_peers(self.net.dht, self.cfg.run_id), timeout=30)
+        return any(r.inner_step > 0 for p, r in records.items() if p != self.summary.peer_id)
+
+    def _rebuild_unserved(self, index: int) -> None:
+        """Take over stage ``index``, which has no live replica although the run has trained: rebuild it
+        from its neighbours like a lost stage (never the run's fresh initialisation); when its sources
+        do not answer, wait as a spare, whose checks try again."""
+        plan = recoverable([index], self.cfg.stages, self.cfg.checkfree_plus)[index]
+        logger.warning("stage %d has no live replica but the run has trained: rebuilding it (%s) instead of "
+                       "starting it from the run's initialisation", index, plan)
+        if not self.recoverer.recover(index, plan, 0.0):
+            self.stage, self.role = None, "spare"
+            self.summary.role, self.summary.stage = "spare", None
 
     def _serve_rebuilt(self, index: int, module: Stage) -> None:
         """Serve a stage the recoverer rebuilt, and announce it at once (so nobody else rebuilds it)."""
@@ -252,6 +273,8 @@ class PipelineNode(NodeBase):
                 info_written = time.monotonic()
             worker = self.worker
             if worker is None:
+                if self.role == "spare":  # a move into an unserved stage whose sources did not answer
+                    self._wait_as_spare()
                 continue
             new_steps = worker.steps - last_steps
             if new_steps:

@@ -66,3 +66,37 @@ def test_a_copy_plus_whose_source_sleeps_is_retried_not_started_fresh(tmp_path, 
     trainer.wait(lambda i: i.get("steps", 0) >= steps + 20, 120, "training through the rebuilt stage 0")
     for node in (trainer, st1, spare):
         assert node.stop() == 0, node.log()[-2000:]
+
+
+def test_a_newcomer_to_an_emptied_stage_rebuilds_it_instead_of_starting_fresh(tmp_path, nodes):
+    """Stage 0's only server dies and a new node joins at once, before anyone declares the stage lost:
+    the run has trained, so the newcomer copies stage 0 from stage 1 (CheckFree+) rather than serving
+    the run's initialisation next to a trained stage 1."""
+    args = [*ARGS, "--recovery-grace", "6"]
+    st0 = start_node(tmp_path, "st0", [*args, "--role", "stage", "--stage", "0"])
+    nodes.append(st0)
+    addr = [st0.multiaddr()]
+    st1 = start_node(tmp_path, "st1", [*args, "--role", "stage", "--stage", "1"], addr)
+    trainer = start_node(tmp_path, "trainer", [*args, "--role", "trainer"], addr)
+    nodes.extend([st1, trainer])
+    addr = [st1.multiaddr()]
+    trainer.wait(lambda i: len([r for r in i.get("rounds", []) if "val_loss" in r]) >= 3, 240, "three evaluations")
+    before = [r["val_loss"] for r in trainer.info()["rounds"] if "val_loss" in r][-1]
+
+    os.killpg(st0.process.pid, signal.SIGKILL)
+    newcomer = start_node(tmp_path, "newcomer", [*args, "--role", "auto"], addr)
+    nodes.append(newcomer)
+    newcomer.wait(lambda i: any(e["event"] == "stage_recovered" for e in i.get("events", [])), 120, "stage 0 rebuilt on join")
+    recovered = _events(newcomer, "stage_recovered")
+    assert recovered[0]["stage"] == 0 and recovered[0]["method"] == "copy-plus" and recovered[0]["from_stage"] == 1, recovered
+    assert not _events(newcomer, "stage_joined"), "no stage served from the run's initialisation"
+    steps = trainer.info()["steps"]
+    trainer.wait(lambda i: len([r for r in i.get("rounds", []) if "val_loss" in r and r["step"] > steps]) >= 1, 120,
+                 "an evaluation through the rebuilt stage")
+    after = [r["val_loss"] for r in trainer.info()["rounds"] if "val_loss" in r and r["step"] > steps][0]
+    # a fresh stage 0 (random embeddings) before a trained stage 1 evaluates near the uniform 5.5 nats
+    assert after < before + 0.5, (before, after)
+    for node in (newcomer, st1, trainer):
+        assert not _events(node, "stage_unrecoverable"), node.info().get("events")
+    for node in (trainer, st1, newcomer):
+        assert node.stop() == 0, node.log()[-2000:]
