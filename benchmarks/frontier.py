@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ SHARED_SEED = ("rot", "seed:", "topk:64/4096+rot")
 
 
 def config_name(spec: str) -> str:
-    return f"codec-{spec}"
+    """The configuration's name, also its run id: the spec with every character a run id refuses as ``_``."""
+    return "codec-" + re.sub(r"[^A-Za-z0-9_.-]", "_", spec)
 
 
 def register(spec: str) -> str:
@@ -172,7 +174,7 @@ def main() -> None:
     started = time.time()
     for spec in [c.strip() for c in args.codecs.split(",") if c.strip()]:
         name = register(spec)
-        directory = out.parent / f"{out.stem}-{name.replace(':', '_').replace('/', '_').replace('+', '_')}"
+        directory = out.parent / f"{out.stem}-{name}"
         directory.mkdir(parents=True, exist_ok=True)
         print(f"== {spec}", flush=True)
         t0 = time.time()

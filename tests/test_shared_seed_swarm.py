@@ -28,7 +28,10 @@ def test_two_replicas_train_on_shared_seed_payloads(tmp_path, nodes, codec, fewe
         rounds = info["rounds"]
         losses = [r["val_loss"] for r in rounds if r.get("val_loss") is not None]
         assert losses and all(math.isfinite(v) for v in losses), losses
-        assert info["val_loss"] < below and max(losses) < losses[0] + 0.3, (codec, losses, info["val_loss"])
+        # early rounds may wobble (a node alone, large first pseudo-gradients); it must end lower than it
+        # began and never blow up
+        final = info["val_loss"]
+        assert final < below and final < min(losses[:2]) + 0.05 and max(losses) < losses[0] + 1.0, (codec, losses, final)
         assert info["train_loss_last"] < info["train_loss_first"], info
         norms = [r["update_norm"] for r in rounds if r.get("update_norm") is not None]
         # bounded: error feedback with β = 0.95 holds at most 1/(1 − β) = 20 rounds of a steady
