@@ -24,7 +24,10 @@ def test_algorithm_defaults_follow_the_papers():
     # a shared-seed projection already accumulates in its error feedback: no outer momentum on top
     assert parse_join_args(["--compression", "seed:r=8"]).outer_hyper == (1.0, 0.0)
     assert parse_join_args(["--compression", "seed:r=8", "--outer-momentum", "0.5"]).outer_hyper == (1.0, 0.5)
-    assert parse_join_args(["--compression", "rot2"]).outer_hyper == (0.7, 0.9)
+    # other lossy codecs: half the momentum at lr 1 (error feedback already carries what was dropped)
+    assert parse_join_args(["--compression", "rot2"]).outer_hyper == (1.0, 0.5)
+    assert parse_join_args(["--compression", "bf16"]).outer_hyper == (0.7, 0.9)
+    assert parse_join_args(["--algorithm", "noloco", "--compression", "q2"]).outer_hyper == (0.7, 0.5)
 
 
 def test_streaming_and_auto_steps_options():
