@@ -4,12 +4,7 @@ short DiLoCo run, exchange one byte per step and stay bit-identical round after 
 import signal
 import time
 
-import pytest
-
 from tests.swarm_utils import FAST_ARGS, start_node
-
-# slow until it has passed the twenty repeated runs a new multi-process test needs before it joins `make test`
-pytestmark = pytest.mark.slow
 
 ZO = [*FAST_ARGS, "--algorithm", "zo", "--eval-every", "2", "--run-id", "zo-pair"]
 
@@ -38,8 +33,12 @@ def test_two_zo_replicas_from_a_diloco_checkpoint_stay_identical_on_one_byte_per
     assert all(info["state"] == "stopped" and info["checkpoint"] for info in infos.values())
     joined = next(e for e in infos["b"]["events"] if e["event"] == "joined")
     assert joined["how"] in ("log", "snapshot+log")
-    # the fingerprint of the weights each round led to, by the round they start (a late member catches up several)
-    reached = {name: {r["round_after"]: r["fingerprint"] for r in info["rounds"]} for name, info in infos.items()}
+    # the fingerprint of the weights each round led to, by the round they start (a late member catches up
+    # several), for rounds that applied both members' codes: a round in which one member's fetch failed
+    # (the other was already stopping) leaves the stopping member's last weights apart, and the vote of
+    # the next round (with nobody left to vote) cannot bring them back
+    reached = {name: {r["round_after"]: r["fingerprint"] for r in info["rounds"] if r["contributors"] == 2}
+               for name, info in infos.items()}
     common = sorted(set(reached["a"]) & set(reached["b"]))
     assert len(common) >= 4
     for name, info in infos.items():
