@@ -17,6 +17,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from tests.swarm_utils import start_node
 
 GRACE = 40.0
@@ -30,6 +32,7 @@ def _events(node, kind):
     return [e for e in node.info().get("events", []) if e["event"] == kind]
 
 
+@pytest.mark.slow  # about 2 minutes, most of it the 40 s grace: `make test-slow`
 def test_a_copy_plus_whose_source_sleeps_is_retried_not_started_fresh(tmp_path, nodes):
     st0 = start_node(tmp_path, "st0", [*ARGS, "--role", "stage", "--stage", "0"])
     nodes.append(st0)
