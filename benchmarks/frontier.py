@@ -117,7 +117,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, title: str, references: dict[str, float] | None = None) -> None:
+    """Held-out loss against bytes per round, one point per codec; ``references`` adds labelled
+    horizontal lines (e.g. dense DiLoCo with another outer step)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,6 +134,10 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                    color="tab:red" if seeded else "tab:blue")
         ax.annotate(r["codec"], (r["bytes_per_round_per_node"], r["val_loss"]), textcoords="offset points",
                     xytext=(5, 4), fontsize=8)
+    for i, (label, loss) in enumerate((references or {}).items()):
+        ax.axhline(loss, linestyle="--", linewidth=0.8, color=f"C{i + 2}", label=label)
+    if references:
+        ax.legend(fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("averaging bytes sent per node per outer round (log)")
     ax.set_ylabel("held-out loss (nats/byte)")
