@@ -66,6 +66,8 @@ def _stream(data: bytes, max_frame: int = 1 << 20) -> tuple[FramedStream, _Sink]
 class _FakeTransport:
     """Stands in for the p2pd transport: ``open`` returns a stream whose peer replies with ``reply``."""
 
+    peer_id = "fuzzer-self"
+
     def __init__(self) -> None:
         self.reply = b""
 
