@@ -49,14 +49,10 @@ def per_round(rec: dict[str, Any]) -> float | None:
     """Averaging bytes one node sent per outer round it averaged with company (mean over nodes); a
     round alone (a peer still starting, or already gone) sends nothing and is not counted."""
     nodes = rec.get("nodes") or []
-    if rec.get("status") != "ok" or not nodes:
+    if rec.get("status") != "ok" or not nodes or rec.get("exchange_bytes_per_node") is None:
         return None
-    sent = [n["bytes_sent"] - sum(v for k, v in n.get("bytes_sent_by_kind", {}).items() if k in ("state", "status"))
-            for n in nodes]
-    rounds = [n.get("outer_rounds", 0) - n.get("rounds_alone", 0) for n in nodes]
-    if sum(rounds) <= 0:
-        return None
-    return sum(sent) / sum(rounds)
+    rounds = sum(n.get("outer_rounds", 0) - n.get("rounds_alone", 0) for n in nodes)
+    return rec["exchange_bytes_per_node"] * len(nodes) / rounds if rounds > 0 else None
 
 
 def diverged(rec: dict[str, Any]) -> bool:

@@ -52,11 +52,12 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from compression.seeds import MAX_SEED
+
 BLOCK = 1 << 16  # values per z block
 CODE_SCALE = 16  # codes are round(16·ln|g|)
 CODE_OFFSET = -88  # |ĝ| = exp((|p| + CODE_OFFSET)/16), |p| in 1..127
 CODE_MAX = 127
-MAX_SEED = (1 << 63) - 1
 _MASK64 = (1 << 64) - 1
 
 
@@ -66,20 +67,22 @@ def step_seed(run_id: str, round_no: int, step: int, peer_id: str, pool: int = 0
     pool of K > 0 (FedKSeed), the seed of the pool entry that hash picks (:func:`pool_index`)."""
     if pool:
         return pool_seed(run_id, pool_index(run_id, round_no, step, peer_id, pool))
-    digest = hashlib.blake2b(f"locomesh/zo|{run_id}|{round_no}|{step}|{peer_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") & MAX_SEED
+    return _digest64(f"locomesh/zo|{run_id}|{round_no}|{step}|{peer_id}") & MAX_SEED
 
 
 def pool_index(run_id: str, round_no: int, step: int, peer_id: str, pool: int) -> int:
     """Which of the run's ``pool`` seeds the step uses: uniform over 0..K−1, a hash of (run, round, step, peer)."""
-    digest = hashlib.blake2b(f"locomesh/zo-pick|{run_id}|{round_no}|{step}|{peer_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % pool
+    return _digest64(f"locomesh/zo-pick|{run_id}|{round_no}|{step}|{peer_id}") % pool
 
 
 def pool_seed(run_id: str, index: int) -> int:
     """The seed of entry ``index`` of the run's fixed seed pool."""
-    digest = hashlib.blake2b(f"locomesh/zo-pool|{run_id}|{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") & MAX_SEED
+    return _digest64(f"locomesh/zo-pool|{run_id}|{index}") & MAX_SEED
+
+
+def _digest64(text: str) -> int:
+    """64 bits of BLAKE2b over ``text``."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
 def _splitmix64(x: int) -> int:

@@ -75,6 +75,7 @@ class PipelineNode(NodeBase):
         self.role = "starting"
         self.peers: dict[str, PeerRecord] = {}
         self.stage_since = 0.0
+        self._info_written = 0.0  # when --info-file was last rewritten (monotonic)
         self.trainer: PipelineTrainer | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -265,12 +266,10 @@ class PipelineNode(NodeBase):
         cfg = self.cfg
         pending = None
         next_rebalance = time.monotonic() + cfg.rebalance_period
-        last_steps, info_written = 0, time.monotonic()
+        last_steps = 0
         while not self.stop.is_set() and not self._deadline_reached():
             time.sleep(0.1)
-            if time.monotonic() - info_written >= HEARTBEAT_S:  # --info-file stays as fresh as the DHT record
-                self._write_info()
-                info_written = time.monotonic()
+            self._refresh_info()
             worker = self.worker
             if worker is None:
                 if self.role == "spare":  # a move into an unserved stage whose sources did not answer
@@ -370,13 +369,16 @@ class PipelineNode(NodeBase):
     def _wait_as_spare(self) -> None:
         """A spare checks the stage map every half second and takes over the first lost stage it should;
         its info file follows every heartbeat, so ``node status`` and tests see its recovery events."""
-        written = time.monotonic()
         while not self.stop.is_set() and not self._deadline_reached() and self.stage is None:
             time.sleep(0.5)
             self.recoverer.check(self.summary.peer_id, self.role, self.stage)
-            if time.monotonic() - written >= HEARTBEAT_S:
-                self._write_info()
-                written = time.monotonic()
+            self._refresh_info()
+
+    def _refresh_info(self) -> None:
+        """Rewrite --info-file once per heartbeat, so it stays as fresh as the DHT record."""
+        if time.monotonic() - self._info_written >= HEARTBEAT_S:
+            self._write_info()
+            self._info_written = time.monotonic()
 
     def _fetch_stage(self, index: int) -> tuple[Stage, PeerRecord | None]:
         """A neighbour stage's current weights, downloaded from one of its replicas."""

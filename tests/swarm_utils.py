@@ -61,6 +61,11 @@ class NodeHandle:
         return self.process.wait(timeout=timeout)
 
 
+def events(node: NodeHandle, kind: str) -> list[dict[str, Any]]:
+    """The node's reported events of one kind."""
+    return [e for e in node.info().get("events", []) if e["event"] == kind]
+
+
 def start_node(directory: Path, name: str, args: list[str], initial_peers: list[str] | None = None) -> NodeHandle:
     directory = Path(directory) / name
     directory.mkdir(parents=True, exist_ok=True)

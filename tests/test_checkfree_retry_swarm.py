@@ -19,17 +19,13 @@ import time
 
 import pytest
 
-from tests.swarm_utils import start_node
+from tests.swarm_utils import events as _events, start_node
 
 GRACE = 40.0
 FREEZE_AFTER_KILL_S = 33.0
 ARGS = ["--model", "micro", "--batch-size", "8", "--threads", "1", "--warmup-steps", "10", "--eval-batches", "4",
         "--stages", "2", "--sync-every", "8", "--eval-every", "2", "--run-id", "checkfree-retry", "--checkfree-plus",
         "--recovery-grace", str(GRACE), "--averaging-timeout", "10", "--microbatches", "2"]
-
-
-def _events(node, kind):
-    return [e for e in node.info().get("events", []) if e["event"] == kind]
 
 
 @pytest.mark.slow  # about 2 minutes, most of it the 40 s grace: `make test-slow`

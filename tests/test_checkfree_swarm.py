@@ -9,17 +9,13 @@ import os
 import signal
 import time
 
-from tests.swarm_utils import start_node
+from tests.swarm_utils import events as _events, start_node
 
 GRACE = 4.0
 RECORD_TTL = 8.0
 ARGS = ["--model", "micro", "--batch-size", "8", "--threads", "1", "--warmup-steps", "10", "--eval-batches", "4",
         "--stages", "4", "--sync-every", "8", "--eval-every", "2", "--run-id", "checkfree-test", "--checkfree-plus",
         "--recovery-grace", str(GRACE), "--averaging-timeout", "10", "--microbatches", "2"]
-
-
-def _events(node, kind):
-    return [e for e in node.info().get("events", []) if e["event"] == kind]
 
 
 def _val_points(trainer):
