@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
 from compression import CodecError, ErrorFeedback, Payload, get_codec
 from compression.seeds import payload_seed
 from protocol import ids
-from protocol.errors import ProtocolError, SchemaError
+from protocol.errors import ProtocolError, SchemaError, TruncatedFrame
 from protocol.frames import FramedStream, require
 from protocol.hivemind_transport import Transport
 
@@ -197,7 +199,17 @@ class RoundExchange:
         """Fetch from every peer concurrently; returns (contributions, failures by peer with the reason)."""
 
         async def one(peer: str) -> Contribution:
-            return await asyncio.wait_for(self.fetch(peer, round_no), timeout=timeout)
+            # a broken connection (a relay that went away, a reset circuit) is retried while the deadline
+            # allows: the transport takes another path (the next relay, or a direct stream)
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    return await asyncio.wait_for(self.fetch(peer, round_no), timeout=max(0.1, deadline - time.monotonic()))
+                except (ConnectionError, EOFError, TruncatedFrame, P2PDaemonError, P2PHandlerError) as e:
+                    if deadline - time.monotonic() < 1.0:
+                        raise
+                    logger.info("round %d: fetch from %s broke (%s: %s); retrying", round_no, peer, type(e).__name__, e)
+                    await asyncio.sleep(0.5)
 
         results = await asyncio.gather(*(one(p) for p in peers), return_exceptions=True)
         got: dict[str, Contribution] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import Counter
 from typing import Awaitable, Callable
 
@@ -155,6 +156,15 @@ async def list_peers(dht: DHTNode, run_id: str) -> dict[str, PeerRecord]:
     return {peer: record for peer, (record, _) in (await list_peers_with_expiry(dht, run_id)).items()}
 
 
+_record_watchers: "weakref.WeakKeyDictionary[DHTNode, list[Callable[[dict[str, PeerRecord]], None]]]" = weakref.WeakKeyDictionary()
+
+
+def watch_records(dht: DHTNode, callback: Callable[[dict[str, PeerRecord]], None]) -> None:
+    """Call ``callback`` with every set of valid peer records read through ``dht`` (the transport
+    learns from them which relays reach a peer behind NAT)."""
+    _record_watchers.setdefault(dht, []).append(callback)
+
+
 async def list_peers_with_expiry(dht: DHTNode, run_id: str) -> dict[str, tuple[PeerRecord, float]]:
     """Like :func:`list_peers`, with each record's DHT expiration time."""
     peers: dict[str, tuple[PeerRecord, float]] = {}
@@ -168,6 +178,8 @@ async def list_peers_with_expiry(dht: DHTNode, run_id: str) -> dict[str, tuple[P
             logger.warning("ignoring peer record of %s that claims to be %s", peer, record.peer_id)
             continue
         peers[peer] = (record, expiration)
+    for callback in _record_watchers.get(dht, []):
+        callback({p: r for p, (r, _) in peers.items()})
     return peers
 
 

@@ -48,6 +48,9 @@ class Summary:
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_sent_by_kind: dict[str, int] = field(default_factory=dict)
+    bytes_relayed: dict[str, int] = field(default_factory=dict)  # {"sent", "received"}: bytes over circuit relays
+    reachability: str = "unknown"  # public | private | unknown (node.reachability)
+    reachability_detail: str = ""  # how it was found, in words
     bytes_received_by_kind: dict[str, int] = field(default_factory=dict)
     checkpoint: str = ""
     resumed_from: dict[str, Any] | None = None  # {"checkpoint", "round"} when the node resumed its checkpoint
@@ -64,9 +67,14 @@ class Summary:
     state: str = "starting"
 
 
-def count_traffic(metrics: NodeMetrics, summary: Summary, protocol: str, direction: str, nbytes: int) -> None:
-    """Account one stream's bytes by protocol kind (``/locomesh/<kind>/1.0``) in metrics and summary."""
+def count_traffic(metrics: NodeMetrics, summary: Summary, protocol: str, direction: str, nbytes: int,
+                  path: str = "direct") -> None:
+    """Account one stream's bytes by protocol kind (``/locomesh/<kind>/1.0``) in metrics and summary;
+    bytes of a stream over a circuit relay (``path="relay"``) are also counted as relayed."""
     kind = protocol.split("/")[2] if protocol.count("/") >= 3 else protocol
+    if path == "relay":
+        metrics.relayed_bytes.labels(direction).inc(nbytes)
+        summary.bytes_relayed[direction] = summary.bytes_relayed.get(direction, 0) + nbytes
     if direction == "sent":
         metrics.bytes_sent.labels(kind).inc(nbytes)
         summary.bytes_sent += nbytes
@@ -145,9 +153,9 @@ class NodeBase:
         self.summary.events.append({"t": time.time(), "event": kind, **fields})
         logger.info("%s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
 
-    def _on_bytes(self, protocol: str, direction: str, nbytes: int) -> None:
+    def _on_bytes(self, protocol: str, direction: str, nbytes: int, path: str = "direct") -> None:
         with self.bytes_lock:
-            count_traffic(self.metrics, self.summary, protocol, direction, nbytes)
+            count_traffic(self.metrics, self.summary, protocol, direction, nbytes, path)
 
     def _on_error(self, protocol: str, code: str, peer: str) -> None:
         self.metrics.errors.labels(code).inc()
@@ -227,7 +235,8 @@ class NodeBase:
                 cfg.initial_peers, cfg.listen, cfg.announce, str(cfg.identity) if cfg.identity else None,
                 on_bytes=self._on_bytes, on_error=self._on_error,
                 swarm_key=read_swarm_key(cfg.swarm_key) if cfg.swarm_key else None, stream_timeout=cfg.stream_timeout,
-                join_timeout=cfg.join_timeout, stop=self.stop,
+                join_timeout=cfg.join_timeout, stop=self.stop, reachability=cfg.reachability,
+                relay_service=cfg.relay == "on",
             )
         except UserError:
             self.net.shutdown()
@@ -238,13 +247,25 @@ class NodeBase:
             return False
         if self.folder_lock is not None and self.net.transport is not None:
             self.folder_lock.set_peer(self.net.transport.peer_id)
+        found = self.net.reachability
+        self.summary.reachability, self.summary.reachability_detail = found.state, found.detail
+        self.metrics.set_reachability(found.state)
+        self.event("reachability", state=found.state, detail=found.detail)
         return True
+
+    async def _refresh_addresses(self) -> None:
+        """Once per heartbeat: this node's current multiaddrs (a private node's relay addresses appear
+        once a relay holds a reservation for it), for its record and info file."""
+        maddrs = await self.net.refresh_relays()
+        peer_id = self.summary.peer_id
+        self.summary.multiaddrs = [a if "/p2p/" in a else f"{a}/p2p/{peer_id}" for a in maddrs]
+        self.metrics.relay_circuits.set(len(self.net.reachability.relays))
 
     def _own_multiaddrs(self) -> list[str]:
         """This node's visible multiaddrs, each ending in ``/p2p/<peer id>``."""
         net, peer_id = self.net, self.summary.peer_id
         assert net.p2p is not None
-        return [str(a) if "/p2p/" in str(a) else f"{a}/p2p/{peer_id}" for a in net.call(net.p2p.get_visible_maddrs())]
+        return [str(a) if "/p2p/" in str(a) else f"{a}/p2p/{peer_id}" for a in net.call(net.p2p.get_visible_maddrs(latest=True))]
 
     def _print_join_hint(self, what: str, extra: str = "") -> None:
         """The line that tells a volunteer on another machine how to join this node's run."""

@@ -43,6 +43,8 @@ def join_flags(
     announce: Annotated[Optional[list[str]], opt("Public multiaddr to announce, e.g. behind port forwarding (repeatable)", SWARM, "announce")] = None,
     identity: Annotated[Optional[Path], opt("Private key file for a stable peer id (created if missing)", SWARM, "identity")] = None,
     swarm_key: Annotated[Optional[Path], opt("Secret file of a private swarm: peers without it are refused", SWARM, "swarm_key")] = None,
+    reachability: Annotated[Optional[str], opt("auto | public | private: whether others can dial this node; auto asks an initial peer to dial back, and a private node is reached through relays on public peers (default: auto)", SWARM, "reachability")] = None,
+    relay: Annotated[Optional[str], opt("on | off: a public node relays circuits for peers behind NAT, capped at 16 circuits per peer and 1 GiB or 30 min per circuit (default: on)", SWARM, "relay")] = None,
     device: Annotated[Optional[str], opt("auto | cpu | cuda (default: auto)", TRAIN, "device")] = None,
     model: Annotated[Optional[str], opt("Model preset: byte GPTs nano, micro, tiny, small, medium; Llama llama-tiny, llama-20m, llama-150m, llama-1b (the vocabulary comes from --data) (default: tiny)", TRAIN, "model")] = None,
     model_config_file: Annotated[Optional[Path], typer.Option("--model-config", help="A Hugging Face config.json (LlamaConfig fields) to train instead of a --model preset", rich_help_panel=TRAIN, envvar=_env("model_config"), show_envvar=True)] = None,

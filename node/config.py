@@ -36,6 +36,8 @@ class NodeConfig(BaseModel):
     announce: list[str] = Field(default_factory=list, description="public multiaddrs to announce")
     identity: Path | None = Field(None, description="private key file (created if missing) for a stable peer id")
     swarm_key: Path | None = Field(None, description="shared secret file of a private swarm")
+    reachability: Literal["auto", "public", "private"] = Field("auto", description="whether others can dial this node; auto: an initial peer dials it back")
+    relay: Literal["on", "off"] = Field("on", description="a public node relays circuits for private peers")
     # training
     device: Literal["auto", "cpu", "cuda"] = "auto"
     model: str = "tiny"

@@ -351,12 +351,13 @@ class Daemon(NodeBase):
         self.state_server.publish(snap)
 
     async def _heartbeat(self) -> None:
+        await self._refresh_addresses()
         net = self.net
         record = PeerRecord(
             peer_id=self.summary.peer_id, role=self.role, device=self.trainer.device.type, model=self.cfg.model,
             algorithm=self.cfg.algorithm, compression=self.cfg.codec, round=self.round, inner_step=self.inner_step,
             tokens_per_s=self.compute_tokens_per_s, loss=self.last_loss, maddrs=self.summary.multiaddrs,
-            protocols=self.summary.protocols, version=__version__, started_at=time.time() - (time.monotonic() - self.started),
+            protocols=self.summary.protocols, version=__version__, reachability=self.summary.reachability, started_at=time.time() - (time.monotonic() - self.started),
         )
         connected = [info.peer_id for info in await net.p2p.list_peers()]
         await reconnect_routing_table(net.dht, connected)
@@ -371,7 +372,7 @@ class Daemon(NodeBase):
             "steps": self.summary.steps, "loss": self.last_loss, "tokens_per_s": self.tokens_per_s,
             "device": self.trainer.device.type, "model": self.cfg.model, "algorithm": self.cfg.algorithm,
             "compression": self.cfg.codec, "fragments": self.cfg.fragments, "round_steps": self.round_target,
-            "protocols": self.summary.protocols, "version": __version__,
+            "protocols": self.summary.protocols, "version": __version__, "reachability": self.summary.reachability,
             "state": self.summary.state, "time": time.time(),
         }
 

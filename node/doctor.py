@@ -2,7 +2,8 @@
 
 Checks: Python, torch, hivemind and numpy versions; that p2pd starts; that the listen port is free
 and reachable on loopback; the training device and memory; free disk for checkpoints; and, given
-``--initial-peers``, that a peer answers and how far its clock is from ours.
+``--initial-peers``, that a peer answers, how far its clock is from ours, and whether peers can dial
+this machine (a peer dials it back: :mod:`node.reachability`) with what to do about it.
 """
 
 from __future__ import annotations
@@ -133,12 +134,45 @@ def _peers(initial_peers: list[str], run_id: str) -> Check:
                  "DHT records expire by wall clock: enable NTP (timedatectl set-ntp true)")
 
 
+def _reachability(port: int, initial_peers: list[str]) -> Check:
+    from protocol.hivemind_transport import Transport
+
+    from node import reachability as reach
+    from node.network import peer_id_of
+
+    async def go() -> reach.Reachability:
+        p2p = await reach.create_p2p("public", initial_peers, relay_service=False, host_maddrs=[f"/ip4/0.0.0.0/tcp/{port}"])
+        try:
+            transport = Transport(p2p)
+            own = [str(a) for a in await p2p.get_visible_maddrs()]
+            return await reach.detect(transport, [peer_id_of(p) for p in initial_peers], reach.tcp_ports(own))
+        finally:
+            await p2p.shutdown()
+
+    try:
+        found = asyncio.run(go())
+    except Exception as e:
+        return Check("reachability", False, f"could not ask for a dial-back: {type(e).__name__}: {e}",
+                     "check --initial-peers (a peer must run this locomesh version or newer)")
+    if found.state == "public":
+        return Check("reachability", True, f"public: peers dialled you back at {', '.join(found.dialable)}. "
+                     f"Nothing to do{'' if port else '; pass a fixed --listen port if a firewall opens only one'}")
+    if found.state == "private":
+        forward = (f"forward TCP port {port}" if port else "pick a port P, forward TCP port P") + \
+            f" on your router to this machine{'' if port else ' and join with --listen /ip4/0.0.0.0/tcp/P'}"
+        return Check("reachability", True, f"private (behind NAT or a firewall; seen as {found.observed or '?'}): you will "
+                     f"train through relays on public peers, which carry all your traffic (each byte crosses the relay's "
+                     f"link twice). For direct connections, {forward}")
+    return Check("reachability", False, found.detail, "check --initial-peers: the peer must run this locomesh version or newer")
+
+
 def run_checks(port: int, device: str, checkpoint_dir: Path, initial_peers: list[str], run_id: str) -> list[Check]:
     steps: list[Callable[[], Check | list[Check]]] = [
         _versions, _p2pd, lambda: _port(port), lambda: _device(device), _memory, lambda: _disk(checkpoint_dir),
     ]
     if initial_peers:
         steps.append(lambda: _peers(initial_peers, run_id))
+        steps.append(lambda: _reachability(port, initial_peers))
     checks: list[Check] = []
     for step in steps:
         got = step()

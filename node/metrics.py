@@ -29,6 +29,9 @@ class NodeMetrics:
         self.outer_rounds = Counter("locomesh_outer_rounds", "Outer rounds finished, by result (completed, failed, alone)", ["result"], registry=r)
         self.bytes_sent = Counter("locomesh_bytes_sent", "Bytes sent on locomesh protocols, by message kind", ["kind"], registry=r)
         self.bytes_received = Counter("locomesh_bytes_received", "Bytes received on locomesh protocols, by message kind", ["kind"], registry=r)
+        self.relayed_bytes = Counter("locomesh_relayed_bytes", "Bytes of locomesh protocols that went through a circuit relay (also counted in bytes_sent/received), by direction", ["direction"], registry=r)
+        self.reachability = Gauge("locomesh_reachability", "1 for this node's reachability (public: others can dial it; private: behind NAT, reached through relays; unknown)", ["state"], registry=r)
+        self.relay_circuits = Gauge("locomesh_relay_reservations", "Circuit relays holding a reservation for this node (private nodes)", registry=r)
         self.group_size = Gauge("locomesh_group_size", "Members (self included) whose updates were averaged in the last round", registry=r)
         self.round_duration = Histogram("locomesh_round_duration_seconds", "Wall time of the averaging part of an outer round", buckets=ROUND_BUCKETS, registry=r)
         self.comm_wait = Counter("locomesh_comm_wait_seconds", "Time the training loop stood still waiting for outer rounds", registry=r)
@@ -62,6 +65,13 @@ class NodeMetrics:
             self.bytes_received.labels(kind)
         for kind in ERROR_KINDS:
             self.errors.labels(kind)
+        for direction in ("sent", "received"):
+            self.relayed_bytes.labels(direction)
+        self.set_reachability("unknown")
+
+    def set_reachability(self, state: str) -> None:
+        for s in ("public", "private", "unknown"):
+            self.reachability.labels(s).set(1 if s == state else 0)
 
     def serve(self, port: int) -> None:
         start_http_server(port, addr="0.0.0.0", registry=self.registry)

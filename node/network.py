@@ -19,9 +19,13 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 
+from node import reachability as reach
 from node.errors import UserError
 from node.orphans import guard_child, release
+from protocol import ids
 from protocol.hivemind_transport import Transport
+from protocol.relay import relay_routes
+from gossip.rendezvous import watch_records
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,6 +43,22 @@ def diagnose_peer(maddr: str, timeout: float = 3.0) -> str:
     except OSError as e:
         return (e.strerror or str(e)).lower()
     return "its port accepts connections, but its libp2p node did not answer (another program on that port, or it is still starting)"
+
+
+def peer_id_of(maddr: str) -> str:
+    """The peer id at the end of a ``.../p2p/<id>`` multiaddr."""
+    return str(maddr).rstrip("/").rsplit("/p2p/", 1)[-1]
+
+
+def learn_routes(transport: Transport, records: dict[str, Any]) -> None:
+    """Keep ``transport``'s relay routes in step with the peers' records: a private peer is reached
+    through the relays in its announced circuit addresses (see protocol.relay)."""
+    routes = relay_routes({peer: rec.maddrs for peer, rec in records.items() if rec.reachability == "private"})
+    for peer in records:
+        if peer in routes:
+            transport.routes[peer] = routes[peer]
+        else:
+            transport.routes.pop(peer, None)
 
 
 class Interrupted(Exception):
@@ -79,6 +99,7 @@ class NetworkThread:
         self.validator = RSASignatureValidator()
         self._tasks: list[asyncio.Task] = []
         self._watchdog = None
+        self.reachability = reach.Reachability()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -97,34 +118,56 @@ class NetworkThread:
         timeout: float = 60.0,
         join_timeout: float = 60.0,
         stop: threading.Event | None = None,
+        reachability: str = "auto",
+        relay_service: bool = True,
     ) -> None:
         """Start p2pd and join the DHT (bootstrapping from ``initial_peers`` when given).
+
+        ``reachability`` ``auto`` asks an initial peer to dial this node back (:mod:`node.reachability`)
+        and restarts p2pd as a private, relayed peer when it could not; ``public``/``private`` skip the
+        check. ``relay_service`` lets a public node relay circuits for private peers.
 
         A bootstrap peer may be restarting: failed attempts are retried with backoff (a log line each,
         naming every peer and why it failed) for ``join_timeout`` seconds, then :class:`UserError`
         names each peer tried and why."""
         self._thread.start()
 
-        async def _start() -> None:
-            self.p2p = await P2P.create(
-                initial_peers=initial_peers or None,
-                host_maddrs=listen,
-                announce_maddrs=announce or None,
-                identity_path=identity,
-                startup_timeout=timeout,
-            )
+        async def _p2p(mode: str) -> None:
+            self.p2p = await reach.create_p2p(mode, initial_peers, relay_service, host_maddrs=listen,
+                                              announce_maddrs=announce or None, identity_path=identity,
+                                              startup_timeout=timeout)
             child = getattr(self.p2p, "_child", None)  # hivemind keeps the p2pd process here
             if child is not None:
                 self._watchdog = guard_child(child.pid)
+            self.transport = Transport(self.p2p, on_bytes=on_bytes, on_error=on_error, swarm_key=swarm_key,
+                                       idle_timeout=stream_timeout)
+            await self.transport.serve(ids.DIALBACK, reach.serve_dialback)
+            await self.transport.enable_relays(serve_relay=relay_service and mode != "private")
+
+        async def _start() -> None:
+            await _p2p("private" if reachability == "private" else "public")
+            if reachability != "auto":
+                self.reachability = reach.Reachability(reachability, "set by --reachability")
+            elif not initial_peers:
+                self.reachability = reach.Reachability("unknown", "no initial peer to dial this node back; "
+                                                                  "assumed public (the first node must be dialable)")
+            else:
+                own = [str(a) for a in await self.p2p.get_visible_maddrs()] + list(announce)
+                self.reachability = await reach.detect(self.transport, [peer_id_of(p) for p in initial_peers],
+                                                       reach.tcp_ports(own))
+                if self.reachability.state == "private":
+                    logger.info("this node is not dialable from outside (%s): restarting p2pd as a private "
+                                "peer reached through relays", self.reachability.detail)
+                    await self._discard_partial_start()
+                    await _p2p("private")
             self.dht = await DHTNode.create(
                 p2p=self.p2p,
                 initial_peers=initial_peers or None,
                 record_validator=self.validator,
-                client_mode=False,
+                client_mode=self.reachability.state == "private",
                 wait_timeout=5,
             )
-            self.transport = Transport(self.p2p, on_bytes=on_bytes, on_error=on_error, swarm_key=swarm_key,
-                                       idle_timeout=stream_timeout)
+            watch_records(self.dht, self._learn_routes)
 
         deadline = time.monotonic() + join_timeout
         delay, attempt = 1.0, 0
@@ -158,6 +201,17 @@ class NetworkThread:
         if self._watchdog is not None:
             release(self._watchdog)
         self.p2p = self.dht = self.transport = self._watchdog = None
+
+    def _learn_routes(self, records: dict[str, Any]) -> None:
+        if self.transport is not None:
+            learn_routes(self.transport, records)
+
+    async def refresh_relays(self) -> list[str]:
+        """This node's circuit addresses now (a private node's reservations), also kept in ``reachability``."""
+        assert self.p2p is not None
+        maddrs = [str(a) for a in await self.p2p.get_visible_maddrs(latest=True)]
+        self.reachability.relays = reach.relay_addresses(maddrs)
+        return maddrs
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result."""

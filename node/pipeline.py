@@ -392,6 +392,7 @@ class PipelineNode(NodeBase):
 
     # ---- announcements -----------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
+        await self._refresh_addresses()
         net, cfg = self.net, self.cfg
         worker = self.worker
         record = PeerRecord(
@@ -399,7 +400,7 @@ class PipelineNode(NodeBase):
             model=cfg.model, algorithm=f"pipeline:{cfg.algorithm}", compression=cfg.codec, round=self.round,
             inner_step=worker.steps if worker else self.summary.steps,
             tokens_per_s=self.throughput * self.model_cfg.context if self.stage is not None else self._trainer_throughput(),
-            loss=self._current_loss(), maddrs=self.summary.multiaddrs, protocols=self.summary.protocols, version=__version__,
+            loss=self._current_loss(), maddrs=self.summary.multiaddrs, protocols=self.summary.protocols, version=__version__, reachability=self.summary.reachability,
             started_at=time.time() - (time.monotonic() - self.started), stage=self.stage if self.stage is not None else -1,
             queue=self.service.queue_length, grad_norm=worker.last_grad_norm if worker else 0.0,
             stage_since=self.stage_since,
@@ -430,7 +431,7 @@ class PipelineNode(NodeBase):
             "peer_id": self.summary.peer_id, "run_id": self.cfg.run_id, "role": self.role, "stage": self.stage,
             "stages": self.cfg.stages, "round": self.round, "steps": self.summary.steps, "loss": self._current_loss(),
             "tokens_per_s": self.throughput if self.stage is not None else self._trainer_throughput(), "queue": self.service.queue_length, "device": self.device.type,
-            "model": self.cfg.model, "protocols": self.summary.protocols, "version": __version__, "state": self.summary.state,
+            "model": self.cfg.model, "protocols": self.summary.protocols, "version": __version__, "reachability": self.summary.reachability, "state": self.summary.state,
             "time": time.time(),
         }
 

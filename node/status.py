@@ -11,7 +11,8 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from gossip.rendezvous import list_peers_with_expiry
+from gossip.rendezvous import list_peers_with_expiry, watch_records
+from node.network import learn_routes
 from node.status_service import fetch_status
 from swarm.stage_map import missing_roles
 from protocol.hivemind_transport import Transport
@@ -34,6 +35,7 @@ class StatusClient:
             await self.p2p.shutdown()
             raise
         self.transport = Transport(self.p2p, swarm_key=self.swarm_key)
+        watch_records(self.dht, lambda records: learn_routes(self.transport, records))  # peers behind NAT: via their relays
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -64,7 +66,7 @@ class StatusClient:
                 "compression": rec.compression, "tokens_per_s": rec.tokens_per_s, "round": rec.round,
                 "inner_step": rec.inner_step, "loss": rec.loss, "record_age_s": max(0.0, RECORD_TTL_S - (expiration - now)),
                 "maddrs": rec.maddrs, "protocols": rec.protocols, "reachable": st is not None, "live": st,
-                "stage": rec.stage, "queue": rec.queue,
+                "stage": rec.stage, "queue": rec.queue, "reachability": rec.reachability,
             })
         stages = max((st.get("stages", 0) for st in live if isinstance(st, dict) and isinstance(st.get("stages"), int)), default=0)
         result = {"run_id": self.run_id, "time": time.time(), "peers": sorted(rows, key=lambda r: r["peer_id"]),
@@ -145,11 +147,11 @@ def status_table(result: dict[str, Any]) -> Any:
     from rich.table import Table
 
     table = Table(title=f"run {result['run_id']}: {len(result['peers'])} peers")
-    for col in ("peer", "role", "device", "tok/s", "round", "step", "loss", "age"):
-        table.add_column(col, justify="right" if col not in ("peer", "role", "device") else "left")
+    for col in ("peer", "role", "device", "reach", "tok/s", "round", "step", "loss", "age"):
+        table.add_column(col, justify="right" if col not in ("peer", "role", "device", "reach") else "left")
     for r in result["peers"]:
         role = r["role"] + (f" {r['stage']}" if r.get("stage", -1) >= 0 else "")
-        table.add_row(r["peer_id"][-12:], role, r["device"], f"{r['tokens_per_s']:.0f}", str(r["round"]),
+        table.add_row(r["peer_id"][-12:], role, r["device"], r.get("reachability", "unknown"), f"{r['tokens_per_s']:.0f}", str(r["round"]),
                       str(r["inner_step"]), f"{r['loss']:.3f}", f"{r['record_age_s']:.1f}s")
     if not result["peers"]:
         return Group(table, result.get("hint") or "No live peers: check --run-id and that the multiaddr is of a running node.")

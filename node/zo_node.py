@@ -295,12 +295,13 @@ class ZONode(NodeBase):
             fingerprint=self.fp, meta=self._meta()))
 
     async def _heartbeat(self) -> None:
+        await self._refresh_addresses()
         net = self.net
         record = PeerRecord(
             peer_id=self.summary.peer_id, role=self.role, device=self.trainer.device.type, model=self.cfg.model,
             algorithm="zo", compression=self.cfg.codec, round=self.round, inner_step=self.step,
             tokens_per_s=self.tokens_per_s, loss=self.last_loss, maddrs=self.summary.multiaddrs,
-            protocols=self.summary.protocols, version=__version__, started_at=time.time() - (time.monotonic() - self.started),
+            protocols=self.summary.protocols, version=__version__, reachability=self.summary.reachability, started_at=time.time() - (time.monotonic() - self.started),
         )
         await reconnect_routing_table(net.dht, [info.peer_id for info in await net.p2p.list_peers()])
         await publish_peer(net.dht, net.validator, self.cfg.run_id, record, RECORD_TTL_S)
@@ -312,7 +313,7 @@ class ZONode(NodeBase):
             "steps": self.summary.steps, "loss": self.last_loss, "tokens_per_s": self.tokens_per_s,
             "device": self.trainer.device.type, "model": self.cfg.model, "algorithm": "zo", "compression": self.cfg.codec,
             "fragments": 1, "round_steps": self._round_steps(), "protocols": self.summary.protocols,
-            "version": __version__, "state": self.summary.state, "time": time.time(),
+            "version": __version__, "reachability": self.summary.reachability, "state": self.summary.state, "time": time.time(),
         }
 
     # ---- checkpoints and stopping ------------------------------------------------------------

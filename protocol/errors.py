@@ -19,6 +19,10 @@ class MalformedFrame(ProtocolError):
     code = "malformed"
 
 
+class TruncatedFrame(MalformedFrame):
+    """The stream ended inside a frame: a broken connection more often than a broken peer."""
+
+
 class VersionMismatch(ProtocolError):
     """The envelope's major protocol version differs from ours."""
 

@@ -24,6 +24,7 @@ from protocol.errors import (
     RemoteError,
     SchemaError,
     StreamTimeout,
+    TruncatedFrame,
     VersionMismatch,
 )
 from protocol.ids import PROTOCOL_MAJOR, PROTOCOL_MINOR
@@ -95,14 +96,14 @@ async def read_frame(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_F
     except asyncio.IncompleteReadError as e:
         if not e.partial:
             raise EOFError("stream closed") from None
-        raise MalformedFrame("stream ended inside a frame header") from None
+        raise TruncatedFrame("stream ended inside a frame header") from None
     (length,) = _LENGTH.unpack(header)
     if length > max_size:
         raise FrameTooLarge(f"frame announces {length} bytes, the cap is {max_size} bytes")
     try:
         return await reader.readexactly(length)
     except asyncio.IncompleteReadError as e:
-        raise MalformedFrame(f"stream ended after {len(e.partial)} of {length} frame bytes") from None
+        raise TruncatedFrame(f"stream ended after {len(e.partial)} of {length} frame bytes") from None
 
 
 class FramedStream:
@@ -126,6 +127,8 @@ class FramedStream:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.expected_hello: bytes | None = None  # set by a client of a private swarm: the server's proof
+        self.remote_addr = ""  # the connection's remote multiaddr, when the transport knows it
+        self.relay = ""  # the peer id of the locomesh relay carrying this stream, if any
 
     async def send(self, kind: str, body: dict[str, Any]) -> int:
         """Send one envelope; returns the bytes written (length prefix included).

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
+from protocol import ids, relay
 from protocol.auth import client_hello, server_hello
 from protocol.errors import ProtocolError
 from protocol.frames import DEFAULT_MAX_FRAME, FramedStream
@@ -21,6 +23,7 @@ from protocol.frames import DEFAULT_MAX_FRAME, FramedStream
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[FramedStream], Awaitable[None]]
+RELAY_RETRY_S = 30.0  # a relay that failed is skipped this long
 
 
 class Transport:
@@ -28,7 +31,9 @@ class Transport:
 
     :param p2p: a running P2P (this process's replica of the p2pd client)
     :param max_frame: the largest frame accepted from a peer
-    :param on_bytes: ``(protocol_id, direction, nbytes)`` callback for traffic accounting
+    :param on_bytes: ``(protocol_id, direction, nbytes, path)`` callback for traffic accounting; ``path``
+        is ``"relay"`` for a stream over a circuit relay (the bytes also cross the relay's links) and
+        ``"direct"`` otherwise
     :param on_error: ``(protocol_id, code, peer)`` callback for every refused or failed exchange
     :param idle_timeout: on served streams, a client that sends no complete frame for this long is
         refused (slow-loris guard)
@@ -42,7 +47,7 @@ class Transport:
         self,
         p2p: P2P,
         max_frame: int = DEFAULT_MAX_FRAME,
-        on_bytes: Callable[[str, str, int], None] | None = None,
+        on_bytes: Callable[[str, str, int, str], None] | None = None,
         on_error: Callable[[str, str, str], None] | None = None,
         swarm_key: bytes | None = None,
         idle_timeout: float = 30.0,
@@ -54,53 +59,110 @@ class Transport:
         self.on_bytes = on_bytes or (lambda *_: None)
         self.on_error = on_error or (lambda *_: None)
         self.protocols: list[str] = []
+        self.handlers: dict[str, Handler] = {}
+        self.routes: dict[str, list[str]] = {}  # {peer behind NAT: relays it announced}, kept fresh by the node
+        self.relay_limits: relay.RelayLimits | None = None  # set when this node relays for others
+        self._relay_failed: dict[str, float] = {}
+        self._direct_cache: tuple[float, set[str]] = (0.0, set())
 
     @property
     def peer_id(self) -> str:
         return self.p2p.peer_id.to_base58()
 
     async def serve(self, protocol: str, handler: Handler) -> None:
-        """Register ``handler`` for streams opened with ``protocol``."""
+        """Register ``handler`` for streams opened with ``protocol`` (directly or through a relay)."""
 
         async def _on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = info.peer_id.to_base58()
             stream = FramedStream(reader, writer, peer=peer, max_frame=self.max_frame, idle_timeout=self.idle_timeout)
+            stream.remote_addr = str(info.addr)
             try:
-                if self.swarm_key is not None:
-                    await server_hello(stream, self.swarm_key, protocol, peer, self.peer_id)
-                await handler(stream)
-                await stream.wait_peer_closed()
-            except ProtocolError as e:
-                logger.warning("refused %s request from %s: %s", protocol, peer, e)
-                self.on_error(protocol, e.code, peer)
-                await stream.refuse(e)
-            except (ConnectionError, EOFError, asyncio.IncompleteReadError) as e:
-                logger.info("%s stream from %s closed early: %s", protocol, peer, e)
-                self.on_error(protocol, "connection", peer)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a bug in a handler must not kill the node
-                logger.exception("handler %s failed on a request from %s", protocol, peer)
-                self.on_error(protocol, "internal", peer)
-                await stream.refuse("internal", f"{type(e).__name__}: {e}")
+                await self.handle(protocol, handler, stream, peer)
             finally:
-                self.on_bytes(protocol, "sent", stream.bytes_sent)
-                self.on_bytes(protocol, "received", stream.bytes_received)
+                self.account(getattr(stream, "inner_protocol", protocol), stream)
                 await stream.close()
 
+        self.handlers[protocol] = handler
         await self.p2p.add_binary_stream_handler(protocol, _on_stream)
         self.protocols.append(protocol)
 
+    async def handle(self, protocol: str, handler: Handler, stream: FramedStream, client: str) -> None:
+        """Run ``handler`` on a served stream from ``client``: the private-swarm hello first, then
+        the handler; failures are logged, counted and answered with an error frame."""
+        try:
+            if self.swarm_key is not None:
+                await server_hello(stream, self.swarm_key, protocol, client, self.peer_id)
+            await handler(stream)
+            await stream.wait_peer_closed()
+        except ProtocolError as e:
+            logger.warning("refused %s request from %s: %s", protocol, client, e)
+            self.on_error(protocol, e.code, client)
+            await stream.refuse(e)
+        except (ConnectionError, EOFError, asyncio.IncompleteReadError) as e:
+            logger.info("%s stream from %s closed early: %s", protocol, client, e)
+            self.on_error(protocol, "connection", client)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug in a handler must not kill the node
+            logger.exception("handler %s failed on a request from %s", protocol, client)
+            self.on_error(protocol, "internal", client)
+            await stream.refuse("internal", f"{type(e).__name__}: {e}")
+
+    async def enable_relays(self, serve_relay: bool) -> None:
+        """Accept streams relayed to us by public peers, and relay for others when ``serve_relay``."""
+        await self.serve(ids.RELAYED, lambda stream: relay.serve_relayed(self, stream))
+        if serve_relay:
+            self.relay_limits = relay.RelayLimits()
+            await self.serve(ids.RELAY, lambda stream: relay.serve_hop(self, stream))
+
     async def open(self, peer_id: str, protocol: str) -> FramedStream:
-        """Open a stream to ``peer_id`` speaking ``protocol``."""
-        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
+        """Open a stream to ``peer_id`` speaking ``protocol``.
+
+        A peer that announced relays (it is behind NAT) and has no direct connection to us is reached
+        through one of them (:mod:`protocol.relay`), the next one when a relay fails; a direct stream
+        is the last resort."""
+        relays = [r for r in self.routes.get(peer_id, [])
+                  if r != self.peer_id and self._relay_failed.get(r, 0) < time.monotonic() - RELAY_RETRY_S]
+        if relays and not await self._connected_directly(peer_id):
+            for hop in relays:
+                try:
+                    return await asyncio.wait_for(relay.open_via(self, hop, peer_id, protocol), 30)
+                except ProtocolError:
+                    raise  # the target itself refused (wrong key, unknown protocol): another relay says the same
+                except Exception as e:
+                    self._relay_failed[hop] = time.monotonic()
+                    logger.info("relay %s could not carry %s to %s: %s %s", hop, protocol, peer_id, type(e).__name__, e)
+        return await self._open_direct(peer_id, protocol)
+
+    async def _open_direct(self, peer_id: str, protocol: str) -> FramedStream:
+        info, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
         # client side: the caller bounds the whole exchange (a server may legitimately wait for its own data)
         stream = FramedStream(reader, writer, peer=peer_id, max_frame=self.max_frame)
+        stream.remote_addr = str(info.addr)
         if self.swarm_key is not None:
             await client_hello(stream, self.swarm_key, protocol, self.peer_id, peer_id)
         return stream
 
+    async def _connected_directly(self, peer_id: str) -> bool:
+        """Whether p2pd holds a connection to ``peer_id`` that is not a relay circuit (cached 2 s)."""
+        stamp, direct = self._direct_cache
+        if time.monotonic() - stamp > 2.0:
+            try:
+                peers = await self.p2p.list_peers()
+            except Exception:
+                peers = []
+            direct = {info.peer_id.to_base58() for info in peers
+                      if any("/p2p-circuit" not in str(a) for a in info.addrs)}
+            self._direct_cache = (time.monotonic(), direct)
+        return peer_id in direct
+
     def account(self, protocol: str, stream: FramedStream) -> None:
-        """Report a client stream's traffic (call once the exchange is over)."""
-        self.on_bytes(protocol, "sent", stream.bytes_sent)
-        self.on_bytes(protocol, "received", stream.bytes_received)
+        """Report a stream's traffic (clients call it once the exchange is over)."""
+        path = stream_path(stream)
+        self.on_bytes(protocol, "sent", stream.bytes_sent, path)
+        self.on_bytes(protocol, "received", stream.bytes_received, path)
+
+
+def stream_path(stream: FramedStream) -> str:
+    """``"relay"`` when the stream runs over a libp2p circuit relay, else ``"direct"``."""
+    return "relay" if getattr(stream, "relay", "") or "/p2p-circuit" in stream.remote_addr else "direct"

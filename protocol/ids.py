@@ -16,3 +16,6 @@ AVERAGE = protocol_id("average")  # members of an outer round fetch each other's
 STATUS = protocol_id("status")  # anyone may ask a node what it is doing
 STAGE = protocol_id("stage")  # pipeline trainers send activations through stage servers
 ZO = protocol_id("zo")  # zeroth-order replicas fetch each other's one-byte step codes and the log of applied rounds
+DIALBACK = protocol_id("dialback")  # a peer dials the requester back to tell it whether it is publicly reachable
+RELAY = protocol_id("relay")  # a public peer carries a stream to a peer behind NAT that keeps a connection to it
+RELAYED = protocol_id("relayed")  # the relay's leg to that peer: which client and protocol the stream is for

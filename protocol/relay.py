@@ -1,0 +1,178 @@
+"""Locomesh's own stream relay: how a peer behind NAT is reached for bulk transfers.
+
+p2pd's circuit relay resets every circuit after 128 KiB (its daemon installs a second relay with
+libp2p's default limits over the configured one), so it carries only small messages. Pseudo-gradients,
+state and activations go through this relay instead:
+
+- ``/locomesh/relay/1.0`` (served by public peers unless ``--relay off``): a client sends
+  ``relay {target, protocol}``. The relay opens ``/locomesh/relayed/1.0`` to the target over its
+  direct connection (a private peer keeps one to each relay it announces) and sends
+  ``relayed {from, protocol}``; the target answers ``relay_ok``, the relay answers ``relay_ok`` to
+  the client, and from then on the relay copies bytes both ways until either side closes.
+- The client then speaks ``protocol`` end to end, private-swarm ``hello`` included: the target checks
+  the client's proof for (client, target, protocol), so the relay cannot impersonate the client
+  without the key, and the target serves the request with the same handler as a direct stream.
+- Caps: circuits per client and in all, and bytes per circuit. Refusals are error frames with a
+  reason; a relay never relays to a peer it can reach only through a relay itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hivemind.p2p import PeerID
+
+from protocol import ids
+from protocol.auth import client_hello
+from protocol.errors import SchemaError
+from protocol.frames import FramedStream, require
+
+if TYPE_CHECKING:
+    from protocol.hivemind_transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RelayLimits:
+    """What a public peer relays at most."""
+
+    circuits_per_peer: int = 16
+    circuits: int = 128
+    bytes_per_circuit: int = 1 << 30
+    open: dict[str, int] = field(default_factory=dict)  # live circuits by client
+
+    def admit(self, client: str) -> None:
+        if sum(self.open.values()) >= self.circuits:
+            raise SchemaError(f"relay busy: {self.circuits} circuits open")
+        if self.open.get(client, 0) >= self.circuits_per_peer:
+            raise SchemaError(f"relay busy: {self.circuits_per_peer} circuits open for you")
+        self.open[client] = self.open.get(client, 0) + 1
+
+    def release(self, client: str) -> None:
+        left = self.open.get(client, 1) - 1
+        if left > 0:
+            self.open[client] = left
+        else:
+            self.open.pop(client, None)
+
+
+class RelayLimitExceeded(ConnectionError):
+    """A circuit carried more than its byte cap."""
+
+
+async def _copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter, limit: int) -> int:
+    moved = 0
+    while True:
+        chunk = await source.read(1 << 16)
+        if not chunk:
+            return moved
+        moved += len(chunk)
+        if moved > limit:
+            raise RelayLimitExceeded(f"circuit passed its cap of {limit} bytes")
+        sink.write(chunk)
+        await sink.drain()
+
+
+async def splice(client: FramedStream, target: FramedStream, limit: int) -> tuple[int, int]:
+    """Copy bytes both ways until one side closes; returns (bytes client→target, target→client)."""
+    up = asyncio.ensure_future(_copy(client.reader, target.writer, limit))
+    down = asyncio.ensure_future(_copy(target.reader, client.writer, limit))
+    try:
+        # the client closes only once it has read its whole answer, so its EOF ends the circuit
+        await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (up, down):
+            task.cancel()
+        await asyncio.gather(up, down, return_exceptions=True)
+    moved = [t.result() if t.done() and not t.cancelled() and t.exception() is None else 0 for t in (up, down)]
+    return moved[0], moved[1]
+
+
+async def serve_hop(transport: "Transport", stream: FramedStream) -> None:
+    """The relay's side of ``/locomesh/relay/1.0``."""
+    limits = transport.relay_limits
+    if limits is None:
+        raise SchemaError("this node does not relay (--relay off or not publicly reachable)")
+    msg = await stream.recv(expect="relay")
+    target = require(msg.body, "target", str)
+    protocol = require(msg.body, "protocol", str)
+    if protocol in (ids.RELAY, ids.RELAYED) or target in (stream.peer, transport.peer_id):
+        raise SchemaError(f"cannot relay {protocol} to {target}")
+    limits.admit(stream.peer)
+    try:
+        try:
+            info, reader, writer = await asyncio.wait_for(
+                transport.p2p.call_binary_stream_handler(PeerID.from_base58(target), ids.RELAYED), 10)
+        except Exception as e:
+            raise SchemaError(f"relay could not reach {target}: {type(e).__name__}") from None
+        leg = FramedStream(reader, writer, peer=target, max_frame=transport.max_frame, idle_timeout=transport.idle_timeout)
+        leg.remote_addr = str(info.addr)
+        try:
+            if "/p2p-circuit" in leg.remote_addr:
+                raise SchemaError(f"relay reaches {target} only through another relay")
+            if transport.swarm_key is not None:
+                await client_hello(leg, transport.swarm_key, ids.RELAYED, transport.peer_id, target)
+            await leg.send("relayed", {"from": stream.peer, "protocol": protocol})
+            await asyncio.wait_for(leg.recv(expect="relay_ok"), 10)
+            await stream.send("relay_ok", {})
+            up, down = await splice(stream, leg, limits.bytes_per_circuit)
+            stream.bytes_received += up
+            stream.bytes_sent += down
+            stream.relay = transport.peer_id  # what this node relayed counts as relayed traffic
+        finally:
+            transport.account(ids.RELAYED, leg)
+            await leg.close()
+    finally:
+        limits.release(stream.peer)
+
+
+async def serve_relayed(transport: "Transport", stream: FramedStream) -> None:
+    """The target's side: a relay forwards a client's stream for one of our protocols."""
+    msg = await stream.recv(expect="relayed")
+    origin = require(msg.body, "from", str)
+    protocol = require(msg.body, "protocol", str)
+    handler = transport.handlers.get(protocol)
+    if handler is None or protocol in (ids.RELAY, ids.RELAYED):
+        raise SchemaError(f"this node does not serve {protocol}")
+    await stream.send("relay_ok", {})
+    stream.relay, stream.peer, stream.inner_protocol = stream.peer, origin, protocol
+    await transport.handle(protocol, handler, stream, origin)
+
+
+async def open_via(transport: "Transport", relay: str, target: str, protocol: str) -> FramedStream:
+    """A client stream to ``target`` speaking ``protocol``, carried by ``relay``."""
+    info, reader, writer = await transport.p2p.call_binary_stream_handler(PeerID.from_base58(relay), ids.RELAY)
+    stream = FramedStream(reader, writer, peer=relay, max_frame=transport.max_frame)
+    stream.remote_addr = str(info.addr)
+    try:
+        if transport.swarm_key is not None:
+            await client_hello(stream, transport.swarm_key, ids.RELAY, transport.peer_id, relay)
+        await stream.send("relay", {"target": target, "protocol": protocol})
+        await asyncio.wait_for(stream.recv(expect="relay_ok"), 20)
+        stream.peer, stream.relay = target, relay
+        if transport.swarm_key is not None:
+            await client_hello(stream, transport.swarm_key, protocol, transport.peer_id, target)
+        return stream
+    except BaseException:
+        await stream.close()
+        raise
+
+
+def relay_routes(records: dict[str, list[str]]) -> dict[str, list[str]]:
+    """{private peer: relay peer ids} from each peer's announced multiaddrs (``…/p2p/R/p2p-circuit/p2p/P``)."""
+    routes: dict[str, list[str]] = {}
+    for peer, maddrs in records.items():
+        relays = []
+        for maddr in maddrs:
+            head, sep, _ = str(maddr).partition("/p2p-circuit")
+            if sep and "/p2p/" in head:
+                relay = head.rsplit("/p2p/", 1)[1]
+                if relay and relay != peer and relay not in relays:
+                    relays.append(relay)
+        if relays:
+            routes[peer] = relays
+    return routes

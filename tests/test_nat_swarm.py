@@ -1,0 +1,167 @@
+"""Volunteers behind NAT, with default flags: real daemons in network namespaces (benchmarks.nat_topology).
+
+A public peer and home peers behind masquerading routers that drop new inbound connections. The
+homes find out they are private (a dial-back from the public peer fails), reserve a circuit on the
+public peer and are reached through it. Checked: the topology itself, a DiLoCo swarm whose rounds
+average all three members on every node without any resync after them (a late home joins through
+the state download), and a home stage server that serves a home trainer's pipeline.
+
+Needs root (namespaces, iptables): skipped with one line otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from benchmarks.nat_topology import Host, NatTopology, missing_tools
+
+pytestmark = pytest.mark.skipif(missing_tools() is not None, reason=f"NAT tests: {missing_tools()}")
+
+DILOCO = ["--model", "nano", "--inner-steps", "20", "--threads", "1", "--run-id", "nat-test"]
+
+
+class NsNode:
+    """One ``node join`` in a namespace, with its info file."""
+
+    def __init__(self, net: NatTopology, host: Host, directory: Path, name: str, args: list[str], peers: list[str]) -> None:
+        self.name, self.directory = name, directory / name
+        self.directory.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "node", "join", *args, "--checkpoint-dir", str(self.directory),
+               "--info-file", str(self.directory / "info.json")]
+        if not host.behind_nat:  # the public peer listens on its public address (a server's usual setup)
+            cmd += ["--listen", f"/ip4/{host.address}/tcp/0"]
+        for peer in peers:
+            cmd += ["--initial-peers", peer]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOMESH_")}
+        self.process = subprocess.Popen(net.command(host, *cmd), stdout=open(self.directory / "log.txt", "w"),
+                                        stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+    def info(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.directory / "info.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def log(self) -> str:
+        return (self.directory / "log.txt").read_text(errors="replace")
+
+    def wait(self, predicate, timeout: float, what: str) -> dict[str, Any]:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            info = self.info()
+            if info and predicate(info):
+                return info
+            if self.process.poll() is not None:
+                raise AssertionError(f"{self.name} exited ({self.process.returncode}) waiting for {what}:\n{self.log()[-3000:]}")
+            time.sleep(0.5)
+        raise AssertionError(f"{self.name}: no {what} after {timeout:.0f}s:\n{self.log()[-3000:]}")
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+@pytest.fixture
+def nat(request) -> Iterator[tuple[NatTopology, list[NsNode]]]:
+    started: list[NsNode] = []
+    with NatTopology(homes=2, tag=request.node.name[-4:].replace("_", "")) as net:
+        try:
+            yield net, started
+        finally:
+            for node in started:
+                node.kill()
+
+
+def public_address(info: dict[str, Any], host: Host) -> str:
+    return next(a for a in info["multiaddrs"] if f"/ip4/{host.address}/" in a)
+
+
+def full_rounds(info: dict[str, Any], members: int) -> list[dict[str, Any]]:
+    return [r for r in info.get("rounds", []) if r.get("contributors") == members and r.get("in_sync")]
+
+
+def test_topology_homes_dial_out_but_nobody_dials_in() -> None:
+    with NatTopology(homes=2, tag="topo") as net:
+        pub, home0, home1 = net.public[0], net.home[0], net.home[1]
+        server, port = net.listen_probe(pub)
+        try:
+            assert net.can_connect(home0, pub.address, port) and net.can_connect(home1, pub.address, port)
+        finally:
+            server.kill()
+        for h, home in enumerate(net.home):
+            server, port = net.listen_probe(home)
+            try:
+                assert not net.can_connect(pub, net.router_wan(h), port), "the public side reached a home"
+                assert not net.can_connect(net.home[1 - h], net.router_wan(h), port), "a home reached the other home"
+                assert not net.can_connect(pub, home.address, port), "a home's LAN address is routable from outside"
+            finally:
+                server.kill()
+
+
+def test_diloco_swarm_with_two_homes_behind_nat_averages_everyone(tmp_path, nat) -> None:
+    net, nodes = nat
+    pub = NsNode(net, net.public[0], tmp_path, "pub", DILOCO, [])
+    nodes.append(pub)
+    boot = public_address(pub.wait(lambda i: i.get("state") == "training", 120, "startup"), net.public[0])
+    home0 = NsNode(net, net.home[0], tmp_path, "home0", [*DILOCO, "--seed", "1"], [boot])
+    nodes.append(home0)
+    home0.wait(lambda i: len(full_rounds(i, 2)) >= 1, 240, "a first round with the public peer")
+    home1 = NsNode(net, net.home[1], tmp_path, "home1", [*DILOCO, "--seed", "2"], [boot])  # joins a trained run
+    nodes.append(home1)
+    for node in (pub, home0, home1):
+        node.wait(lambda i: len(full_rounds(i, 3)) >= 3, 400, "3 rounds that averaged all three members")
+    for node in (home1, home0, pub):  # the homes first: their relay addresses last as long as the public peer
+        assert node.stop() == 0, node.log()[-2000:]
+
+    assert pub.info()["reachability"] in ("public", "unknown")
+    for home in (home0, home1):
+        info = home.info()
+        assert info["reachability"] == "private", info.get("reachability_detail")
+        assert any("/p2p-circuit" in a for a in info["multiaddrs"]), "a private node announces its relay address"
+        assert info["bytes_relayed"].get("received", 0) > 0, "the other home's updates came through the relay"
+    assert any(e["event"] == "joined" for e in home1.info()["events"]), "the late home downloaded the swarm's state"
+    for node in nodes:
+        info = node.info()
+        first_full = min(r["round"] for r in full_rounds(info, 3))
+        resyncs = [e for e in info["events"] if e["event"] == "out_of_sync" and e["round"] >= first_full]
+        assert not resyncs, (node.name, resyncs)
+
+
+def test_a_home_stage_server_serves_a_home_trainer(tmp_path, nat) -> None:
+    net, nodes = nat
+    pipe = ["--model", "nano", "--batch-size", "8", "--threads", "1", "--warmup-steps", "10", "--eval-batches", "4",
+            "--stages", "2", "--run-id", "nat-pipe"]
+    stage0 = NsNode(net, net.public[0], tmp_path, "s0", [*pipe, "--role", "stage", "--stage", "0"], [])
+    nodes.append(stage0)
+    boot = public_address(stage0.wait(lambda i: i.get("state") == "training", 120, "startup"), net.public[0])
+    stage1 = NsNode(net, net.home[0], tmp_path, "s1", [*pipe, "--role", "stage", "--stage", "1"], [boot])
+    trainer = NsNode(net, net.home[1], tmp_path, "t", [*pipe, "--role", "trainer", "--seed", "1"], [boot])
+    nodes += [stage1, trainer]
+    trainer.wait(lambda i: i.get("steps", 0) >= 30, 300, "30 pipeline steps")
+    stage1.wait(lambda i: i.get("steps", 0) >= 10, 60, "steps served by the home stage server")
+    for node in (trainer, stage1, stage0):
+        assert node.stop() == 0, node.log()[-2000:]
+    assert stage1.info()["reachability"] == "private" and trainer.info()["reachability"] == "private"
+    assert stage1.info()["bytes_relayed"].get("received", 0) > 0, "the trainer's activations reached the home server through the relay"
+    info = trainer.info()
+    assert info["train_loss_last"] < info["train_loss_first"]
