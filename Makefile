@@ -21,12 +21,15 @@ $(STAMP): pyproject.toml constraints.txt
 demo: setup
 	$(VENV)/bin/node swarm --nodes 3 --duration 150 --report runs/demo/report.json --checkpoint-dir runs/demo
 
-# Debian's prometheus for the real-scrape test; installed where apt-get runs as root, else that test is skipped.
+# Debian's prometheus for the real-scrape test and iptables for the NAT tests (routers in network
+# namespaces); installed where apt-get runs as root, else those tests skip with a one-line reason.
 test-deps:
-	@command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && { \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
-	  { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; }; }; } \
-	  || echo "note: prometheus is not installed; tests/test_prometheus.py will skip its scrape test"
+	@for pkg in prometheus iptables; do \
+	  command -v $$pkg >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && { \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$pkg >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$pkg >/dev/null 2>&1; }; }; } \
+	  || echo "note: $$pkg is not installed; the tests that need it will skip"; \
+	done
 
 test: setup test-deps
 	$(PY) -m pytest -q

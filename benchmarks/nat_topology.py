@@ -18,13 +18,19 @@ An optional ``rate_mbit`` shapes every host's link (upload and download) with ``
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
-__all__ = ["NatTopology", "missing_tools", "Host"]
+__all__ = ["NatTopology", "NsNode", "missing_tools", "Host"]
 
 
 def missing_tools() -> str | None:
@@ -148,7 +154,7 @@ class NatTopology:
         """``argv`` run inside ``host``'s namespace."""
         return ["ip", "netns", "exec", host.netns, *argv]
 
-    def can_connect(self, source: Host, address: str, port: int, timeout: float = 2.0) -> bool:
+    def can_connect(self, source: Host, address: str, port: int, timeout: float = 1.0) -> bool:
         """Whether a TCP connection from ``source`` to ``address:port`` is accepted."""
         probe = ("import socket,sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()\n"
                  "except OSError: sys.exit(1)")
@@ -163,6 +169,58 @@ class NatTopology:
         proc = subprocess.Popen(self.command(host, "python3", "-c", server, str(port)), stdout=subprocess.PIPE, text=True)
         proc.stdout.readline()
         return proc, port
+
+
+class NsNode:
+    """One ``node join`` in a namespace, with its info file."""
+
+    def __init__(self, net: NatTopology, host: Host, directory: Path, name: str, args: list[str], peers: list[str]) -> None:
+        self.name, self.directory = name, directory / name
+        self.directory.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "node", "join", *args, "--checkpoint-dir", str(self.directory),
+               "--info-file", str(self.directory / "info.json")]
+        if not host.behind_nat:  # the public peer listens on its public address (a server's usual setup)
+            cmd += ["--listen", f"/ip4/{host.address}/tcp/0"]
+        for peer in peers:
+            cmd += ["--initial-peers", peer]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOMESH_")}
+        self.process = subprocess.Popen(net.command(host, *cmd), stdout=open(self.directory / "log.txt", "w"),
+                                        stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+    def info(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.directory / "info.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def log(self) -> str:
+        return (self.directory / "log.txt").read_text(errors="replace")
+
+    def wait(self, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            info = self.info()
+            if info and predicate(info):
+                return info
+            if self.process.poll() is not None:
+                raise AssertionError(f"{self.name} exited ({self.process.returncode}) waiting for {what}:\n{self.log()[-3000:]}")
+            time.sleep(0.5)
+        raise AssertionError(f"{self.name}: no {what} after {timeout:.0f}s:\n{self.log()[-3000:]}")
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _free_port() -> int:

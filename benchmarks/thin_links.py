@@ -1,7 +1,11 @@
 """Thin links: a swarm whose nodes each sit in their own network namespace behind a ``tc tbf`` limit.
 
     sudo python -m benchmarks.thin_links --rates 20,5 --codecs none,topk:64/4096+q2 --duration 120 \\
-        --out runs/thin/report.json [--partition]
+        --out runs/thin/report.json [--partition] [--nat]
+
+``--nat`` runs each rate and codec twice on :mod:`benchmarks.nat_topology`: three peers that can all
+dial each other ("direct"), and one public peer with two homes behind NAT ("relay": the homes reach
+each other through the public peer's locomesh relay). It reports round time and bytes of each.
 
 Topology: a hub namespace with a bridge; node i lives in namespace ``lmn<i>`` with address
 10.201.0.<10+i>/24 on a veth pair whose both ends are shaped with ``tbf rate R mbit`` (upload and
@@ -155,6 +159,58 @@ def run_case(n: int, rate: float, codec: str, duration: float, directory: Path, 
     return result
 
 
+def run_nat_case(rate: float, codec: str, duration: float, directory: Path, timeout: float, behind_nat: bool) -> dict[str, Any]:
+    """Three ``tiny`` DiLoCo peers at ``rate`` Mbit/s each: all public, or one public and two behind NAT."""
+    from benchmarks.nat_topology import NatTopology, NsNode
+
+    args = ["--model", "tiny", "--batch-size", "8", "--inner-steps", "30", "--threads", "1", "--eval-batches", "8",
+            "--compression", codec, "--averaging-timeout", str(timeout), "--run-id", "nat-bench", "--eval-every", "0"]
+    tag = "bn" if behind_nat else "bd"
+    with NatTopology(homes=2 if behind_nat else 0, public_hosts=1 if behind_nat else 3, tag=tag, rate_mbit=rate) as net:
+        hosts = net.public + net.home
+        nodes: list[NsNode] = []
+        try:
+            nodes.append(NsNode(net, hosts[0], directory, "node0", [*args, "--seed", "0"], []))
+            started = nodes[0].wait(lambda i: i.get("state") == "training", 180, "startup")
+            boot = next(a for a in started["multiaddrs"] if f"/ip4/{hosts[0].address}/" in a)
+            for i, host in enumerate(hosts[1:], 1):
+                nodes.append(NsNode(net, host, directory, f"node{i}", [*args, "--seed", str(i)], [boot]))
+            time.sleep(duration)
+        finally:
+            codes = []
+            for node in reversed(nodes):
+                try:
+                    codes.append(node.stop(timeout=90))
+                except subprocess.TimeoutExpired:
+                    node.kill()
+                    codes.append(-9)
+            codes.reverse()
+    per_node = []
+    for node, code in zip(nodes, codes):
+        inf = node.info()
+        full = [r for r in inf.get("rounds", []) if r.get("contributors") == len(nodes)]
+        rounds = max(1, inf.get("outer_rounds", 0))
+        per_node.append({
+            "node": node.name, "exit_code": code, "reachability": inf.get("reachability"), "outer_rounds": inf.get("outer_rounds", 0),
+            "full_rounds": len(full), "round_s": [r["duration_s"] for r in full], "exchange_s": [r["duration_s"] - r["gather_s"] for r in full],
+            "average_bytes_sent_per_round": inf.get("bytes_sent_by_kind", {}).get("average", 0) / rounds,
+            "bytes_sent_per_round": inf.get("bytes_sent", 0) / rounds,
+            "relayed_bytes_per_round": sum(inf.get("bytes_relayed", {}).values()) / rounds,
+            "val_loss": inf.get("val_loss"),
+        })
+    rounds_s = [x for n in per_node for x in n["round_s"]]
+    exchange_s = [x for n in per_node for x in n["exchange_s"]]
+    return {
+        "topology": "relay" if behind_nat else "direct", "rate_mbit": rate, "codec": codec, "duration_s": duration,
+        "round_s_median": statistics.median(rounds_s) if rounds_s else None,
+        "exchange_s_median": statistics.median(exchange_s) if exchange_s else None,
+        "full_rounds_min": min(n["full_rounds"] for n in per_node),
+        "average_bytes_sent_per_node_per_round": statistics.median(n["average_bytes_sent_per_round"] for n in per_node),
+        "public_peer_bytes_sent_per_round": per_node[0]["bytes_sent_per_round"],
+        "per_node": per_node,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=4)
@@ -163,6 +219,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=120)
     parser.add_argument("--timeout", type=float, default=30, help="--averaging-timeout of the nodes")
     parser.add_argument("--partition", action="store_true", help="also run a partition case at the first rate")
+    parser.add_argument("--nat", action="store_true", help="compare direct peers with two homes behind NAT reached through a relay")
     parser.add_argument("--out", default="runs/thin/report.json")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -170,6 +227,17 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cases = []
+    if args.nat:
+        for rate in [float(r) for r in args.rates.split(",")]:
+            for codec in args.codecs.split(","):
+                for behind_nat in (False, True):
+                    print(f"== {rate} Mbit/s, {codec}, {'relay' if behind_nat else 'direct'}", flush=True)
+                    where = out.parent / f"nat-{'relay' if behind_nat else 'direct'}-r{rate}-{codec.replace('/', '_')}"
+                    cases.append(run_nat_case(rate, codec, args.duration, where, args.timeout, behind_nat))
+                    print(json.dumps({k: v for k, v in cases[-1].items() if k != "per_node"}), flush=True)
+        out.write_text(json.dumps({"nat_cases": cases}, indent=2))
+        print(f"report: {out}")
+        return
     for rate in [float(r) for r in args.rates.split(",")]:
         for codec in args.codecs.split(","):
             print(f"== {rate} Mbit/s, {codec}", flush=True)

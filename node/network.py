@@ -100,6 +100,7 @@ class NetworkThread:
         self._tasks: list[asyncio.Task] = []
         self._watchdog = None
         self.reachability = reach.Reachability()
+        self._initial_peers: list[str] = []
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -131,6 +132,7 @@ class NetworkThread:
         naming every peer and why it failed) for ``join_timeout`` seconds, then :class:`UserError`
         names each peer tried and why."""
         self._thread.start()
+        self._initial_peers = list(initial_peers)
 
         async def _p2p(mode: str) -> None:
             self.p2p = await reach.create_p2p(mode, initial_peers, relay_service, host_maddrs=listen,
@@ -207,10 +209,18 @@ class NetworkThread:
             learn_routes(self.transport, records)
 
     async def refresh_relays(self) -> list[str]:
-        """This node's circuit addresses now (a private node's reservations), also kept in ``reachability``."""
+        """This node's multiaddrs now, with a private node's circuit addresses (its reservations) also
+        kept in ``reachability``. p2pd lists circuits only over relays with public IPs; a private node
+        whose relays have none (a LAN, a lab) announces circuits over its initial peers instead, which
+        locomesh's relay can serve as long as the connection to them stands."""
         assert self.p2p is not None
         maddrs = [str(a) for a in await self.p2p.get_visible_maddrs(latest=True)]
-        self.reachability.relays = reach.relay_addresses(maddrs)
+        circuits = reach.relay_addresses(maddrs)
+        if self.reachability.state == "private" and not circuits:
+            me = self.p2p.peer_id.to_base58()
+            circuits = [f"{peer}/p2p-circuit/p2p/{me}" for peer in self._initial_peers if "/p2p/" in peer]
+            maddrs += circuits
+        self.reachability.relays = circuits
         return maddrs
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:

@@ -11,74 +11,15 @@ Needs root (namespaces, iptables): skipped with one line otherwise.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from benchmarks.nat_topology import Host, NatTopology, missing_tools
+from benchmarks.nat_topology import Host, NatTopology, NsNode, missing_tools
 
 pytestmark = pytest.mark.skipif(missing_tools() is not None, reason=f"NAT tests: {missing_tools()}")
 
 DILOCO = ["--model", "nano", "--inner-steps", "20", "--threads", "1", "--run-id", "nat-test"]
-
-
-class NsNode:
-    """One ``node join`` in a namespace, with its info file."""
-
-    def __init__(self, net: NatTopology, host: Host, directory: Path, name: str, args: list[str], peers: list[str]) -> None:
-        self.name, self.directory = name, directory / name
-        self.directory.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "node", "join", *args, "--checkpoint-dir", str(self.directory),
-               "--info-file", str(self.directory / "info.json")]
-        if not host.behind_nat:  # the public peer listens on its public address (a server's usual setup)
-            cmd += ["--listen", f"/ip4/{host.address}/tcp/0"]
-        for peer in peers:
-            cmd += ["--initial-peers", peer]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOMESH_")}
-        self.process = subprocess.Popen(net.command(host, *cmd), stdout=open(self.directory / "log.txt", "w"),
-                                        stderr=subprocess.STDOUT, start_new_session=True, env=env)
-
-    def info(self) -> dict[str, Any]:
-        try:
-            return json.loads((self.directory / "info.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def log(self) -> str:
-        return (self.directory / "log.txt").read_text(errors="replace")
-
-    def wait(self, predicate, timeout: float, what: str) -> dict[str, Any]:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            info = self.info()
-            if info and predicate(info):
-                return info
-            if self.process.poll() is not None:
-                raise AssertionError(f"{self.name} exited ({self.process.returncode}) waiting for {what}:\n{self.log()[-3000:]}")
-            time.sleep(0.5)
-        raise AssertionError(f"{self.name}: no {what} after {timeout:.0f}s:\n{self.log()[-3000:]}")
-
-    def stop(self, timeout: float = 60) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=timeout)
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 @pytest.fixture
