@@ -35,7 +35,7 @@ from gossip.exchange import RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter
 from gossip.partition import part_shapes
-from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
+from gossip.rendezvous import list_peers, list_peers_with_expiry, publish_peer, reconnect_routing_table
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from node import __version__
 from node.base import HEARTBEAT_S, RECORD_TTL_S, NodeBase
@@ -48,7 +48,7 @@ from node.trainer import pick_device
 from protocol.records import PeerRecord
 from swarm.claims import claim_stage
 from node.workload import load_workload
-from swarm.stage_map import choose_role
+from swarm.stage_map import choose_role, refreshed_records
 from swarm.rebalance import plan_move
 from swarm.service import StageService
 from swarm.stages import Stage, model_seed
@@ -160,11 +160,19 @@ class PipelineNode(NodeBase):
             return cfg.stage
         records: list[PeerRecord] = []
         if cfg.initial_peers:
+            first: dict[str, tuple[PeerRecord, float]] = {}
             for _ in range(3):  # let the DHT fill in
-                records = list(self.net.call(list_peers(self.net.dht, cfg.run_id), timeout=30).values())
-                if records:
+                first = self.net.call(list_peers_with_expiry(self.net.dht, cfg.run_id), timeout=30)
+                if first:
                     break
                 time.sleep(1.0)
+            if first:  # only peers that announce themselves again count: a killed server's record lingers
+                time.sleep(HEARTBEAT_S * 2)
+                second = self.net.call(list_peers_with_expiry(self.net.dht, cfg.run_id), timeout=30)
+                records = refreshed_records(first, second)
+                if len(records) < len(second):
+                    logger.info("role choice: %d of %d peer records were not refreshed (peers gone) and are ignored",
+                                len(second) - len(records), len(second))
         choice = choose_role(records, cfg.stages)
         if cfg.role == "stage" and choice is None:
             totals = [sum(r.tokens_per_s for r in records if r.role == "stage" and r.stage == s) for s in range(cfg.stages)]

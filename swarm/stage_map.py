@@ -1,6 +1,11 @@
 """The stage map of a pipeline run, read from its DHT records: who serves each stage, which role a
 pipeline short of nodes is missing (so ``node status`` and the log can say what the next joiner
-should be), and which role a joiner with ``--role auto`` takes."""
+should be), and which role a joiner with ``--role auto`` takes.
+
+A record outlives its peer by up to its TTL, so a joiner that picks a role from one read can take a
+server that was just killed for alive and leave its stage empty. :func:`refreshed_records` keeps the
+records whose expiry moved between two reads a heartbeat or more apart: a live peer re-announces
+itself every heartbeat, a dead one cannot."""
 
 from __future__ import annotations
 
@@ -15,6 +20,13 @@ def servers_per_stage(records: dict[str, PeerRecord] | list[PeerRecord], stages:
         if rec.role == "stage" and 0 <= rec.stage < stages:
             out[rec.stage].append(rec)
     return out
+
+
+def refreshed_records(first: dict[str, tuple[PeerRecord, float]], second: dict[str, tuple[PeerRecord, float]]) -> list[PeerRecord]:
+    """The records of ``second`` (peer → (record, DHT expiry)) whose peer announced itself after
+    ``first`` was read: new peers, and peers whose expiry moved on. Read the two at least one heartbeat
+    apart."""
+    return [rec for peer, (rec, expiry) in second.items() if peer not in first or expiry > first[peer][1]]
 
 
 def missing_roles(records: dict[str, PeerRecord] | list[PeerRecord], stages: int) -> list[str]:

@@ -10,7 +10,7 @@ import torch
 
 from node.launcher import pipeline_role
 from swarm.model import GPT, preset
-from swarm.stage_map import choose_role
+from swarm.stage_map import choose_role, refreshed_records
 from protocol.errors import SchemaError
 from protocol.frames import decode_message, read_frame
 from protocol.records import PeerRecord
@@ -248,6 +248,16 @@ def test_auto_role_fills_empty_stages_then_trainers_then_the_weakest_stage():
     assert choose_role([_rec("a", "stage", 0), _rec("b", "stage", 1)], 2) is None  # a trainer next
     three = [_rec("a", "stage", 0, 50), _rec("b", "stage", 1, 200), _rec("t", "trainer")]
     assert choose_role(three, 2) == 0  # the stage with the least throughput
+
+
+def test_a_killed_servers_lingering_record_does_not_count_for_the_role_choice():
+    st0, st1, trainer = _rec("st0", "stage", 0), _rec("st1", "stage", 1), _rec("t", "trainer")
+    first = {"st0": (st0, 100.0), "st1": (st1, 100.5)}
+    second = {"st0": (st0, 100.0), "st1": (st1, 102.5), "t": (trainer, 103.0)}  # st0 stopped re-announcing
+    live = refreshed_records(first, second)
+    assert [r.peer_id for r in live] == ["st1", "t"]
+    assert choose_role(live, 2) == 0  # the emptied stage, not a second trainer
+    assert choose_role([st0, st1], 2) is None  # what the stale read made of it: a trainer
 
 
 def test_local_swarm_roles():
