@@ -10,6 +10,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from tests.swarm_utils import FAST_ARGS, start_node
 
 NOLOCO = [*FAST_ARGS, "--algorithm", "noloco", "--eval-every", "2"]
@@ -19,6 +21,7 @@ def _rounds(info):
     return info.get("rounds", [])
 
 
+@pytest.mark.slow  # 35 s; NoLoCo's pairing runs live in make test through the partner-killed test
 def test_noloco_four_peers_average_in_pairs_and_a_joiner_catches_up(tmp_path, nodes):
     run = ["--run-id", "noloco-four"]
     first = start_node(tmp_path, "n0", [*NOLOCO, *run, "--seed", "0"])
@@ -68,6 +71,7 @@ def test_noloco_partner_killed_mid_run_costs_at_most_one_deadline(tmp_path, node
     assert info["steps"] > 0 and info["train_loss_last"] < 4.0
 
 
+@pytest.mark.slow  # 40 s: `make test-slow`
 def test_sparseloco_streaming_overlap_and_eager_updates_train(tmp_path, nodes):
     for name, extra in (("sparse", ["--algorithm", "sparseloco"]),
                         ("stream", ["--fragments", "2", "--overlap", "--inner-steps", "20"]),

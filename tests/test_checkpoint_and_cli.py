@@ -51,6 +51,7 @@ def test_eval_of_missing_checkpoint_is_a_clear_error(tmp_path):
     assert out.returncode == 2 and "no checkpoint at" in out.stderr
 
 
+@pytest.mark.slow  # 30 s; test_lifecycle's SIGTERM test checks the report's shape in make test
 def test_swarm_command_writes_the_report(tmp_path):
     report = tmp_path / "report.json"
     out = subprocess.run(

@@ -64,6 +64,18 @@ def test_swarm_sigterm_stops_every_node_and_writes_the_report(tmp_path):
         assert any(e["event"] == "interrupted" and e.get("signal") == "SIGTERM" for e in data["events"])
         assert [n["exit_code"] for n in data["nodes"]] == [0, 0], "each node stopped cleanly: checkpoint written"
         assert all(Path(n["checkpoint"]).exists() for n in data["nodes"])
+        # the report's shape (the full run to its --duration is test_swarm_command_writes_the_report, slow)
+        assert data["config"]["model"] == "nano" and data["config"]["inner_steps"] == 10
+        keys = {"peer_id", "exit_code", "steps", "outer_rounds", "train_loss_first", "train_loss_last", "val_loss",
+                "bytes_sent", "bytes_received", "checkpoint", "multiaddrs", "metrics_port", "protocols"}
+        for node in data["nodes"]:
+            assert keys <= set(node) and node["role"] == "trainer" and node["multiaddrs"][0].startswith("/ip4/127.0.0.1/tcp/")
+            assert set(node["protocols"]) - {"/locomesh/relay/1.0"} == {
+                "/locomesh/average/1.0", "/locomesh/state/1.0", "/locomesh/status/1.0", "/locomesh/dialback/1.0",
+                "/locomesh/relayed/1.0"}
+        assert [node["seed"] for node in data["nodes"]] == [0, 1], "each node draws its own data order"
+        assert {"node_started", "bootstrap_ready", "node_exited", "joined"} <= {e["event"] for e in data["events"]}
+        assert "swarm of 2 nodes" in output
     finally:
         if swarm.poll() is None:
             os.killpg(swarm.pid, signal.SIGKILL)
