@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -192,7 +193,7 @@ def run_nat_case(rate: float, codec: str, duration: float, directory: Path, time
         rounds = max(1, inf.get("outer_rounds", 0))
         per_node.append({
             "node": node.name, "exit_code": code, "reachability": inf.get("reachability"), "outer_rounds": inf.get("outer_rounds", 0),
-            "full_rounds": len(full), "round_s": [r["duration_s"] for r in full], "exchange_s": [r["duration_s"] - r["gather_s"] for r in full],
+            "full_rounds": len(full), "round_s": [r["duration_s"] for r in full], "exchange_s": [r.get("exchange_s", 0.0) for r in full],
             "average_bytes_sent_per_round": inf.get("bytes_sent_by_kind", {}).get("average", 0) / rounds,
             "bytes_sent_per_round": inf.get("bytes_sent", 0) / rounds,
             "relayed_bytes_per_round": sum(inf.get("bytes_relayed", {}).values()) / rounds,
@@ -233,6 +234,7 @@ def main() -> None:
                 for behind_nat in (False, True):
                     print(f"== {rate} Mbit/s, {codec}, {'relay' if behind_nat else 'direct'}", flush=True)
                     where = out.parent / f"nat-{'relay' if behind_nat else 'direct'}-r{rate}-{codec.replace('/', '_')}"
+                    shutil.rmtree(where, ignore_errors=True)  # every run starts from fresh checkpoint folders
                     cases.append(run_nat_case(rate, codec, args.duration, where, args.timeout, behind_nat))
                     print(json.dumps({k: v for k, v in cases[-1].items() if k != "per_node"}), flush=True)
         out.write_text(json.dumps({"nat_cases": cases}, indent=2))
@@ -241,11 +243,14 @@ def main() -> None:
     for rate in [float(r) for r in args.rates.split(",")]:
         for codec in args.codecs.split(","):
             print(f"== {rate} Mbit/s, {codec}", flush=True)
-            cases.append(run_case(args.nodes, rate, codec, args.duration, out.parent / f"r{rate}-{codec.replace('/', '_')}", False, args.timeout))
+            where = out.parent / f"r{rate}-{codec.replace('/', '_')}"
+            shutil.rmtree(where, ignore_errors=True)
+            cases.append(run_case(args.nodes, rate, codec, args.duration, where, False, args.timeout))
             print(json.dumps({k: v for k, v in cases[-1].items() if k != "per_node"}), flush=True)
     if args.partition:
         rate = float(args.rates.split(",")[0])
         print(f"== partition at {rate} Mbit/s", flush=True)
+        shutil.rmtree(out.parent / "partition", ignore_errors=True)
         cases.append(run_case(args.nodes, rate, "none", args.duration, out.parent / "partition", True, args.timeout))
         print(json.dumps({k: v for k, v in cases[-1].items() if k != "per_node"}), flush=True)
     out.write_text(json.dumps({"cases": cases}, indent=2))

@@ -299,7 +299,7 @@ class Daemon(NodeBase):
         m.group_size.set(len(result.contributors))
         record = {"t": round(time.time(), 3), "round": result.round, "fragment": pending.fragment, "steps": pending.steps, "group": len(result.group),
                   "contributors": len(result.contributors), "failures": result.failures, "duration_s": round(result.duration_s, 3),
-                  "gather_s": round(result.gather_s, 3), "deadline_s": round(result.deadline_s, 3), "in_sync": result.in_sync,
+                  "gather_s": round(result.gather_s, 3), "exchange_s": round(result.exchange_s, 3), "deadline_s": round(result.deadline_s, 3), "in_sync": result.in_sync,
                   "fingerprint": "", "loss": self.last_loss, "tokens": self.summary.steps * self.cfg.batch_size * self.trainer.model.cfg.context,
                   "norms": {p[-8:]: round(n, 6) for p, n in result.norms.items()}, "update_norm": round(result.update_norm, 6)}
         if not result.in_sync:

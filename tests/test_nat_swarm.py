@@ -11,6 +11,7 @@ Needs root (namespaces, iptables): skipped with one line otherwise.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -71,6 +72,9 @@ def test_diloco_swarm_with_two_homes_behind_nat_averages_everyone(tmp_path, nat)
     nodes.append(home1)
     for node in (pub, home0, home1):
         node.wait(lambda i: len(full_rounds(i, 3)) >= 3, 400, "3 rounds that averaged all three members")
+    for node in (pub, home0, home1):  # and rounds after them, in which no member may fall out of sync
+        node.wait(lambda i: len(full_rounds(i, 3)) >= 5, 200, "2 more rounds of all three")
+    stop_at = time.time()
     for node in (home1, home0, pub):  # the homes first: their relay addresses last as long as the public peer
         assert node.stop() == 0, node.log()[-2000:]
 
@@ -83,8 +87,9 @@ def test_diloco_swarm_with_two_homes_behind_nat_averages_everyone(tmp_path, nat)
     assert any(e["event"] == "joined" for e in home1.info()["events"]), "the late home downloaded the swarm's state"
     for node in nodes:
         info = node.info()
-        first_full = min(r["round"] for r in full_rounds(info, 3))
-        resyncs = [e for e in info["events"] if e["event"] == "out_of_sync" and e["round"] >= first_full]
+        third_full = full_rounds(info, 3)[2]["t"]
+        # Stopping a member mid-round makes the others' last round partial; only the run until then counts.
+        resyncs = [e for e in info["events"] if e["event"] == "out_of_sync" and third_full < e["t"] < stop_at]
         assert not resyncs, (node.name, resyncs)
 
 
@@ -105,4 +110,6 @@ def test_a_home_stage_server_serves_a_home_trainer(tmp_path, nat) -> None:
     assert stage1.info()["reachability"] == "private" and trainer.info()["reachability"] == "private"
     assert stage1.info()["bytes_relayed"].get("received", 0) > 0, "the trainer's activations reached the home server through the relay"
     info = trainer.info()
-    assert info["train_loss_last"] < info["train_loss_first"]
+    # Held-out loss, not the last step's: one pipelined step's loss is noisy (a run here ended on 6.49
+    # after 70 steps while its held-out loss was 3.28, from 5.53 at the first step).
+    assert info["val_loss"] < info["train_loss_first"] - 0.5, info
