@@ -1,17 +1,25 @@
-"""Statistical quantizer (q8 / q4 / q2): 256 / 16 / 4 bins of width 6σ/n_bins around the mean.
+"""Statistical quantizer (q8 / q4 / q2): an exact side channel for outliers, uniform bins for the rest.
 
-    shift = mean(x),  scale = 6·σ(x) / n_bins
+Heavy-tailed tensors (pseudo-gradients look like Student-t) ruin a quantizer that sizes its bins by
+the whole tensor's σ: a few huge values stretch σ and every ordinary value lands in the centre bin
+(Student-t(2): 66% relative L2 error at 8 bits). So, per run of ``CHUNK`` values, the
+``CHUNK/OUTLIER_EVERY`` values farthest from the mean travel exactly (int32 position + float32 value:
++0.0625 bits per value), and the bins are sized by the remaining *inliers*:
+
+    shift = mean(inliers),  σ = σ(inliers),  extent = max |inlier − shift|
+    scale = extent/(n_bins/2 − 1)   for q8 (the bins span every inlier)
+    scale = 6·σ/n_bins              for q4 / q2 (±3σ; the edge bins collect the rest)
     code  = clamp(round((x − shift)/scale + n_bins/2), 0, n_bins − 1)
-    x̂     = shift + lut[code],  lut[b] = mean of (x − shift) over the elements with code b
+    x̂     = shift + lut[code],  lut[b] = mean of (x − shift) over the inliers with code b
 
-Codes are bit-packed (four 2-bit or two 4-bit codes per byte); the lookup table (n_bins float32)
-and the shift (float64) travel alongside. Mean and σ accumulate in float32 (cascade sum and dot
-product); the per-bin sums behind the table accumulate in float64.
+Codes are bit-packed (four 2-bit or two 4-bit codes per byte); the lookup table (n_bins float32),
+the shift (float64) and the outliers travel alongside. Statistics and per-bin sums accumulate in
+float64. On Student-t(2) tensors the relative L2 error is about 2% for q8 (Gaussian: 0.7%).
 
-Error bound: every x̂ is the mean of the elements sharing x's code, so it lies within that bin's
-value range. For an element in an interior bin (0 < code < n_bins − 1), |x − x̂| ≤ scale = 6σ/n_bins
-(plus float32 rounding, ≤ 1e-6·(|x| + |shift|)). The two edge bins also collect everything beyond
-≈ ±3σ, so there |x − x̂| is bounded only by that bin's spread. A constant tensor decodes exactly.
+Error bound: outliers decode exactly; every other x̂ is the mean of the inliers sharing x's code, so
+it lies within that bin's value range. For an inlier in an interior bin (0 < code < n_bins − 1),
+|x − x̂| ≤ scale (plus float32 rounding, ≤ 1e-6·(|x| + |shift|)); for q8 every inlier is interior or
+within one bin of its edge. A constant tensor decodes exactly.
 """
 
 from __future__ import annotations
@@ -31,8 +39,10 @@ from compression.flat import flat_float32
 from compression.payload import Payload
 from compression.wire import owned_tensor_map, read_scalar, read_tensor
 
-RANGE_IN_SIGMAS = 6.0
+RANGE_IN_SIGMAS = 6.0  # q4 / q2 bins span ±3σ of the inliers
 CHUNK = 1 << 18  # elements per pass: temporaries stay in cache; a multiple of 8 so codes pack per chunk
+OUTLIER_EVERY = 1024  # one exact outlier per this many values, picked per chunk (CHUNK is a multiple)
+MAX_VALUES = 2**31 - 1  # outlier positions travel as int32
 _MIN_SCALE = 2.0**-120  # keeps 1/scale finite in float32
 
 
@@ -44,10 +54,87 @@ class Quantized:
     shift: float
     lut: torch.Tensor  # (n_bins,) float32, per-bin mean of x − shift
     packed: torch.Tensor  # (⌈n·bits/8⌉,) uint8
+    outlier_index: torch.Tensor  # (n // OUTLIER_EVERY,) int32, strictly increasing
+    outlier_value: torch.Tensor  # (n // OUTLIER_EVERY,) float32, exact
 
     def fields(self) -> dict[str, Any]:
-        """Payload fields ``shift``, ``lut`` and ``codes``."""
-        return {"shift": self.shift, "lut": owned_tensor_map(self.lut), "codes": owned_tensor_map(self.packed)}
+        """Payload fields ``shift``, ``lut``, ``codes``, ``outlier_index`` and ``outlier_value``."""
+        return {
+            "shift": self.shift,
+            "lut": owned_tensor_map(self.lut),
+            "codes": owned_tensor_map(self.packed),
+            "outlier_index": owned_tensor_map(self.outlier_index),
+            "outlier_value": owned_tensor_map(self.outlier_value),
+        }
+
+
+def outlier_count(n: int) -> int:
+    """How many of ``n`` values travel exactly (``CHUNK // OUTLIER_EVERY`` per full chunk)."""
+    return n // OUTLIER_EVERY
+
+
+def bin_width(bits: int, std: float, extent: float) -> float:
+    """The quantizer's bin width for inliers of population σ ``std`` and ``max |x − mean|`` = ``extent``."""
+    n_bins = 1 << bits
+    scale = extent / (n_bins // 2 - 1) if bits == 8 else RANGE_IN_SIGMAS * std / n_bins
+    return scale if scale >= _MIN_SCALE else 1.0  # (near-)constant: the centre bin decodes exactly
+
+
+@dataclass(frozen=True)
+class Inliers:
+    """The outliers of a vector and the statistics of everything else."""
+
+    index: torch.Tensor  # int64 positions, strictly increasing
+    value: torch.Tensor  # float32
+    mean: float
+    std: float
+    extent: float  # max |inlier − mean|
+
+
+def farthest(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted positions of the ``k`` largest values of a contiguous float32 vector (k ≥ 1).
+
+    The k largest maxima of 64-value blocks are k distinct elements, so the k-th largest element is at
+    least the smallest of them: only the elements above that bound go through ``topk`` (2.5× faster
+    than a ``topk`` over the whole vector).
+    """
+    rows = magnitude.numel() // 64
+    if rows < k:
+        return torch.topk(magnitude, k, sorted=False).indices.sort().values
+    bound = float(torch.topk(magnitude[: rows * 64].view(rows, 64).amax(1), k, sorted=False).values.min())
+    candidates = torch.from_numpy(np.flatnonzero(magnitude.numpy() >= bound))
+    return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices].sort().values
+
+
+def split_outliers(flat: torch.Tensor, centre: float) -> Inliers:
+    """Pick per chunk the ``outlier_count`` values farthest from ``centre``; float64 inlier statistics."""
+    n = flat.numel()
+    index = torch.empty(outlier_count(n), dtype=torch.int64)
+    value = torch.empty(outlier_count(n), dtype=torch.float32)
+    chunk = min(CHUNK, max(n, 1))
+    dev, magnitude = torch.empty(chunk, dtype=torch.float64), torch.empty(chunk)
+    total = squares = 0.0
+    low, high, taken = 0.0, 0.0, 0
+    for start in range(0, n, CHUNK):
+        xc = flat[start : start + CHUNK]
+        m, k = xc.numel(), outlier_count(xc.numel())
+        d = dev[:m].copy_(xc).sub_(centre)
+        if k:  # float32 distances pick them (an overflow to inf still ranks first)
+            local = farthest(torch.sub(xc, centre, out=magnitude[:m]).abs_(), k)
+            index[taken : taken + k] = local + start
+            value[taken : taken + k] = xc[local]
+            d[local] = 0.0  # an outlier adds nothing to the inlier sums below
+            taken += k
+        total += float(d.sum())
+        squares += float(torch.dot(d, d))
+        smallest, largest = torch.aminmax(d)
+        low, high = min(low, float(smallest)), max(high, float(largest))
+    inliers = n - taken
+    if inliers == 0:
+        return Inliers(index, value, centre, 0.0, 0.0)
+    offset = total / inliers
+    std = math.sqrt(max(squares / inliers - offset * offset, 0.0))
+    return Inliers(index, value, centre + offset, std, max(high - offset, offset - low))
 
 
 def moments(flat: torch.Tensor) -> tuple[float, float]:
@@ -76,11 +163,13 @@ def quantize(flat: torch.Tensor, bits: int) -> Quantized:
     if bits not in (2, 4, 8):
         raise ValueError(f"the statistical quantizer supports 2, 4 or 8 bits, got {bits}")
     n_bins, n = 1 << bits, flat.numel()
+    if n > MAX_VALUES:
+        raise ValueError(f"the statistical quantizer takes at most {MAX_VALUES} values per tensor, got {n}")
     half = n_bins // 2
-    shift, std = moments(flat)
-    scale = RANGE_IN_SIGMAS * std / n_bins
-    if not scale >= _MIN_SCALE:
-        scale = 1.0  # (near-)constant input: everything lands in the centre bin and decodes exactly
+    centre, _ = moments(flat)  # ValueError on NaN/Inf
+    split = split_outliers(flat, centre)
+    shift, scale = split.mean, bin_width(bits, split.std, split.extent)
+    fill = float(torch.tensor(shift, dtype=torch.float32))  # stands in for an outlier: lands in the centre bin
     inv_scale = 1.0 / scale
     packed = memory.empty(packed_size(n, bits), torch.uint8)
     bin_sums = torch.zeros(n_bins, dtype=torch.float64)
@@ -91,9 +180,13 @@ def quantize(flat: torch.Tensor, bits: int) -> Quantized:
     per = 8 // bits
     byte_weights = torch.tensor([float(1 << (j * bits)) for j in range(per)])
     byte_values = torch.empty(-(-chunk // per))
+    clean, taken = torch.empty(chunk), 0
     for start in range(0, n, CHUNK):
-        xc = flat[start : start + CHUNK]
-        m = xc.numel()
+        m = min(CHUNK, n - start)
+        k = outlier_count(m)
+        xc = clean[:m].copy_(flat[start : start + m])
+        xc[split.index[taken : taken + k] - start] = fill
+        taken += k
         pos, code, idx = position[:m], codes[:m], index[:m]
         torch.sub(xc, shift, out=pos)
         pos.mul_(inv_scale).add_(half)  # (x − shift)/scale + n_bins/2
@@ -109,14 +202,17 @@ def quantize(flat: torch.Tensor, bits: int) -> Quantized:
             target.copy_(torch.mv(code.view(-1, per), byte_weights, out=byte_values[: m // per]))
         else:
             target.copy_(pack_bits(idx, bits))
+    bin_sums[half] -= fill * taken  # the stand-ins are not values of the tensor
+    counts[half] -= taken
     centres = (torch.arange(n_bins, dtype=torch.float64) - half) * scale
     means = bin_sums / counts.clamp_min(1) - shift
     lut = torch.where(counts > 0, means, centres).to(torch.float32)
-    return Quantized(bits, float(shift), lut, packed)
+    return Quantized(bits, float(shift), lut, packed, split.index.to(torch.int32), split.value)
 
 
 def dequantize(q: Quantized, count: int) -> torch.Tensor:
-    """Float32 vector of ``count`` values: ``shift + lut[codes]`` with one table lookup per packed byte."""
+    """Float32 vector of ``count`` values: ``shift + lut[codes]`` with one table lookup per packed byte,
+    then the outliers written in place."""
     per = 8 // q.bits
     table = (q.lut.to(torch.float64) + q.shift).to(torch.float32)  # (n_bins,) absolute values
     if per > 1:  # row p holds the `per` values packed in byte p
@@ -127,26 +223,38 @@ def dequantize(q: Quantized, count: int) -> torch.Tensor:
     out = memory.empty((groups, per), torch.float32)
     if groups:
         np.take(table.numpy(), q.packed.numpy(), axis=0, out=out.numpy(), mode="wrap")
-    return out.reshape(-1)[:count]
+    values = out.reshape(-1)[:count]
+    values[q.outlier_index.long()] = q.outlier_value
+    return values
 
 
 def read_quantized(fields: Mapping[str, Any], bits: int, count: int, codec: str) -> Quantized:
-    """Validate and read the ``shift``/``lut``/``codes`` fields of ``count`` quantized values."""
+    """Validate and read the fields of ``count`` quantized values (see :meth:`Quantized.fields`)."""
     shift = read_scalar(fields, "shift", float, codec)
     lut = read_tensor(fields, "lut", [1 << bits], torch.float32, codec)
     if not bool(torch.isfinite(lut).all()):
         raise CodecError(f"{codec}: the lookup table holds NaN or Inf")
     packed = read_tensor(fields, "codes", [packed_size(count, bits)], torch.uint8, codec)
-    return Quantized(bits, shift, lut, packed)
+    k = outlier_count(count)
+    index = read_tensor(fields, "outlier_index", [k], torch.int32, codec)
+    value = read_tensor(fields, "outlier_value", [k], torch.float32, codec)
+    if not bool(torch.isfinite(value).all()):
+        raise CodecError(f"{codec}: an outlier value is NaN or Inf")
+    if k and (int(index[0]) < 0 or int(index[-1]) >= count or not bool((index[1:] > index[:-1]).all())):
+        raise CodecError(f"{codec}: outlier positions must be strictly increasing and below {count}")
+    return Quantized(bits, shift, lut, packed, index, value)
 
 
 class StatisticalQuantization(Codec):
-    """``q8`` / ``q4`` / ``q2``: mean-centred uniform bins of 6σ/n_bins decoded by per-bin means.
+    """``q8`` / ``q4`` / ``q2``: exact outliers, mean-centred uniform bins for the rest, per-bin means.
 
-    Fields: ``shift`` (float), ``lut`` (n_bins float32), ``codes`` (packed uint8).
+    Fields: ``shift`` (float), ``lut`` (n_bins float32), ``codes`` (packed uint8), ``outlier_index``
+    (int32) and ``outlier_value`` (float32), n // 1024 each.
 
     :param bits: 8, 4 or 2 bits per value (256, 16 or 4 bins)
     """
+
+    version = 2  # 2: the outlier side channel
 
     def __init__(self, bits: int) -> None:
         if bits not in (2, 4, 8):

@@ -40,7 +40,8 @@ class TopKCompression(Codec):
     """``topk:K/C[+qB|+rotB]``: per chunk of C values keep the K of largest magnitude.
 
     Fields: ``idx`` (packed uint8 indices, chunk by chunk), then ``values`` (float32, n_chunks·K),
-    the statistical quantizer's ``shift``/``lut``/``codes`` when ``value_bits`` is set, or the rotation
+    the statistical quantizer's fields (:meth:`compression.quantize.Quantized.fields`) when
+    ``value_bits`` is set, or the rotation
     quantizer's ``seed``/``scales``/``codes`` when ``rotated`` is also set.
 
     :param k: values kept per chunk (K), 1 ≤ K ≤ C
@@ -51,6 +52,7 @@ class TopKCompression(Codec):
     """
 
     family = "topk"
+    version = 2  # 2: ``+qB`` values carry the quantizer's outlier side channel
 
     def __init__(self, k: int, chunk: int, value_bits: int | None = None, rotated: bool = False) -> None:
         if not 1 <= chunk <= 1 << 24:
