@@ -41,6 +41,7 @@ class Summary:
     stage: int | None = None  # the pipeline stage it served last, None for trainers and replicas
     seed: int = 0
     steps: int = 0
+    microbatches_served: int = 0  # pipeline stage servers: microbatches this node computed (one per backward or loss)
     outer_rounds: int = 0
     train_loss_first: float = math.nan
     train_loss_last: float = math.nan

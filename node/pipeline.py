@@ -295,6 +295,7 @@ class PipelineNode(NodeBase):
                     self.summary.train_loss_last = worker.last_loss
                     self.metrics.train_loss.set(worker.last_loss)
             self.throughput = self.service.throughput
+            self.summary.microbatches_served = self.service.microbatches
             self.metrics.tokens_per_second.set(self.throughput * self.model_cfg.context)
             self.metrics.stage_queue.set(self.service.queue_length)
             if pending is not None and pending[0].done():

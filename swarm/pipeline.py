@@ -61,21 +61,31 @@ class PipelineClient:
 
     async def _call(self, result: StepResult, stage: int, kind: str, x: torch.Tensor, prefer: str | None = None, **kw):
         tried: list[str] = []
+        refused: set[str] = set()  # answered busy on this call: another replica first, if there is one
         busy = 0
         attempt = 0
+        size = float(len(x))
         while attempt <= self.max_retries:
+            charged = False
             try:
                 if prefer is not None and attempt == 0 and busy == 0 and prefer in self.router.available(stage):
                     peer = prefer
                 else:
-                    peer = self.router.choose(stage, float(len(x)), exclude=tried)
+                    if refused and not set(self.router.available(stage, tried)) - refused:
+                        refused.clear()  # every replica was busy: wait for any of them
+                    peer = self.router.choose(stage, size, exclude=[*tried, *refused])
+                    charged = True
             except NoPeerAvailable as e:
                 raise PipelineStepFailed(str(e), stage) from None
             try:
                 return await call_stage(self.transport, peer, self.run_id, stage, kind, x, codec=self.codec, timeout=self.timeout, **kw), peer
             except StageCallError as e:
                 if e.busy and busy < MAX_BUSY_RETRIES:
-                    # alive but loaded: back off and try again (another replica if the router has one)
+                    # alive but loaded: it did none of the work it was charged for; back off and try
+                    # another replica if the router has one
+                    if charged:
+                        self.router.refund(stage, peer, size)
+                    refused.add(peer)
                     busy += 1
                     await asyncio.sleep(min(0.5, 0.01 * 2 ** min(busy, 6)))
                     continue

@@ -78,5 +78,12 @@ class Router:
         loads[peer] += task_size / self.throughput.get(peer, 1.0)
         return peer
 
+    def refund(self, stage: int, peer: str, task_size: float = 1.0) -> None:
+        """Take back the load :meth:`choose` charged for a task the peer refused unstarted (busy), so a
+        loaded replica is not starved later for work it never did."""
+        loads = self.loads.get(stage, {})
+        if peer in loads:
+            loads[peer] -= task_size / self.throughput.get(peer, 1.0)
+
     def ban(self, peer: str, seconds: float | None = None) -> None:
         self.banned[peer] = self.clock() + (self.ban_s if seconds is None else seconds)

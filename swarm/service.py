@@ -78,7 +78,7 @@ class StageService:
         self.queue: asyncio.Queue[_Job] | None = None
         self.throughput = 0.0  # microbatch samples per second of compute (EMAs of samples and of seconds)
         self._samples, self._seconds = 0.0, 0.0
-        self.served = 0
+        self.microbatches = 0  # microbatches whose last request here (backward or loss) is done
 
     @property
     def queue_length(self) -> int:
@@ -182,7 +182,7 @@ class StageService:
             for job, result in zip(jobs, results):
                 if not job.future.done():
                     job.future.set_result(result)
-            self.served += len(jobs)
+            self.microbatches += sum(1 for j in jobs if j.kind in ("backward", "loss"))
 
     def _run(self, jobs: list[_Job]) -> list[Any]:
         worker = self.worker()

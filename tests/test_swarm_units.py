@@ -185,6 +185,16 @@ def test_a_starved_replica_with_a_stale_estimate_gets_work_again():
     assert router.throughput["starved"] == 0.25 * 400_040.0
 
 
+def test_a_refused_task_is_refunded_so_a_busy_replica_is_not_starved_later():
+    router = Router(seed=4)
+    router.update(0, {"a": 1.0, "b": 1.0})
+    for _ in range(50):  # "a" answers busy fifty times: each try is charged, then taken back
+        peer = router.choose(0, 4.0, exclude=["b"])
+        router.refund(0, peer, 4.0)
+    picks = [router.choose(0) for _ in range(100)]
+    assert picks.count("a") == 50, "refused tries leave no phantom load behind"
+
+
 def test_missing_roles_name_what_a_short_pipeline_needs():
     from protocol.records import PeerRecord
     from swarm.stage_map import missing_roles
