@@ -20,9 +20,9 @@ evaluated on the same held-out windows (``node.data.validation_batches``):
 Per configuration the JSON report holds the final validation loss (mean over nodes), the curve of
 validation loss against tokens (and seconds since launch), bytes sent per node (how each was obtained
 is written next to it: measured, computed or estimated), wall time, tokens/s per node, the fraction
-of training time blocked on communication, and the wall time to a target validation loss (the worst
-final loss among the configurations unless ``--target-loss``). A PNG next to the report plots
-validation loss against tokens and against bytes sent, and a markdown table is printed.
+of training time blocked on communication, and the wall time to a target validation loss (the
+data-parallel baseline's final loss, else the worst final loss, unless ``--target-loss``). A PNG next
+to the report plots validation loss against tokens and against wall time, and a markdown table is printed.
 
 ``--link-mbit R`` puts every process in its own network namespace behind a ``tc tbf`` limit of R
 Mbit/s each way (``benchmarks.thin_links``; root required) and also measures the bytes each node's
@@ -442,6 +442,19 @@ def summarize(name: str, rec: dict[str, Any]) -> dict[str, Any]:
     return rec
 
 
+def target_loss(results: dict[str, dict[str, Any]], given: float | None) -> tuple[float | None, str]:
+    """The held-out loss every configuration races to, and where it came from: ``--target-loss``, else
+    data-parallel's final loss (what synchronous training reaches with these tokens: a target that
+    only the best configurations reach), else the worst final loss of the run."""
+    if given is not None:
+        return given, "--target-loss"
+    ddp = results.get("ddp", {})
+    if ddp.get("status") == "ok" and ddp.get("final_val_loss") is not None:
+        return ddp["final_val_loss"], "ddp final val loss"
+    finals = [r["final_val_loss"] for r in results.values() if r.get("status") == "ok" and r.get("final_val_loss") is not None]
+    return (max(finals), "worst final val loss") if finals else (None, "none: no configuration finished")
+
+
 def time_to_target(rec: dict[str, Any], target: float) -> float | None:
     for p in rec.get("curve", []):
         if p["val_loss"] <= target + 1e-9:
@@ -511,6 +524,21 @@ def check_targets(results: dict[str, dict[str, Any]], settings: Settings) -> lis
         note = "" if settings.link_mbit == 20 else f" (measured at {settings.link_mbit:g} Mbit/s, not 20)"
         add(t, None if best is None or settings.link_mbit != 20 else ratios[best] >= 5,
             ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items()) + f" faster than ddp ({ddp_t:.0f}s){note}")
+
+    t = "at 20 Mbit/s, time to target >=1.5x shorter than hivemind"
+    reached = {k: ok[k]["time_to_target_s"] for k in loco if ok[k].get("time_to_target_s")}
+    if settings.link_mbit is None:
+        add(t, None, "loopback run; use --link-mbit 20")
+    elif "hivemind" not in ok or not reached:
+        add(t, None, "needs hivemind and a locomesh config that reached the target")
+    else:
+        best = min(reached, key=reached.get)
+        h_t = ok["hivemind"].get("time_to_target_s")
+        if h_t is None:
+            add(t, None if settings.link_mbit != 20 else True, f"{best} reached the target in {reached[best]:.0f}s; hivemind never did")
+        else:
+            add(t, None if settings.link_mbit != 20 else h_t / reached[best] >= 1.5,
+                f"{best} {h_t / reached[best]:.1f}x faster than hivemind ({h_t:.0f}s)")
     return out
 
 
@@ -546,13 +574,13 @@ def markdown_table(results: dict[str, dict[str, Any]], link: bool) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+def plot(results: dict[str, dict[str, Any]], path: Path, title: str, target: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(19, 5))
     colors = plt.get_cmap("tab10")
     for name, r in results.items():
         curve = r.get("curve") or []
@@ -561,6 +589,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
         style = "--" if name in BASELINES else "-"
         color = colors(ALL_CONFIGS.index(name) % 10)
         ax1.plot([p["tokens"] / 1e6 for p in curve], [p["val_loss"] for p in curve], style, marker=".", label=name, color=color)
+        ax3.plot([p["t_s"] for p in curve], [p["val_loss"] for p in curve], style, marker=".", label=name, color=color)
         pts = [(p["exchange_bytes_per_node"], p["val_loss"]) for p in curve if p.get("exchange_bytes_per_node", 0) > 0]
         if pts:
             ax2.plot([x for x, _ in pts], [y for _, y in pts], style, marker=".", label=name, color=color)
@@ -570,7 +599,11 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     ax2.set_xscale("log")
     ax2.set_xlabel("bytes sent per node for the training exchange (log; assumed linear in tokens)")
     ax2.set_title("validation loss vs bytes sent (single: none)")
-    for ax in (ax1, ax2):
+    ax3.set_xlabel("wall time since launch (s)")
+    ax3.set_title("validation loss vs wall time")
+    if target is not None:
+        ax3.axhline(target, color="gray", linestyle=":", label=f"target {target:.3f}")
+    for ax in (ax1, ax2, ax3):
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle(title)
@@ -597,7 +630,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="nano model, 2 nodes x 600 steps, H=30: every config in minutes")
     parser.add_argument("--configs", default=",".join(ALL_CONFIGS), help=f"comma separated, of {', '.join(ALL_CONFIGS)}")
     parser.add_argument("--link-mbit", type=float, default=None, help="each process in a network namespace behind tc tbf R Mbit/s (root)")
-    parser.add_argument("--target-loss", type=float, default=None, help="for time to target (default: worst final val loss)")
+    parser.add_argument("--target-loss", type=float, default=None, help="for time to target (default: ddp's final val loss, else the worst final val loss)")
     parser.add_argument("--model")
     parser.add_argument("--nodes", type=int)
     parser.add_argument("--steps", type=int, help="optimizer steps per node")
@@ -661,8 +694,7 @@ def main() -> None:
         else:
             print(f"   {r['status']}: {r.get('reason', '')}", flush=True)
 
-    finals = [r["final_val_loss"] for r in results.values() if r.get("status") == "ok" and r.get("final_val_loss") is not None]
-    target = args.target_loss if args.target_loss is not None else (max(finals) if finals else None)
+    target, target_source = target_loss(results, args.target_loss)
     for r in results.values():
         if r.get("status") == "ok" and target is not None:
             r["time_to_target_s"] = time_to_target(r, target)
@@ -673,13 +705,13 @@ def main() -> None:
     title = (f"{settings.model}, {settings.nodes} nodes x {settings.steps} steps, H={settings.inner_steps}, "
              f"batch {settings.batch_size}{link}")
     try:
-        plot(results, png, title)
+        plot(results, png, title, target)
     except Exception as e:  # noqa: BLE001 - the report matters more than the picture
         print(f"could not draw {png}: {e}", file=sys.stderr)
         png = None
     report = {
         "settings": asdict(settings), "environment": _environment(), "elapsed_s": round(time.time() - started, 1),
-        "target_loss": target, "target_loss_source": "--target-loss" if args.target_loss is not None else "worst final val loss",
+        "target_loss": target, "target_loss_source": target_source, "link_mbit": settings.link_mbit,
         "configs": results, "targets": targets, "table": table, "plot": str(png) if png else None,
     }
     tmp = out.with_suffix(".tmp")
