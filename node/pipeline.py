@@ -240,9 +240,11 @@ class PipelineNode(NodeBase):
     def _new_stage(self, index: int) -> Stage:
         return Stage(self.model_cfg, index, self.cfg.stages, model_seed(self.cfg.run_id), plus=self.cfg.checkfree_plus)
 
-    def _download_stage(self, module: Stage, sub: str, peers: dict[str, PeerRecord], adopt: bool = True) -> str | None:
+    def _download_stage(self, module: Stage, sub: str, peers: dict[str, PeerRecord], adopt: bool = True,
+                        serving: StageWorker | None = None) -> str | None:
         """Load a live replica's weights (and, with ``adopt``, outer momentum and round) into ``module``;
-        returns its peer id."""
+        returns its peer id. ``serving``: the worker computing on ``module`` meanwhile, whose lock the
+        copy takes (a request's backward pass must not see its weights change under it)."""
         net = self.net
         for rec in sorted(peers.values(), key=lambda r: (-r.round, r.peer_id)):
             if rec.peer_id == self.summary.peer_id or rec.role != "stage":
@@ -252,9 +254,12 @@ class PipelineNode(NodeBase):
             except Exception as e:
                 logger.warning("could not download %s from %s: %s", sub, rec.peer_id, e)
                 continue
-            with torch.no_grad():
-                for p, t in zip(module.parameters(), got.snapshot.tensors["params"]):
-                    p.copy_(t)
+            if serving is not None:
+                serving.load_weights(got.snapshot.tensors["params"])
+            else:
+                with torch.no_grad():
+                    for p, t in zip(module.parameters(), got.snapshot.tensors["params"]):
+                        p.copy_(t)
             if adopt:
                 self.outer.load_state_tensors(got.snapshot.tensors["outer_momentum"])
                 self.round = got.snapshot.round
@@ -341,7 +346,7 @@ class PipelineNode(NodeBase):
             self.event("out_of_sync", stage=self.stage, round=result.round, majority_peer=result.sync_peer)
             peers = self.net.call(list_peers(self.net.dht, stage_run(self.cfg.run_id, self.stage)), timeout=30)
             preferred = {p: r for p, r in peers.items() if p == result.sync_peer} or peers
-            if self._download_stage(worker.stage, stage_run(self.cfg.run_id, self.stage), preferred):
+            if self._download_stage(worker.stage, stage_run(self.cfg.run_id, self.stage), preferred, serving=worker):
                 self.phi = worker.snapshot()
                 self.round = max(self.round, result.round)
                 self._publish_stage_state()
