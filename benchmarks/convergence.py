@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import signal
 import statistics
 import subprocess
@@ -587,7 +588,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str, target: flo
         if r.get("status") != "ok" or not curve:
             continue
         style = "--" if name in BASELINES else "-"
-        color = colors(ALL_CONFIGS.index(name) % 10)
+        color = colors((ALL_CONFIGS.index(name) if name in ALL_CONFIGS else len(ALL_CONFIGS) + list(results).index(name)) % 10)
         ax1.plot([p["tokens"] / 1e6 for p in curve], [p["val_loss"] for p in curve], style, marker=".", label=name, color=color)
         ax3.plot([p["t_s"] for p in curve], [p["val_loss"] for p in curve], style, marker=".", label=name, color=color)
         pts = [(p["exchange_bytes_per_node"], p["val_loss"]) for p in curve if p.get("exchange_bytes_per_node", 0) > 0]
@@ -631,6 +632,9 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(ALL_CONFIGS), help=f"comma separated, of {', '.join(ALL_CONFIGS)}")
     parser.add_argument("--link-mbit", type=float, default=None, help="each process in a network namespace behind tc tbf R Mbit/s (root)")
     parser.add_argument("--target-loss", type=float, default=None, help="for time to target (default: ddp's final val loss, else the worst final val loss)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=CONFIG:FLAGS",
+                        help="an ablation: CONFIG's node flags plus FLAGS, reported as NAME (repeatable), "
+                             "e.g. 'sparseloco-mean=sparseloco:--aggregate mean'")
     parser.add_argument("--model")
     parser.add_argument("--nodes", type=int)
     parser.add_argument("--steps", type=int, help="optimizer steps per node")
@@ -653,10 +657,16 @@ def main() -> None:
     settings.link_mbit = args.link_mbit
     settings.hivemind_background = args.hivemind_background
     settings.swarm_launcher = args.swarm_launcher
+    for variant in args.variant:
+        label, _, spec = variant.partition("=")
+        base, _, extra = spec.partition(":")
+        if not label or base not in LOCOMESH or label in ALL_CONFIGS:
+            sys.exit(f"--variant {variant!r}: expected NEW_NAME=CONFIG:FLAGS with CONFIG one of {', '.join(LOCOMESH)}")
+        LOCOMESH[label] = [*LOCOMESH[base], *shlex.split(extra)]
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in ALL_CONFIGS]
+    unknown = [c for c in configs if c not in ALL_CONFIGS and c not in LOCOMESH]
     if unknown:
-        sys.exit(f"unknown config(s) {', '.join(unknown)}; choose from {', '.join(ALL_CONFIGS)}")
+        sys.exit(f"unknown config(s) {', '.join(unknown)}; choose from {', '.join(ALL_CONFIGS)} or a --variant")
     if settings.link_mbit is not None and os.geteuid() != 0:
         sys.exit("--link-mbit needs root for ip netns and tc; run it with sudo")
     out = Path(args.out)

@@ -8,6 +8,10 @@ peer's update grows with the inner steps it took.
 - ``median-clip``: each update is scaled down to at most the lower-median per-sample norm times its
   samples, and claimed sample counts are capped at 4 × the lower median, then the weighted mean.
   A peer sending a 1000× update moves the model no more than an honest peer.
+- ``sparse-mean``: per coordinate, Σ wᵢΔᵢ over the senders that carried it (Δᵢ ≠ 0) divided by their
+  Σ wᵢ: for sparse payloads (top-k), where a coordinate one sender picked would otherwise be diluted
+  by every sender that did not, although that sender has already removed it from its error feedback.
+  Equal to ``mean`` on dense updates.
 - ``trimmed-mean``: per coordinate, the ⌊trim·n⌋ (at least 1) largest and smallest values are
   dropped, the rest averaged with equal weights; with fewer than 3 updates it falls back to
   ``median-clip``.
@@ -26,7 +30,7 @@ import torch
 
 from gossip.outer import weighted_mean
 
-METHODS = ("mean", "median-clip", "trimmed-mean")
+METHODS = ("mean", "sparse-mean", "median-clip", "trimmed-mean")
 
 
 @dataclass
@@ -78,6 +82,8 @@ def aggregate(
         method = "median-clip"
     if method == "mean":
         out = weighted_mean(updates_k, samples_k)
+    elif method == "sparse-mean":
+        out = _sparse_mean(updates_k, samples_k)
     elif method == "median-clip":
         cap = 4 * _lower_median(samples_k)
         weights = [min(s, cap) for s in samples_k]
@@ -96,3 +102,18 @@ def aggregate(
             ordered = stacked.sort(dim=0).values
             out.append(ordered[b : n - b].mean(dim=0))
     return Aggregate(update=out, used=peers_k, dropped=dropped, norms=norms)
+
+
+def _sparse_mean(updates: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
+    """Per coordinate, the weighted mean over the updates that are non-zero there (0 where none is);
+    summed in the given order, so bit-identical on every member."""
+    out = []
+    for tensors in zip(*updates):
+        total = torch.zeros_like(tensors[0], dtype=torch.float32)
+        carried = torch.zeros_like(total)
+        for t, w in zip(tensors, weights):
+            t = t.to(torch.float32)
+            total.add_(t, alpha=float(w))
+            carried.add_((t != 0).to(torch.float32), alpha=float(w))
+        out.append(torch.where(carried > 0, total / carried.clamp_min(1e-30), total))
+    return out

@@ -89,7 +89,7 @@ class DiLoCoAverager(GroupAverager):
     :param outer: the outer optimizer whose state this member keeps in sync with its group
     :param gather_timeout: longest wait for late members at the rendezvous (the adaptive deadline's ceiling)
     :param fetch_timeout: longest wait for one member's contribution
-    :param aggregation: ``mean``, ``median-clip`` or ``trimmed-mean`` (see ``gossip.aggregate``)
+    :param aggregation: ``mean``, ``sparse-mean``, ``median-clip`` or ``trimmed-mean`` (see ``gossip.aggregate``)
     """
 
     def __init__(

@@ -42,6 +42,7 @@ class Summary:
     seed: int = 0
     steps: int = 0
     microbatches_served: int = 0  # pipeline stage servers: microbatches this node computed (one per backward or loss)
+    refused_busy: int = 0  # pipeline stage servers: requests answered busy because the queue was full
     routed: dict[str, int] = field(default_factory=dict)  # pipeline trainers: microbatches sent to each stage peer
     route_throughput: dict[str, float] = field(default_factory=dict)  # pipeline trainers: the router's speed estimate per peer
     outer_rounds: int = 0

@@ -80,7 +80,7 @@ def join_flags(
     error_feedback_decay: Annotated[Optional[float], opt("β of error feedback for lossy codecs (default: 0.95; 0 for none/fp16/bf16)", AVG, "error_feedback_decay")] = None,
     outer_lr: Annotated[Optional[float], opt("Outer learning rate η (β for noloco) (default: 0.7; 1.0 for sparseloco)", AVG, "outer_lr")] = None,
     outer_momentum: Annotated[Optional[float], opt("Outer momentum μ (α for noloco) (default: 0.9 Nesterov; 0.5 for noloco; 0 for sparseloco)", AVG, "outer_momentum")] = None,
-    aggregate: Annotated[Optional[str], opt("mean | median-clip | trimmed-mean: robust aggregation against broken or malicious peers (default: mean)", AVG, "aggregate")] = None,
+    aggregate: Annotated[Optional[str], opt("mean | sparse-mean | median-clip | trimmed-mean: how updates are combined; the last two are robust against broken or malicious peers (default: sparse-mean for sparseloco, else mean)", AVG, "aggregate")] = None,
     stages: Annotated[Optional[int], opt("Pipeline: cut the model into S stages served by different peers (1 = whole-model replicas) (default: 1)", PIPE, "stages")] = None,
     role: Annotated[Optional[str], opt("Pipeline: auto | stage | trainer | spare; auto takes what the swarm needs; a spare waits to rebuild a lost stage (default: auto)", PIPE, "role")] = None,
     stage: Annotated[Optional[int], opt("Pipeline: with --role stage, the stage to serve (default: the one the swarm needs)", PIPE, "stage")] = None,

@@ -66,7 +66,8 @@ class NodeConfig(BaseModel):
     overlap: bool = Field(False, description="keep training while a round's exchange runs")
     overlap_mode: Literal["asap", "delayed", "eager"] = Field("asap", description="apply a round's result as soon as it arrives, at the next round (one-step delay), or eagerly estimate it from the previous round")
     fragment_alpha: float = Field(0.0, ge=0, le=1, description="θ_f ← (1−α)·φ_f + α·θ_f when a round's result is applied")
-    aggregate: Literal["mean", "median-clip", "trimmed-mean"] = "mean"
+    aggregate: Literal["mean", "sparse-mean", "median-clip", "trimmed-mean"] | None = Field(
+        None, description="how a round's updates are combined; default sparse-mean for sparseloco, mean otherwise")
     zo_eps: float = Field(1e-3, gt=0, le=1, description="zo: ε of the central difference (L(θ+εz) − L(θ−εz))/(2ε)")
     zo_lr: float = Field(1e-4, gt=0, le=1, description="zo: learning rate of each one-byte step θ ← θ − lr·ĝ·z")
     zo_seed_pool: int = Field(0, ge=0, le=1 << 20, description="zo: draw directions from a fixed pool of K seeds (FedKSeed); 0: a fresh seed per step")
@@ -210,6 +211,15 @@ class NodeConfig(BaseModel):
         if self.compression is not None:
             return self.compression
         return "topk:64/4096+q2" if self.algorithm == "sparseloco" else "none"
+
+    @property
+    def aggregation(self) -> str:
+        """How a round's updates are combined: explicit, else ``sparse-mean`` for SparseLoCo (a top-k
+        coordinate one sender carried is applied undiluted; nano, 4 workers × 600 steps: held-out
+        loss 2.595 → 2.466 against dense DiLoCo's 2.277) and ``mean`` for everything else."""
+        if self.aggregate is not None:
+            return self.aggregate
+        return "sparse-mean" if self.algorithm == "sparseloco" else "mean"
 
     @property
     def outer_hyper(self) -> tuple[float, float]:

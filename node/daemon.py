@@ -123,12 +123,12 @@ class Daemon(NodeBase):
         if isinstance(self.outer, NoLoCoOuter):
             self.averager: DiLoCoAverager | NoLoCoAverager = NoLoCoAverager(
                 net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, group_size=cfg.group_size,
-                gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregate,
+                gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregation,
             )
         else:
             self.averager = DiLoCoAverager(
                 net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer,
-                gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregate,
+                gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregation,
                 keep_others=cfg.overlap and cfg.overlap_mode == "eager",
             )
         self.rounds = RoundRunner(net, self.averager, cfg.overlap and cfg.overlap_mode == "eager", self._heartbeat, self.stop,

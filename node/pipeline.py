@@ -118,7 +118,7 @@ class PipelineNode(NodeBase):
         net.call(self.exchange.start())
         self.averager = DiLoCoAverager(net.dht, net.validator, self.exchange, stage_run(cfg.run_id, 0), peer_id, self.outer,
                                        gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout,
-                                       aggregation=cfg.aggregate, member_role="stage")
+                                       aggregation=cfg.aggregation, member_role="stage")
         self.summary.protocols = list(net.transport.protocols)
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
@@ -300,7 +300,7 @@ class PipelineNode(NodeBase):
                     self.summary.train_loss_last = worker.last_loss
                     self.metrics.train_loss.set(worker.last_loss)
             self.throughput = self.service.throughput
-            self.summary.microbatches_served = self.service.microbatches
+            self.summary.microbatches_served, self.summary.refused_busy = self.service.microbatches, self.service.refused_busy
             self.metrics.tokens_per_second.set(self.throughput * self.model_cfg.context)
             self.metrics.stage_queue.set(self.service.queue_length)
             if pending is not None and pending[0].done():

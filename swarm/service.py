@@ -79,6 +79,7 @@ class StageService:
         self.throughput = 0.0  # microbatch samples per second of compute (EMAs of samples and of seconds)
         self._samples, self._seconds = 0.0, 0.0
         self.microbatches = 0  # microbatches whose last request here (backward or loss) is done
+        self.refused_busy = 0  # requests answered busy (a full queue)
 
     @property
     def queue_length(self) -> int:
@@ -137,6 +138,7 @@ class StageService:
         try:
             self.queue.put_nowait(job)
         except asyncio.QueueFull:
+            self.refused_busy += 1
             await stream.send_error("busy", f"stage {stage} has {self.queue_limit} requests waiting; try another replica")
             return
         result = await job.future

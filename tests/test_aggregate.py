@@ -70,3 +70,22 @@ def test_claimed_samples_are_capped_in_median_clip():
 def test_unknown_method():
     with pytest.raises(ValueError, match="median-clip"):
         aggregate(["a"], _updates(1), [1], "krum")
+
+
+def test_sparse_mean_averages_each_coordinate_over_the_senders_that_carried_it():
+    a = [torch.tensor([1.0, 0.0, 2.0, 0.0])]
+    b = [torch.tensor([3.0, 4.0, 0.0, 0.0])]
+    agg = aggregate(["a", "b"], [a, b], [1, 3], "sparse-mean")
+    # both: weighted mean; one sender: its own value, undiluted; none: 0
+    torch.testing.assert_close(agg.update[0], torch.tensor([(1 + 9) / 4, 4.0, 2.0, 0.0]))
+    dense = _updates(3)
+    for x, y in zip(aggregate(["a", "b", "c"], dense, [1, 2, 3], "sparse-mean").update, weighted_mean(dense, [1, 2, 3])):
+        torch.testing.assert_close(x, y), "equal to the mean on dense updates"
+
+
+def test_sparse_mean_is_bit_identical_whatever_member_computes_it():
+    g = torch.Generator().manual_seed(7)
+    ups = [[torch.randn(4096, generator=g) * (torch.rand(4096, generator=g) < 0.02)] for _ in range(5)]
+    first = aggregate(list("abcde"), ups, [3, 1, 4, 1, 5], "sparse-mean").update[0]
+    again = aggregate(list("abcde"), [[t.clone() for t in u] for u in ups], [3, 1, 4, 1, 5], "sparse-mean").update[0]
+    assert torch.equal(first, again)

@@ -46,7 +46,8 @@ def test_pipeline_trains_replicas_agree_and_a_killed_replica_is_routed_around(tm
         served = [a.info()["microbatches_served"] - served_before[a.name], b.info()["microbatches_served"] - served_before[b.name]]
         ids = {a.info()["peer_id"]: a.name, b.info()["peer_id"]: b.name}
         routes = {t.name: {ids[p]: (n, t.info()["route_throughput"].get(p)) for p, n in t.info()["routed"].items() if p in ids} for t in (t0, t1)}
-        assert min(served) >= 0.25 * sum(served) / 2, (served, "microbatches routed and speed estimates:", routes)
+        assert min(served) >= 0.25 * sum(served) / 2, (served, "microbatches routed and speed estimates:", routes,
+                                                       "refused busy:", [a.info()["refused_busy"], b.info()["refused_busy"]])
 
     # a round both replicas averaged together leaves them equal (a replica whose fetch missed the
     # deadline averages alone, says so with contributors 1, and resyncs at its next round)

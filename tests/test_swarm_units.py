@@ -195,6 +195,16 @@ def test_a_refused_task_is_refunded_so_a_busy_replica_is_not_starved_later():
     assert picks.count("a") == 50, "refused tries leave no phantom load behind"
 
 
+def test_a_replica_charged_at_a_first_slow_estimate_is_not_starved_once_it_measures_fast():
+    router = Router(seed=5)
+    router.update(0, {"a": 0.0, "b": 3.0})  # b's first measurement includes its warm-up: 3 samples/s
+    picks = [router.choose(0, 8.0) for _ in range(2)]  # each charged 8/3 of virtual load
+    assert sorted(picks) == ["a", "b"]
+    router.update(0, {"a": 24_000.0, "b": 30_000.0})  # both warmed up
+    picks = [router.choose(0, 8.0) for _ in range(200)]
+    assert picks.count("b") >= 80, "b's share follows its speed now, not the charge made at its first estimate"
+
+
 def test_missing_roles_name_what_a_short_pipeline_needs():
     from protocol.records import PeerRecord
     from swarm.stage_map import missing_roles
