@@ -10,8 +10,9 @@ peer's update grows with the inner steps it took.
   A peer sending a 1000× update moves the model no more than an honest peer.
 - ``sparse-mean``: per coordinate, Σ wᵢΔᵢ over the senders that carried it (Δᵢ ≠ 0) divided by their
   Σ wᵢ: for sparse payloads (top-k), where a coordinate one sender picked would otherwise be diluted
-  by every sender that did not, although that sender has already removed it from its error feedback.
-  Equal to ``mean`` on dense updates.
+  by every sender that did not, although that sender has already removed it from its error feedback
+  (SparseLoCo's reference code averages this way). Equal to ``mean`` wherever every sender's value is
+  non-zero.
 - ``trimmed-mean``: per coordinate, the ⌊trim·n⌋ (at least 1) largest and smallest values are
   dropped, the rest averaged with equal weights; with fewer than 3 updates it falls back to
   ``median-clip``.
