@@ -2,10 +2,11 @@
 
 Per stage each peer carries a virtual load. The peer with the smallest load takes the task and its
 load grows by task_size / throughput, an interleaved weighted round-robin: over many tasks each peer
-receives a share proportional to its throughput. No peer's load runs more than one task (at its current
-estimate) ahead of the least loaded peer's, so charges made at an outdated estimate cannot starve it. A new peer enters at the stage's current minimum
-(it neither floods nor starves), a peer that fails is banned until its DHT record would expire, and
-peers that left the DHT are forgotten. Ties are broken at random (seeded).
+receives a share proportional to its throughput. No peer's load runs more than one task (at its
+current estimate) ahead of the least loaded peer's, so charges made at an outdated estimate cannot
+starve it. A new peer enters at the stage's current minimum (it neither floods nor starves), a peer
+that fails is banned until its DHT record would expire, and peers that left the DHT are forgotten.
+Ties are broken at random (seeded).
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ class Router:
         least = min(loads[p] for p in candidates)
         for p in candidates:
             # no peer runs more than one task (at its current speed) ahead of the least loaded one:
-            # past charges made at an old estimate (a first measurement 1000× too slow, a ban) must not
-            # starve it for thousands of tasks; with steady estimates this never binds
+            # charges made at an outdated estimate (a slow warm-up measurement) must not starve it for
+            # thousands of tasks; with steady estimates this never binds
             loads[p] = min(loads[p], least + task_size / self.throughput.get(p, 1.0))
         peer = self.rng.choice(sorted(p for p in candidates if loads[p] == least))
         loads[peer] += task_size / self.throughput.get(peer, 1.0)
