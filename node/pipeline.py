@@ -433,6 +433,7 @@ class PipelineNode(NodeBase):
                 for gone in sorted(set(self.trainer.router.peers(s)) - set(members)):
                     self.event("stage_peer_gone", stage=s, peer=gone)  # left the DHT: no longer routed to
                 self.trainer.router.update(s, members)
+            self.summary.route_throughput = {p: round(tp, 2) for p, tp in self.trainer.router.throughput.items()}
 
     def _trainer_throughput(self) -> float:
         return self.trainer.throughput if self.trainer is not None else 0.0

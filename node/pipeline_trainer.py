@@ -117,7 +117,6 @@ class PipelineTrainer:
         summary.steps += 1
         for peer in result.path:
             summary.routed[peer] = summary.routed.get(peer, 0) + 1
-        summary.route_throughput = {peer: round(tp, 2) for peer, tp in self.router.throughput.items()}
         self.last_loss = result.loss
         if math.isnan(summary.train_loss_first):
             summary.train_loss_first = result.loss

@@ -80,17 +80,21 @@ class Router:
             # no peer runs more than one task (at its current speed) ahead of the least loaded one:
             # charges made at an outdated estimate (a slow warm-up measurement) must not starve it for
             # thousands of tasks; with steady estimates this never binds
-            loads[p] = min(loads[p], least + task_size / self.throughput.get(p, 1.0))
+            loads[p] = min(loads[p], least + self._cost(p, task_size))
         peer = self.rng.choice(sorted(p for p in candidates if loads[p] == least))
-        loads[peer] += task_size / self.throughput.get(peer, 1.0)
+        loads[peer] += self._cost(peer, task_size)
         return peer
+
+    def _cost(self, peer: str, task_size: float) -> float:
+        """The virtual load a task adds to a peer: its size over the peer's estimated throughput."""
+        return task_size / self.throughput.get(peer, 1.0)
 
     def refund(self, stage: int, peer: str, task_size: float = 1.0) -> None:
         """Take back the load :meth:`choose` charged for a task the peer refused unstarted (busy), so a
         loaded replica is not starved later for work it never did."""
         loads = self.loads.get(stage, {})
         if peer in loads:
-            loads[peer] -= task_size / self.throughput.get(peer, 1.0)
+            loads[peer] -= self._cost(peer, task_size)
 
     def ban(self, peer: str, seconds: float | None = None) -> None:
         self.banned[peer] = self.clock() + (self.ban_s if seconds is None else seconds)
