@@ -134,7 +134,8 @@ class Daemon(NodeBase):
         self.rounds = RoundRunner(net, self.averager, cfg.overlap and cfg.overlap_mode == "eager", self._heartbeat, self.stop,
                                   final_timeout=2 * cfg.averaging_timeout + 30, placement=self.placement)
         self.joiner = Joiner(net, cfg.run_id, peer_id, run_settings(cfg), self._state_layout, self._adopt, self._heartbeat,
-                             self.metrics, self.event, self.stop, cfg.join_timeout)
+                             self.metrics, self.event, self.stop, cfg.join_timeout,
+                             held=lambda: {"params": self.phi, "outer_momentum": self.outer.state_tensors(self.phi)})
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
 

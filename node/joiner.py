@@ -44,13 +44,15 @@ class Joiner:
     :param adopt: takes over a downloaded state (weights, outer state, round, progress into the round)
     :param announce: publishes this node's DHT record at once (so a round's members wait for a joiner)
     :param event: records a node event
+    :param held: the state this node holds now, by group (a join skips the groups a peer holds identically)
     """
 
     def __init__(self, net: NetworkThread, run_id: str, peer_id: str, settings: dict[str, Any], layout: Callable[[], Layout],
                  adopt: Callable[[DownloadedState], None], announce: Callable[[], Awaitable[None]], metrics: NodeMetrics,
-                 event: Callable[..., None], stop: threading.Event, join_timeout: float) -> None:
+                 event: Callable[..., None], stop: threading.Event, join_timeout: float,
+                 held: Callable[[], dict[str, list[torch.Tensor]]] | None = None) -> None:
         self.net, self.run_id, self.peer_id, self.settings = net, run_id, peer_id, settings
-        self.layout, self.adopt, self.announce = layout, adopt, announce
+        self.layout, self.adopt, self.announce, self.held = layout, adopt, announce, held
         self.metrics, self.event, self.stop, self.join_timeout = metrics, event, stop, join_timeout
 
     def _trainers(self) -> list[Any]:
@@ -69,7 +71,7 @@ class Joiner:
             candidates = sorted(self._trainers(), key=lambda r: (-r.round, r.peer_id))
             for rec in candidates:
                 try:
-                    got = self.download_from(rec.peer_id)
+                    got = self.download_from(rec.peer_id, offer_held=True)
                 except JoinRefused:
                     raise
                 except RemoteError as e:
@@ -84,7 +86,7 @@ class Joiner:
                     continue
                 self.net.call(self.announce(), timeout=30)
                 self.event("joined", peer=rec.peer_id, round=got.snapshot.round, inner_step=got.inner_step, bytes=got.nbytes,
-                           fingerprint=fingerprint(got.snapshot.tensors["params"]), peer_fingerprint=got.snapshot.fingerprint)
+                           reused=got.reused, fingerprint=fingerprint(got.snapshot.tensors["params"]), peer_fingerprint=got.snapshot.fingerprint)
                 return True
             if candidates and refusals >= {rec.peer_id for rec in candidates}:
                 raise JoinRefused(
@@ -98,9 +100,10 @@ class Joiner:
                    + ("the checkpoint" if resumed else "scratch"))
         return False
 
-    def download_from(self, peer: str) -> DownloadedState:
+    def download_from(self, peer: str, offer_held: bool = False) -> DownloadedState:
         """Download a peer's state, check its settings and adopt it; a progress bar on a terminal, else
-        a log line per quarter."""
+        a log line per quarter. ``offer_held``: tell the peer what this node holds, so identical groups
+        are not sent (worth it on joining: a node started from the run's seed or resumed at the swarm's round)."""
         logged = [-1]
         bar = None
         if sys.stderr.isatty():
@@ -120,7 +123,8 @@ class Joiner:
                 logger.info("downloading state from %s: %d%% of %.1f MB", peer, 25 * quarter, total / 1e6)
 
         try:
-            got = self.net.call(download_state(self.net.transport, peer, self.run_id, self.layout(), progress), timeout=120)
+            held = self.held() if offer_held and self.held is not None else None
+            got = self.net.call(download_state(self.net.transport, peer, self.run_id, self.layout(), progress, held), timeout=120)
         finally:
             if bar is not None:
                 bar.stop()

@@ -87,6 +87,7 @@ def test_joiner_downloads_state_and_uses_the_swarms_round(tmp_path, nodes):
     assert first["round"] == joined["joined_round"], "the joiner's first round is the swarm's current round"
     # it downloaded exactly the weights the swarm agreed on before that round
     assert event["fingerprint"] == event["peer_fingerprint"]
+    assert event["reused"] == [], "a joiner from another seed, rounds late, holds nothing the swarm has"
     # (under load a and b may end round r−1 apart, one of them averaging alone, and the peer it
     # downloaded from may have resynced into round r itself rather than finished round r−1)
     r = first["round"]
