@@ -52,6 +52,7 @@ from node.status_service import StatusService
 from node.trainer import LocalTrainer
 from protocol.records import PeerRecord
 
+PEER_READ_EVERY = 5  # heartbeats between two reads of the members' records
 logger = logging.getLogger("locomesh.node")
 AUTO_STEPS_MAX_FACTOR = 20  # --inner-steps auto never goes past this × --round-steps
 
@@ -66,6 +67,7 @@ class Daemon(NodeBase):
         self.tokens_per_s = 0.0
         self.compute_tokens_per_s = 0.0  # inner steps only, announced for --inner-steps auto
         self.peer_rates: dict[str, float] = {}
+        self.heartbeats = 0
         self.round_target = 1
         self.role = "trainer"  # announced in the DHT; "leaving" once the node stops
 
@@ -363,9 +365,13 @@ class Daemon(NodeBase):
         connected = [info.peer_id for info in await net.p2p.list_peers()]
         await reconnect_routing_table(net.dht, connected)
         await publish_peer(net.dht, net.validator, self.cfg.run_id, record, RECORD_TTL_S)
-        peers = await list_peers(net.dht, self.cfg.run_id)
-        self.peer_rates = {p: rec.tokens_per_s for p, rec in peers.items() if rec.role == "trainer"}
-        self.metrics.peers.set(len(peers))
+        # the members' records (speeds for --inner-steps auto, the peers gauge) change slowly: reading
+        # them costs a request per routing-table peer, so only every few heartbeats
+        self.heartbeats += 1
+        if self.heartbeats % PEER_READ_EVERY == 1:
+            peers = await list_peers(net.dht, self.cfg.run_id)
+            self.peer_rates = {p: rec.tokens_per_s for p, rec in peers.items() if rec.role == "trainer"}
+            self.metrics.peers.set(len(peers))
 
     def status_snapshot(self) -> dict[str, Any]:
         return {
