@@ -28,6 +28,10 @@ def test_algorithm_defaults_follow_the_papers():
     assert parse_join_args(["--compression", "rot2"]).outer_hyper == (1.0, 0.5)
     assert parse_join_args(["--compression", "bf16"]).outer_hyper == (0.7, 0.9)
     assert parse_join_args(["--algorithm", "noloco", "--compression", "q2"]).outer_hyper == (0.7, 0.5)
+    # sparse rounds are cheap: SparseLoCo syncs more often unless told otherwise
+    assert (sparse.inner_steps, sparse.round_steps, noloco.inner_steps) == (30, 30, 50)
+    assert parse_join_args(["--algorithm", "sparseloco", "--inner-steps", "12"]).inner_steps == 12
+    assert parse_join_args(["--algorithm", "sparseloco", "--inner-steps", "auto"]).round_steps == 30
 
 
 def test_streaming_and_auto_steps_options():
