@@ -9,7 +9,10 @@ One round, for a member holding φ (agreed weights) and θ (weights after its in
    every live member of that round registered, or the gather deadline passed. The deadline adapts
    to the waits of recent complete rounds (``gossip.deadline``).
 3. It fetches every other member's contribution (each fetch bounded by the fetch timeout); a member
-   that fails is left out of this round and counted.
+   that fails is left out of this round and counted. Dense rounds of three members or more
+   reduce-scatter instead (``gossip.reduce_scatter``): a member fetches only the parts it owns from
+   each other member, reduces and serves them, then fetches every other owner's reduced parts; the
+   parts of an owner that fails are fetched from the members directly and reduced locally.
 4. Contributions whose φ fingerprint differs from the group's majority are dropped. The rest are
    averaged, weighted by samples, in peer-id order (bit-identical on every member), and the outer
    optimizer steps φ. A member in the minority reports ``in_sync = False`` and re-downloads state.
@@ -36,11 +39,12 @@ from hivemind.dht.node import DHTNode
 from compression import ErrorFeedback
 from gossip.aggregate import aggregate
 from gossip.deadline import AdaptiveDeadline
-from gossip.exchange import Contribution, RoundExchange
+from gossip.exchange import Contribution, ReducedShare, RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter, pseudo_gradient
 from gossip.partition import join, split
 from gossip.placement import to_host
+from gossip.reduce_scatter import assign_owners, is_dense, use_reduce_scatter
 from gossip.rendezvous import gather_group, round_members
 from protocol.records import RoundEntry
 
@@ -66,6 +70,7 @@ class RoundResult:
     update_norm: float = 0.0
     others_sum: list[torch.Tensor] | None = None  # Σ_{j≠self} samples_j·Δ_j of the members used (eager updates)
     others_samples: int = 0
+    reduce_scatter: bool = False
 
 
 class GroupAverager:
@@ -146,10 +151,14 @@ class DiLoCoAverager(GroupAverager):
         gathered = time.monotonic()
         self.deadline.observe(gathered - registered, complete)
         others = [e.peer_id for e in group if e.peer_id != self.peer_id]
-        got, failures = await self.exchange.gather(others, round_no, self.fetch_timeout)
+        specs = self.exchange.layout(round_no)
+        scatter = use_reduce_scatter(all(is_dense(s.codec) for s in specs), len(group), self.aggregation, self.keep_others)
+        owners = assign_owners([torch.Size(s.shape).numel() for s in specs], [e.peer_id for e in group]) if scatter else {}
+        got, failures = await self.exchange.gather(others, round_no, self.fetch_timeout, parts=owners.get(self.peer_id))
         exchanged = time.monotonic()
-
-        contributions = {self.peer_id: Contribution(round_no, samples, my_fp, "", blobs, self.peer_id, my_decoded), **got}
+        mine = owners.get(self.peer_id, range(len(specs)))  # my own contribution, cut to the parts this member reduces
+        contributions = {self.peer_id: Contribution(round_no, samples, my_fp, "", [blobs[i] for i in mine], self.peer_id,
+                                                    [my_decoded[i] for i in mine]), **got}
         votes = Counter(c.fingerprint for c in contributions.values())
         best = max(votes.values())
         # ties go to the fingerprint held by the smallest peer id, so every member picks the same one
@@ -171,6 +180,17 @@ class DiLoCoAverager(GroupAverager):
             exchange_s=exchanged - gathered,
             samples=sum(contributions[p].samples for p in used),
         )
+        if scatter:
+            result.reduce_scatter = True
+            if result.in_sync:
+                update = await self._reduce_scatter(round_no, owners, contributions, my_decoded, used, majority_fp, result)  # type: ignore[arg-type]
+                result.exchange_s = time.monotonic() - gathered
+                result.update_norm = sum(float(t.pow(2).sum()) for t in update) ** 0.5
+                await asyncio.to_thread(self.outer.step, phi, join(update, shapes, self.part_numel), indices)
+            else:
+                self.exchange.publish_reduced(round_no, None)
+            result.duration_s = time.monotonic() - started
+            return result
         if result.in_sync:
             agg = await asyncio.to_thread(
                 aggregate, used, [contributions[p].decoded for p in used], [contributions[p].samples for p in used], self.aggregation
@@ -188,3 +208,44 @@ class DiLoCoAverager(GroupAverager):
             await asyncio.to_thread(self.outer.step, phi, averaged, indices)
         result.duration_s = time.monotonic() - started
         return result
+
+    async def _reduce_scatter(self, round_no: int, owners: dict[str, list[int]], contributions: dict[str, Contribution],
+                              my_decoded: list[torch.Tensor], used: list[str], majority_fp: str, result: RoundResult) -> list[torch.Tensor]:
+        """Reduce this member's parts, serve them, and collect every other owner's: the round's whole
+        averaged update, part by part (bit-identical on every member that got each part from its owner)."""
+        specs = self.exchange.layout(round_no)
+        mine = owners[self.peer_id]
+        update: dict[int, torch.Tensor] = {}
+        share: ReducedShare | None = None
+        if mine:
+            agg = await asyncio.to_thread(aggregate, used, [contributions[p].decoded for p in used],
+                                          [contributions[p].samples for p in used], "mean")
+            result.failures.update(agg.dropped)
+            blobs, decoded = await asyncio.to_thread(self.exchange.encode_parts, round_no, mine, agg.update)
+            share = ReducedShare(round_no, sum(contributions[p].samples for p in agg.used), agg.used, majority_fp,
+                                 dict(zip(mine, blobs)), dict(zip(mine, decoded)))
+            update.update(share.decoded)
+            result.contributors, result.norms = agg.used, agg.norms
+            result.samples = share.samples
+        self.exchange.publish_reduced(round_no, share)
+        sources = {o: parts for o, parts in owners.items() if o != self.peer_id and parts}
+        # an owner waits for every member's parts before it serves, so its answer may take a whole fetch
+        # timeout; an owner that cannot be reached is not waited for: its parts are fetched directly
+        shares, failed = await self.exchange.gather(list(sources), round_no, 2 * self.fetch_timeout, reduced=sources,
+                                                    retry_for=min(5.0, self.fetch_timeout / 4))
+        for owner, got in shares.items():
+            assert isinstance(got, ReducedShare)
+            update.update(got.decoded)
+        for owner, reason in failed.items():
+            # the owner is gone or broken: fetch its parts from the members and reduce them here
+            result.failures.setdefault(owner, f"reduce_{reason}")
+            parts = sources[owner]
+            members = [p for p in used if p not in (self.peer_id, owner)]
+            got_parts, _ = await self.exchange.gather(members, round_no, self.fetch_timeout, parts=parts)
+            direct = {self.peer_id: [my_decoded[i] for i in parts],
+                      **{p: c.decoded for p, c in got_parts.items() if isinstance(c, Contribution)}}
+            senders = sorted(direct)
+            samples = [contributions[p].samples for p in senders]
+            agg = await asyncio.to_thread(aggregate, senders, [direct[p] for p in senders], samples, "mean")
+            update.update(dict(zip(parts, agg.update)))
+        return [update[i] for i in range(len(specs))]

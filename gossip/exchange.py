@@ -6,6 +6,11 @@ codec, parts}`` followed by one ``part {i, payload}`` frame per wire part. The s
 its serve timeout for its own contribution to be ready. Everything received is validated (codec,
 part count, shapes, finite values) before it is used.
 
+A fetch may name the parts it wants (``parts``: indices); only those are sent. Reduce-scatter
+rounds (``gossip.reduce_scatter``) use that to collect the parts a member reduces, then
+``fetch_reduced {run_id, round, codec, parts}`` to collect each owner's result: a ``reduced {round,
+samples, contributors, fingerprint, parts}`` header and the owner's encoded parts.
+
 What travels in round r is the round's *layout*: the shape and codec of every part. It is the same
 on every member (derived from the model and the run's settings), may change from round to round
 (streaming DiLoCo sends one fragment per round) and may mix codecs (NoLoCo sends Δ with the run's
@@ -65,6 +70,19 @@ def fixed_layout(codec: str, shapes: Sequence[Sequence[int]]) -> Layout:
     return lambda _round: specs
 
 
+@dataclass
+class ReducedShare:
+    """An owner's reduced parts of a round: the weighted mean over ``contributors`` (samples in all),
+    encoded once, so every member decodes the same values. ``parts`` maps part index to its blob."""
+
+    round: int
+    samples: int
+    contributors: list[str]
+    fingerprint: str
+    parts: dict[int, bytes]
+    decoded: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 class ExchangeError(Exception):
     """A member's contribution could not be obtained or was invalid."""
 
@@ -93,14 +111,25 @@ class RoundExchange:
         self.serve_timeout = serve_timeout
         self._contributions: dict[int, Contribution] = {}
         self._ready: dict[int, asyncio.Event] = {}
+        self._reduced: dict[int, ReducedShare | None] = {}
+        self._reduced_ready: dict[int, asyncio.Event] = {}
 
     async def start(self) -> None:
         await self.transport.serve(ids.AVERAGE, self._handle)
 
-    def _event(self, round_no: int) -> asyncio.Event:
-        if round_no not in self._ready:
-            self._ready[round_no] = asyncio.Event()
-        return self._ready[round_no]
+    def _event(self, round_no: int, table: dict[int, asyncio.Event] | None = None) -> asyncio.Event:
+        table = self._ready if table is None else table
+        if round_no not in table:
+            table[round_no] = asyncio.Event()
+        return table[round_no]
+
+    def publish_reduced(self, round_no: int, share: ReducedShare | None) -> None:
+        """Serve this owner's reduced parts of ``round_no`` (None: it has none, so askers stop waiting)."""
+        self._reduced[round_no] = share
+        self._event(round_no, self._reduced_ready).set()
+        for old in [r for r in self._reduced if r <= round_no - KEEP_ROUNDS]:
+            self._reduced.pop(old, None)
+            self._reduced_ready.pop(old, None)
 
     def publish(self, contribution: Contribution) -> None:
         """Make this node's contribution for ``contribution.round`` available to its group."""
@@ -118,17 +147,36 @@ class RoundExchange:
         specs = self.layout(round_no)
         if len(parts) != len(specs):
             raise ValueError(f"round {round_no} sends {len(specs)} parts, got {len(parts)}")
+        return self.encode_parts(round_no, range(len(specs)), parts, feedback)
+
+    def encode_parts(
+        self, round_no: int, indices: Sequence[int], parts: Sequence[torch.Tensor], feedback: Sequence[ErrorFeedback | None] | None = None
+    ) -> tuple[list[bytes], list[torch.Tensor]]:
+        """Encode the given parts of round ``round_no`` (part ``indices[j]`` is ``parts[j]``), as :meth:`encode`."""
+        specs = self.layout(round_no)
         blobs, decoded = [], []
-        for i, (part, spec) in enumerate(zip(parts, specs)):
-            codec = get_codec(spec.codec)
+        for j, (i, part) in enumerate(zip(indices, parts)):
+            codec = get_codec(specs[i].codec)
             seed = payload_seed(self.run_id, round_no, self.transport.peer_id, i)
-            payload = codec.encode(part, state=feedback[i] if feedback else None, seed=seed)
+            payload = codec.encode(part, state=feedback[j] if feedback else None, seed=seed)
             blobs.append(payload.to_bytes())
             decoded.append(codec.decode(payload))
         return blobs, decoded
 
+    def _selection(self, body: dict, round_no: int) -> list[int] | None:
+        """The part indices a request names (None: all), each checked against the round's layout."""
+        wanted = body.get("parts")
+        if wanted is None:
+            return None
+        n = len(self.layout(round_no))
+        if not isinstance(wanted, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in wanted):
+            raise SchemaError(f"'parts' must list part indices of round {round_no} (0..{n - 1})")
+        if len(set(wanted)) != len(wanted):
+            raise SchemaError("'parts' names a part twice")
+        return wanted
+
     async def _handle(self, stream: FramedStream) -> None:
-        msg = await stream.recv(expect="fetch")
+        msg = await stream.recv(expect=("fetch", "fetch_reduced"))
         run_id = require(msg.body, "run_id", str)
         round_no = require(msg.body, "round", int)
         wire = require(msg.body, "codec", str)
@@ -136,6 +184,10 @@ class RoundExchange:
             raise SchemaError(f"this node trains run {self.run_id!r}, not {run_id!r}")
         if wire != self.wire:
             raise SchemaError(f"wire mismatch: this run averages with {self.wire!r}, request asked for {wire!r}")
+        selection = self._selection(msg.body, round_no)
+        if msg.kind == "fetch_reduced":
+            await self._serve_reduced(stream, round_no, selection)
+            return
         latest = max(self._contributions, default=-1)
         if round_no <= latest - KEEP_ROUNDS:
             raise SchemaError(f"round {round_no} is over (this node is at round {latest})")
@@ -146,18 +198,83 @@ class RoundExchange:
         c = self._contributions.get(round_no)
         if c is None:
             raise SchemaError(f"round {round_no} is over")
+        chosen = range(len(c.parts)) if selection is None else selection
         await stream.send(
             "contribution",
-            {"round": c.round, "samples": c.samples, "fingerprint": c.fingerprint, "codec": c.codec, "parts": len(c.parts)},
+            {"round": c.round, "samples": c.samples, "fingerprint": c.fingerprint, "codec": c.codec, "parts": len(chosen)},
         )
-        for i, blob in enumerate(c.parts):
-            await stream.send("part", {"i": i, "payload": blob})
+        for i in chosen:
+            await stream.send("part", {"i": i, "payload": c.parts[i]})
 
-    async def fetch(self, peer: str, round_no: int) -> Contribution:
-        """Download and decode ``peer``'s contribution for ``round_no``; raises on anything invalid."""
+    async def _serve_reduced(self, stream: FramedStream, round_no: int, selection: list[int] | None) -> None:
+        try:
+            await asyncio.wait_for(self._event(round_no, self._reduced_ready).wait(), timeout=self.serve_timeout)
+        except asyncio.TimeoutError:
+            raise SchemaError(f"no reduced parts for round {round_no} within {self.serve_timeout:.0f}s") from None
+        share = self._reduced.get(round_no)
+        if share is None:
+            raise SchemaError(f"this node reduces no parts of round {round_no}")
+        chosen = sorted(share.parts) if selection is None else selection
+        missing = [i for i in chosen if i not in share.parts]
+        if missing:
+            raise SchemaError(f"this node does not reduce parts {missing} of round {round_no}")
+        await stream.send("reduced", {"round": share.round, "samples": share.samples, "contributors": share.contributors,
+                                      "fingerprint": share.fingerprint, "parts": len(chosen)})
+        for i in chosen:
+            await stream.send("part", {"i": i, "payload": share.parts[i]})
+
+    async def _receive_parts(self, stream: FramedStream, round_no: int, chosen: Sequence[int]) -> tuple[list[bytes], list[torch.Tensor]]:
+        """The ``part`` frames of ``chosen`` (in that order), each checked and decoded."""
+        specs = self.layout(round_no)
+        parts, decoded = [], []
+        for i in chosen:
+            shape, part_codec = specs[i].shape, get_codec(specs[i].codec)
+            msg = await stream.recv(expect="part")
+            if require(msg.body, "i", int) != i:
+                raise SchemaError(f"part {msg.body.get('i')} arrived where part {i} was expected")
+            blob = require(msg.body, "payload", bytes)
+            payload = Payload.from_bytes(blob, max_bytes=stream.max_frame, expected_shape=shape)
+            if payload.codec != part_codec.spec:
+                raise SchemaError(f"part {i} is encoded with {payload.codec!r}, expected {part_codec.spec!r}")
+            value = await asyncio.to_thread(part_codec.decode, payload)  # off the loop: it serves others meanwhile
+            if tuple(value.shape) != shape:
+                raise SchemaError(f"part {i} has shape {list(value.shape)}, expected {list(shape)}")
+            if not torch.isfinite(value).all():
+                raise SchemaError(f"part {i} holds NaN or Inf")
+            parts.append(blob)
+            decoded.append(value)
+        return parts, decoded
+
+    async def fetch_reduced(self, owner: str, round_no: int, parts: Sequence[int]) -> ReducedShare:
+        """Download an owner's reduced ``parts`` of ``round_no``; raises on anything invalid."""
+        stream = await self.transport.open(owner, ids.AVERAGE)
+        try:
+            await stream.send("fetch_reduced", {"run_id": self.run_id, "round": round_no, "codec": self.wire, "parts": list(parts)})
+            head = await stream.recv(expect="reduced")
+            if require(head.body, "round", int) != round_no:
+                raise SchemaError(f"asked for round {round_no}, got {head.body['round']}")
+            if require(head.body, "parts", int) != len(parts):
+                raise SchemaError(f"owner sent {head.body['parts']} reduced parts, asked for {len(parts)}")
+            samples = require(head.body, "samples", int)
+            contributors = require(head.body, "contributors", list)
+            if samples <= 0 or not contributors or not all(isinstance(c, str) for c in contributors):
+                raise SchemaError("a reduced share must name its contributors and carry a positive sample count")
+            blobs, decoded = await self._receive_parts(stream, round_no, parts)
+            return ReducedShare(round_no, samples, contributors, require(head.body, "fingerprint", str),
+                                dict(zip(parts, blobs)), dict(zip(parts, decoded)))
+        finally:
+            self.transport.account(ids.AVERAGE, stream)
+            await stream.close()
+
+    async def fetch(self, peer: str, round_no: int, parts: Sequence[int] | None = None) -> Contribution:
+        """Download and decode ``peer``'s contribution for ``round_no`` (only ``parts``, in that order,
+        when given: the contribution's lists then hold those); raises on anything invalid."""
         stream = await self.transport.open(peer, ids.AVERAGE)
         try:
-            await stream.send("fetch", {"run_id": self.run_id, "round": round_no, "codec": self.wire})
+            request = {"run_id": self.run_id, "round": round_no, "codec": self.wire}
+            if parts is not None:
+                request["parts"] = list(parts)
+            await stream.send("fetch", request)
             head = await stream.recv(expect="contribution")
             got_round = require(head.body, "round", int)
             samples = require(head.body, "samples", int)
@@ -168,54 +285,48 @@ class RoundExchange:
                 raise SchemaError(f"asked for round {round_no}, got {got_round}")
             if codec != self.wire:
                 raise SchemaError(f"wire mismatch: peer sent {codec!r}, this run uses {self.wire!r}")
-            specs = self.layout(round_no)
-            if n_parts != len(specs):
-                raise SchemaError(f"peer sent {n_parts} parts, round {round_no} has {len(specs)}")
+            chosen = list(range(len(self.layout(round_no)))) if parts is None else list(parts)
+            if n_parts != len(chosen):
+                raise SchemaError(f"peer sent {n_parts} parts, asked for {len(chosen)} of round {round_no}")
             if samples <= 0:
                 raise SchemaError(f"a contribution must carry a positive sample count, got {samples}")
-            parts, decoded = [], []
-            for i, spec in enumerate(specs):
-                shape, part_codec = spec.shape, get_codec(spec.codec)
-                msg = await stream.recv(expect="part")
-                if require(msg.body, "i", int) != i:
-                    raise SchemaError(f"part {msg.body.get('i')} arrived where part {i} was expected")
-                blob = require(msg.body, "payload", bytes)
-                payload = Payload.from_bytes(blob, max_bytes=stream.max_frame, expected_shape=shape)
-                if payload.codec != part_codec.spec:
-                    raise SchemaError(f"part {i} is encoded with {payload.codec!r}, expected {part_codec.spec!r}")
-                value = await asyncio.to_thread(part_codec.decode, payload)  # off the loop: it serves others meanwhile
-                if tuple(value.shape) != shape:
-                    raise SchemaError(f"part {i} has shape {list(value.shape)}, expected {list(shape)}")
-                if not torch.isfinite(value).all():
-                    raise SchemaError(f"part {i} holds NaN or Inf")
-                parts.append(blob)
-                decoded.append(value)
-            return Contribution(round_no, samples, fp, codec, parts, peer=peer, decoded=decoded)
+            blobs, decoded = await self._receive_parts(stream, round_no, chosen)
+            return Contribution(round_no, samples, fp, codec, blobs, peer=peer, decoded=decoded)
         finally:
             self.transport.account(ids.AVERAGE, stream)
             await stream.close()
 
-    async def gather(self, peers: Sequence[str], round_no: int, timeout: float) -> tuple[dict[str, Contribution], dict[str, str]]:
-        """Fetch from every peer concurrently; returns (contributions, failures by peer with the reason)."""
+    async def gather(self, peers: Sequence[str], round_no: int, timeout: float, parts: Sequence[int] | None = None,
+                     reduced: dict[str, list[int]] | None = None,
+                     retry_for: float | None = None) -> tuple[dict[str, Contribution | ReducedShare], dict[str, str]]:
+        """Fetch from every peer concurrently (its contribution, only ``parts`` of it when given, or
+        with ``reduced`` the parts it reduced); returns (results, failures by peer with the reason).
+        A broken connection is retried for ``retry_for`` seconds (default: the whole timeout)."""
 
-        async def one(peer: str) -> Contribution:
+        def request(peer: str):
+            if reduced is not None:
+                return self.fetch_reduced(peer, round_no, reduced[peer])
+            return self.fetch(peer, round_no, parts)
+
+        async def one(peer: str) -> Contribution | ReducedShare:
             # a broken connection (a relay that went away, a reset circuit) is retried while the deadline
             # allows: the transport takes another path (the next relay, or a direct stream)
             deadline = time.monotonic() + timeout
+            retry_until = deadline if retry_for is None else time.monotonic() + retry_for
             while True:
                 try:
-                    return await asyncio.wait_for(self.fetch(peer, round_no), timeout=max(0.1, deadline - time.monotonic()))
+                    return await asyncio.wait_for(request(peer), timeout=max(0.1, deadline - time.monotonic()))
                 except (ConnectionError, EOFError, TruncatedFrame, P2PDaemonError, P2PHandlerError) as e:
-                    if deadline - time.monotonic() < 1.0:
+                    if min(deadline, retry_until) - time.monotonic() < 1.0:
                         raise
                     logger.info("round %d: fetch from %s broke (%s: %s); retrying", round_no, peer, type(e).__name__, e)
                     await asyncio.sleep(0.5)
 
         results = await asyncio.gather(*(one(p) for p in peers), return_exceptions=True)
-        got: dict[str, Contribution] = {}
+        got: dict[str, Contribution | ReducedShare] = {}
         failed: dict[str, str] = {}
         for peer, result in zip(peers, results):
-            if isinstance(result, Contribution):
+            if isinstance(result, (Contribution, ReducedShare)):
                 got[peer] = result
             elif isinstance(result, asyncio.TimeoutError):
                 failed[peer] = "timeout"

@@ -1,0 +1,72 @@
+"""Reduce-scatter + all-gather for dense rounds: who reduces which wire parts, and when it pays.
+
+In an all-gather every member fetches every other member's whole update, so a member receives
+(G − 1) × the payload per round. In a reduce-scatter each member owns a share of the wire parts: it
+fetches only those parts from every other member, reduces them (the same weighted mean as
+``gossip.aggregate``), encodes the result once and serves it; every member then fetches each owner's
+reduced parts. A member sends and receives about 2 × (G − 1)/G × the payload whatever the group
+size (hivemind's butterfly all-reduce, ``hivemind/averaging/allreduce.py``, has the same shape).
+
+The owners of a group are assigned here, from the sorted member ids and the parts' sizes only, so
+every member computes the same assignment without talking. Parts are dealt as contiguous runs whose
+element counts are as even as the parts allow.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+# codecs whose reduced result keeps its form (a mean of dense updates is dense); sparse and
+# shared-seed payloads keep the all-gather, which is cheaper for them
+DENSE_CODECS = frozenset({"none", "fp16", "bf16", "q8", "q4", "q2", "rot1", "rot2", "rot4", "rot8", "int8-block"})
+FINE_PARTS = 256  # a dense round's wire parts per model: enough for even shares in groups of up to 64
+
+
+def is_dense(codec: str) -> bool:
+    """Whether a round with this codec can be reduce-scattered (its updates are dense)."""
+    return codec.split(":", 1)[0] in DENSE_CODECS
+
+
+def fine_part_numel(total_numel: int, max_numel: int = 1 << 20, floor: int = 4096) -> int:
+    """Largest elements per wire part that still cuts a dense update into about ``FINE_PARTS`` parts."""
+    return max(floor, min(max_numel, -(-total_numel // FINE_PARTS)))
+
+
+def assign_owners(part_numels: Sequence[int], members: Sequence[str]) -> dict[str, list[int]]:
+    """{member: the parts it reduces}: contiguous runs of parts, members in sorted order, each run
+    ending where its cumulative element count first reaches the member's even share.
+
+    Every part has exactly one owner; a member may own none when there are fewer parts than members.
+    """
+    ordered = sorted(members)
+    owners: dict[str, list[int]] = {m: [] for m in ordered}
+    if not ordered:
+        return owners
+    total = sum(part_numels)
+    g = len(ordered)
+    done = 0
+    k = 0
+    for i, numel in enumerate(part_numels):
+        # the part goes to the member whose share contains the part's midpoint
+        middle = done + numel / 2
+        while k < g - 1 and middle >= total * (k + 1) / g:
+            k += 1
+        owners[ordered[k]].append(i)
+        done += numel
+    return owners
+
+
+def use_reduce_scatter(dense: bool, group_size: int, aggregation: str, needs_every_update: bool) -> bool:
+    """Reduce-scatter pays from three members on (with two both ways cost one payload each way) for
+    dense codecs (``is_dense``) and the plain weighted mean; robust aggregations and eager overlap
+    need every member's whole update, so they keep the all-gather."""
+    return group_size >= 3 and dense and aggregation == "mean" and not needs_every_update
+
+
+def round_bytes(payload: int, group_size: int, reduce_scatter: bool) -> int:
+    """Bytes a member sends in one round (each direction alike) under either scheme."""
+    if group_size <= 1:
+        return 0
+    if reduce_scatter:
+        return int(2 * payload * (group_size - 1) / group_size)
+    return payload * (group_size - 1)
