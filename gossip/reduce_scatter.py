@@ -14,7 +14,10 @@ element counts are as even as the parts allow.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
+
+from gossip.partition import DEFAULT_PART_NUMEL
 
 # codecs whose reduced result keeps its form (a mean of dense updates is dense); sparse and
 # shared-seed payloads keep the all-gather, which is cheaper for them
@@ -30,6 +33,13 @@ def is_dense(codec: str) -> bool:
 def fine_part_numel(total_numel: int, max_numel: int = 1 << 20, floor: int = 4096) -> int:
     """Largest elements per wire part that still cuts a dense update into about ``FINE_PARTS`` parts."""
     return max(floor, min(max_numel, -(-total_numel // FINE_PARTS)))
+
+
+def wire_part_numel(codec: str, shapes: Sequence[Sequence[int]], noloco: bool = False) -> int:
+    """Elements per wire part of a run's pseudo-gradients: fine parts for dense codecs (their rounds
+    may reduce-scatter), the default partition otherwise (NoLoCo's pairs always all-gather)."""
+    total = sum(math.prod(shape) for shape in shapes)
+    return fine_part_numel(total) if is_dense(codec) and not noloco else DEFAULT_PART_NUMEL
 
 
 def assign_owners(part_numels: Sequence[int], members: Sequence[str]) -> dict[str, list[int]]:

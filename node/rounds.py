@@ -21,8 +21,8 @@ from gossip.diloco import DiLoCoAverager, RoundResult
 from gossip.exchange import PartSpec
 from gossip.fragments import assign_fragments, fragment_of_round, merge_fragment
 from gossip.noloco import NoLoCoAverager
-from gossip.partition import DEFAULT_PART_NUMEL, part_shapes
-from gossip.reduce_scatter import fine_part_numel, is_dense
+from gossip.partition import part_shapes
+from gossip.reduce_scatter import wire_part_numel
 from gossip.placement import OuterPlacement
 from node.network import Interrupted, NetworkThread
 
@@ -42,9 +42,7 @@ class RoundPlan:
                  noloco: bool) -> None:
         self.codec, self.fragment_count, self.noloco = codec, fragments, noloco
         self.fragments = assign_fragments(names, fragments)
-        # dense rounds may reduce-scatter, which shares parts out among the members: cut them finer
-        total = sum(torch.Size(shape).numel() for shape in shapes)
-        self.part_numel = fine_part_numel(total) if is_dense(codec) and not noloco else DEFAULT_PART_NUMEL
+        self.part_numel = wire_part_numel(codec, shapes, noloco)  # finer for dense rounds: they may reduce-scatter
         self.parts = [part_shapes([shapes[i] for i in fragment], self.part_numel) for fragment in self.fragments]
         self.feedback: list[list[ErrorFeedback] | None] = [
             [ErrorFeedback(feedback_decay) for _ in parts] if feedback_decay > 0 else None for parts in self.parts
