@@ -19,6 +19,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.dht.traverse import traverse_dht
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
@@ -40,13 +41,46 @@ def _peer_of_subkey(subkey: object) -> str | None:
     return None
 
 
+FULL_READ_PEERS = 8  # up to this many routing-table peers, a read asks them all; beyond, the key's nearest nodes
+_requests: "weakref.WeakKeyDictionary[DHTNode, int]" = weakref.WeakKeyDictionary()
+
+
+def dht_requests(dht: DHTNode) -> int:
+    """How many DHT find requests this module's reads sent through ``dht`` so far (for benchmarks)."""
+    return _requests.get(dht, 0)
+
+
+async def _nearest_copies(dht: DHTNode, key_id: DHTID, ask: Callable[..., Awaitable[dict | None]]) -> list[object]:
+    """The key's stored copies on the ``num_replicas`` nodes nearest to it (where stores put them),
+    found by hivemind's beam search: O(log N) requests plus the replicas, whatever the swarm's size."""
+    width = max(dht.num_replicas, 3)
+    node_to_peer = dict(dht.protocol.routing_table.get_nearest_neighbors(key_id, width, exclude=dht.node_id))
+    copies: list[object] = []
+
+    async def get_neighbors(node: DHTID, queries) -> dict:
+        response = await ask(node_to_peer[node])
+        if not response or key_id not in response:
+            return {q: ((), False) for q in queries}
+        found, neighbours = response[key_id]
+        if found is not None:
+            copies.append(found.value)
+        node_to_peer.update(neighbours)
+        return {key_id: (tuple(neighbours), False)}
+
+    await traverse_dht([key_id], initial_nodes=list(node_to_peer), beam_size=width, num_workers=width, queries_per_call=1,
+                       get_neighbors=get_neighbors, visited_nodes={key_id: {dht.node_id}})
+    return copies
+
+
 async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[str, tuple[object, float]]:
     """{peer id: (value, expiration time)} of a key's owned subkeys, freshest copy of each subkey.
 
     hivemind's ``get(latest=True)`` returns the one stored dictionary whose newest subkey is newest,
     so with several writers refreshing their own subkeys it can hide another writer's fresh subkey
-    behind a stale copy. Membership and rendezvous keys are small and read by small swarms, so this
-    asks the local store and every routing-table peer directly and merges subkey by subkey.
+    behind a stale copy. So this asks for the stored copies themselves and merges them subkey by
+    subkey: in a small swarm (up to ``FULL_READ_PEERS`` routing-table peers) from every peer it knows,
+    and from the owners of subkeys it learned about; in a larger one from the key's nearest nodes,
+    which hold every writer's copy because stores go there (a read then costs O(log N) requests).
     """
     key_id = DHTID.generate(source=key)
     dictionaries = []
@@ -56,6 +90,7 @@ async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[str
     peers = list(dht.protocol.routing_table.peer_id_to_uid)
 
     async def ask(peer):
+        _requests[dht] = _requests.get(dht, 0) + 1
         try:
             return await asyncio.wait_for(dht.protocol.call_find(peer, [key_id]), timeout)
         except Exception:  # a slow or gone peer only means one copy fewer
@@ -66,6 +101,9 @@ async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[str
             if response and response.get(key_id) and response[key_id][0] is not None:
                 dictionaries.append(response[key_id][0].value)
 
+    if len(peers) > FULL_READ_PEERS:
+        dictionaries.extend(await _nearest_copies(dht, key_id, ask))
+        return _merge(dht, key_id, dictionaries)
     collect(await asyncio.gather(*(ask(p) for p in peers)))
     # owners of subkeys we learned about but did not ask yet (e.g. a client that knows one peer)
     asked = {str(p) for p in peers} | {str(dht.peer_id)}
@@ -81,6 +119,11 @@ async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[str
         except Exception:
             continue
     collect(await asyncio.gather(*(ask(p) for p in extra)))
+    return _merge(dht, key_id, dictionaries)
+
+
+def _merge(dht: DHTNode, key_id: DHTID, dictionaries: list) -> dict[str, tuple[object, float]]:
+    """The freshest valid copy of every owned subkey across ``dictionaries``, by owner."""
     freshest: dict[object, tuple[bytes, float]] = {}
     for dictionary in dictionaries:
         if not isinstance(dictionary, DictionaryDHTValue):
