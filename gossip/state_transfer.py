@@ -6,6 +6,9 @@ tensor layout) followed by ``chunk`` frames of raw bytes and an ``end`` frame. I
 protocol, independent of averaging, so a round in progress never blocks a joiner. The receiver
 checks the announced layout against its own model before it allocates anything.
 
+A joiner may download from several peers that hold the same state at once: ``stripe [k, n]`` asks a
+peer for the k-th of n even shares of the chunks (``stripe_of``), so no peer sends more than its share.
+
 A requester may say what it already holds (``have``: a content digest per tensor group); groups whose
 digest equals the snapshot's are listed as ``same`` in the header and not sent, so a joiner that starts
 from the run's seed at round 0, or resumes a checkpoint of the current round, downloads only the header.
@@ -16,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -29,6 +32,7 @@ from protocol.tensors import check_shape, dtype_name, tensor_bytes
 
 logger = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
+MAX_STRIPES = 16
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,10 @@ class StateServer:
         have = msg.body.get("have", {})
         if not isinstance(have, dict):
             raise SchemaError("get_state 'have' must map tensor groups to digests")
+        stripe = msg.body.get("stripe", [0, 1])
+        if not (isinstance(stripe, list) and len(stripe) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in stripe)
+                and 0 <= stripe[0] < stripe[1] <= MAX_STRIPES):
+            raise SchemaError(f"get_state 'stripe' must be [k, n] with 0 <= k < n <= {MAX_STRIPES}")
         snap = self.snapshot
         if snap is None:
             raise SchemaError("this node has no state to share yet")
@@ -95,106 +103,177 @@ class StateServer:
             {"round": snap.round, "inner_step": int(self.progress()), "fingerprint": snap.fingerprint, "meta": snap.meta, "layout": layout,
              "same": same},
         )
-        for name, ts in snap.tensors.items():
-            if name in same:
-                continue
-            for i, t in enumerate(ts):
-                raw = tensor_bytes(t)
-                for offset in range(0, len(raw), CHUNK_BYTES):
-                    await stream.send("chunk", {"g": name, "t": i, "offset": offset, "data": raw[offset : offset + CHUNK_BYTES]})
+        k, n = stripe
+        plan = chunk_plan({name: [(tuple(t.shape), t.dtype) for t in ts] for name, ts in snap.tensors.items()}, same)
+        raw: tuple[tuple[str, int], bytes] | None = None
+        for name, i, offset, length in stripe_of(plan, k, n):
+            if raw is None or raw[0] != (name, i):
+                raw = ((name, i), tensor_bytes(snap.tensors[name][i]))
+            await stream.send("chunk", {"g": name, "t": i, "offset": offset, "data": raw[1][offset : offset + length]})
         await stream.send("end", {})
 
 
-async def download_state(
-    transport: Transport,
-    peer: str,
-    run_id: str,
-    expected: dict[str, list[tuple[tuple[int, ...], torch.dtype]]],
-    on_progress: Callable[[int, int], None] | None = None,
-    have: dict[str, list[torch.Tensor]] | None = None,
-) -> DownloadedState:
-    """Download ``peer``'s snapshot; ``expected`` is the layout this node's model needs. ``have``: the
-    tensors this node holds now, by group; groups the peer reports identical are taken from it, not sent."""
+Expected = dict[str, list[tuple[tuple[int, ...], torch.dtype]]]
+
+
+def chunk_plan(layout: dict[str, list[tuple[tuple[int, ...], torch.dtype]]], skip: Sequence[str] = ()) -> list[tuple[str, int, int, int]]:
+    """Every chunk a full download carries, in order: (group, tensor, offset, length)."""
+    plan = []
+    for name, specs in layout.items():
+        if name in skip:
+            continue
+        for i, (shape, dtype) in enumerate(specs):
+            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            plan.extend((name, i, offset, min(CHUNK_BYTES, size - offset)) for offset in range(0, size, CHUNK_BYTES))
+    return plan
+
+
+def stripe_of(plan: list[tuple[str, int, int, int]], k: int, n: int) -> list[tuple[str, int, int, int]]:
+    """Stripe ``k`` of ``n``: the chunks dealt to it when each chunk in turn goes to the stripe with
+    the fewest bytes so far (ties to the lowest), so no stripe exceeds an even share by more than a chunk."""
+    loads = [0] * n
+    mine = []
+    for chunk in plan:
+        target = min(range(n), key=lambda j: (loads[j], j))
+        loads[target] += chunk[3]
+        if target == k:
+            mine.append(chunk)
+    return mine
+
+
+@dataclass
+class _Header:
+    round: int
+    inner_step: int
+    fingerprint: str
+    meta: dict[str, Any]
+    same: list[str]
+    order: list[str]  # the groups in the peer's order (chunks follow it)
+
+    def agrees_with(self, other: "_Header") -> bool:
+        return (self.round, self.fingerprint, self.same, self.order) == (other.round, other.fingerprint, other.same, other.order)
+
+
+def _check_header(body: dict, expected: Expected, have: dict[str, list[torch.Tensor]] | None) -> _Header:
+    layout = require(body, "layout", dict)
+    same = body.get("same", [])
+    if set(layout) != set(expected):
+        raise SchemaError(f"peer offers state groups {sorted(layout)}, this node needs {sorted(expected)}")
+    if not isinstance(same, list) or not set(same) <= set(have or {}) & set(expected):
+        raise SchemaError(f"peer reports groups {same!r} identical, but this node offered only {sorted(have or {})}")
+    for name, specs in expected.items():
+        offered = layout[name]
+        if not isinstance(offered, list) or len(offered) != len(specs):
+            raise SchemaError(f"state group {name!r}: peer offers {len(offered) if isinstance(offered, list) else '?'} tensors, model has {len(specs)}")
+        for i, ((shape, dtype), item) in enumerate(zip(specs, offered)):
+            if not (isinstance(item, list) and len(item) == 2):
+                raise SchemaError(f"state group {name!r} tensor {i}: bad layout entry")
+            got_shape = check_shape(item[0])
+            if got_shape != tuple(shape) or item[1] != dtype_name(dtype):
+                raise SchemaError(
+                    f"state group {name!r} tensor {i}: peer has {list(got_shape)} {item[1]}, "
+                    f"this model needs {list(shape)} {dtype_name(dtype)} (same --model on every peer?)"
+                )
+    return _Header(require(body, "round", int), require(body, "inner_step", int), require(body, "fingerprint", str),
+                   require(body, "meta", dict), sorted(same), list(layout))
+
+
+class _Assembly:
+    """The buffers a download fills, shared by its stripes, and its progress."""
+
+    def __init__(self, expected: Expected, on_progress: Callable[[int, int], None] | None) -> None:
+        self.expected, self.on_progress = expected, on_progress
+        self.buffers: dict[str, list[bytearray]] = {}
+        self.received, self.total, self.nbytes = 0, 0, 0
+
+    def write(self, name: str, i: int, offset: int, data: bytes) -> None:
+        if name not in self.buffers:
+            self.buffers[name] = [bytearray(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()) for s, d in self.expected[name]]
+        self.buffers[name][i][offset : offset + len(data)] = data
+        self.received += len(data)
+        if self.on_progress is not None:
+            self.on_progress(self.received, self.total)
+
+
+async def _download_stripe(transport: Transport, peer: str, request: dict[str, Any], stripe: tuple[int, int], expected: Expected,
+                           have: dict[str, list[torch.Tensor]] | None, assembly: _Assembly) -> _Header:
+    """Fetch stripe ``(k, n)`` of ``peer``'s snapshot into ``assembly``; every chunk must be the next one
+    of the stripe's plan, so nothing is written twice or left out."""
     stream = await transport.open(peer, ids.STATE)
     try:
-        request: dict[str, Any] = {"run_id": run_id}
-        if have:
-            request["have"] = await asyncio.to_thread(group_digests, have)
-        await stream.send("get_state", request)
-        head = await stream.recv(expect="state")
-        round_no = require(head.body, "round", int)
-        inner_step = require(head.body, "inner_step", int)
-        fp = require(head.body, "fingerprint", str)
-        meta = require(head.body, "meta", dict)
-        layout = require(head.body, "layout", dict)
-        same = head.body.get("same", [])
-        if set(layout) != set(expected):
-            raise SchemaError(f"peer offers state groups {sorted(layout)}, this node needs {sorted(expected)}")
-        if not isinstance(same, list) or not set(same) <= set(have or {}) & set(expected):
-            raise SchemaError(f"peer reports groups {same!r} identical, but this node offered only {sorted(have or {})}")
-        buffers: dict[str, list[bytearray]] = {}
-        total = 0
-        for name, specs in expected.items():
-            offered = layout[name]
-            if not isinstance(offered, list) or len(offered) != len(specs):
-                raise SchemaError(f"state group {name!r}: peer offers {len(offered) if isinstance(offered, list) else '?'} tensors, model has {len(specs)}")
-            for i, ((shape, dtype), item) in enumerate(zip(specs, offered)):
-                if not (isinstance(item, list) and len(item) == 2):
-                    raise SchemaError(f"state group {name!r} tensor {i}: bad layout entry")
-                got_shape = check_shape(item[0])
-                if got_shape != tuple(shape) or item[1] != dtype_name(dtype):
-                    raise SchemaError(
-                        f"state group {name!r} tensor {i}: peer has {list(got_shape)} {item[1]}, "
-                        f"this model needs {list(shape)} {dtype_name(dtype)} (same --model on every peer?)"
-                    )
-            if name in same:
-                continue
-            buffers[name] = [bytearray(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()) for s, d in specs]
-            total += sum(len(b) for b in buffers[name])
-        filled = {name: [0] * len(bufs) for name, bufs in buffers.items()}
-        received = 0
-        while True:
-            msg = await stream.recv(expect=("chunk", "end"))
-            if msg.kind == "end":
-                break
-            name = require(msg.body, "g", str)
-            i = require(msg.body, "t", int)
-            offset = require(msg.body, "offset", int)
+        await stream.send("get_state", {**request, "stripe": list(stripe)} if stripe[1] > 1 else request)
+        head = _check_header((await stream.recv(expect="state")).body, expected, have)
+        ordered = {name: expected[name] for name in head.order}
+        plan = chunk_plan(ordered, head.same)
+        if not assembly.total:
+            assembly.total = sum(length for *_, length in plan)
+        for name, i, offset, length in stripe_of(plan, *stripe):
+            msg = await stream.recv(expect="chunk")
+            got = (require(msg.body, "g", str), require(msg.body, "t", int), require(msg.body, "offset", int))
             data = require(msg.body, "data", bytes)
-            if name not in buffers or not 0 <= i < len(buffers[name]):
-                raise SchemaError(f"chunk for unknown tensor {name!r}[{i}]")
-            buf = buffers[name][i]
-            if offset != filled[name][i] or offset + len(data) > len(buf):
-                raise SchemaError(f"chunk of {name!r}[{i}] at offset {offset} does not continue the tensor")
-            buf[offset : offset + len(data)] = data
-            filled[name][i] += len(data)
-            received += len(data)
-            if on_progress is not None:
-                on_progress(received, total)
-        for name, bufs in buffers.items():
-            for i, buf in enumerate(bufs):
-                if filled[name][i] != len(buf):
-                    raise SchemaError(f"state ended with {name!r}[{i}] incomplete ({filled[name][i]} of {len(buf)} bytes)")
-        tensors = {
-            name: [
-                (torch.frombuffer(buf, dtype=d).reshape(s).clone() if len(buf) else torch.empty(s, dtype=d))
-                for buf, (s, d) in zip(buffers[name], expected[name])
-            ]
-            for name in buffers
-        }
-        held = have or {}
-        for name in same:
-            tensors[name] = [t.detach().to("cpu", copy=True) for t in held[name]]
-        tensors = {name: tensors[name] for name in expected}
-        for name, ts in tensors.items():
-            for i, t in enumerate(ts):
-                if t.is_floating_point() and not torch.isfinite(t).all():
-                    raise SchemaError(f"downloaded state {name!r}[{i}] holds NaN or Inf")
-        snap = StateSnapshot(round=round_no, tensors=tensors, fingerprint=fp, meta=meta)
-        return DownloadedState(snapshot=snap, inner_step=inner_step, peer=peer, nbytes=stream.bytes_received, reused=list(same))
+            if got != (name, i, offset) or len(data) != length:
+                raise SchemaError(f"chunk {got} of {len(data)} bytes arrived where {name!r}[{i}] at offset {offset} "
+                                  f"({length} bytes) was due")
+            assembly.write(name, i, offset, data)
+        await stream.recv(expect="end")
+        assembly.nbytes += stream.bytes_received
+        return head
     finally:
         transport.account(ids.STATE, stream)
         await stream.close()
 
 
-__all__ = ["DownloadedState", "StateServer", "StateSnapshot", "download_state"]
+async def download_state(
+    transport: Transport,
+    peers: str | Sequence[str],
+    run_id: str,
+    expected: Expected,
+    on_progress: Callable[[int, int], None] | None = None,
+    have: dict[str, list[torch.Tensor]] | None = None,
+) -> DownloadedState:
+    """Download a snapshot; ``expected`` is the layout this node's model needs. With several ``peers``
+    (that should hold the same state: the same round) each sends one stripe, an even share of the
+    chunks; a stripe whose peer fails is fetched from one that answered. ``have``: the tensors this
+    node holds now, by group; groups the peers report identical are taken from it, not sent."""
+    peers = [peers] if isinstance(peers, str) else list(peers)
+    request: dict[str, Any] = {"run_id": run_id}
+    if have:
+        request["have"] = await asyncio.to_thread(group_digests, have)
+    assembly = _Assembly(expected, on_progress)
+    n = len(peers)
+    results = await asyncio.gather(*(_download_stripe(transport, peer, request, (k, n), expected, have, assembly)
+                                     for k, peer in enumerate(peers)), return_exceptions=True)
+    served = [k for k, r in enumerate(results) if isinstance(r, _Header)]
+    if not served:
+        raise results[0]  # type: ignore[misc]
+    for k, result in enumerate(results):
+        if not isinstance(result, _Header):
+            logger.info("state stripe %d of %d from %s failed (%s); fetching it from %s", k, n, peers[k], result, peers[served[0]])
+            results[k] = await _download_stripe(transport, peers[served[0]], request, (k, n), expected, have, assembly)
+    heads: list[_Header] = results  # type: ignore[assignment]
+    if not all(h.agrees_with(heads[0]) for h in heads):
+        raise SchemaError(f"peers {peers} hold different states (rounds {[h.round for h in heads]}); download from one")
+    head = heads[0]
+    tensors = {
+        name: [
+            (torch.frombuffer(buf, dtype=d).reshape(s).clone() if len(buf) else torch.empty(s, dtype=d))
+            for buf, (s, d) in zip(assembly.buffers[name], expected[name])
+        ]
+        for name in assembly.buffers
+    }
+    held = have or {}
+    for name in head.same:
+        tensors[name] = [t.detach().to("cpu", copy=True) for t in held[name]]
+    for name, specs in expected.items():  # a group with nothing but empty tensors has no chunks
+        tensors.setdefault(name, [torch.empty(s, dtype=d) for s, d in specs])
+    tensors = {name: tensors[name] for name in expected}
+    for name, ts in tensors.items():
+        for i, t in enumerate(ts):
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise SchemaError(f"downloaded state {name!r}[{i}] holds NaN or Inf")
+    snap = StateSnapshot(round=head.round, tensors=tensors, fingerprint=head.fingerprint, meta=head.meta)
+    return DownloadedState(snapshot=snap, inner_step=max(h.inner_step for h in heads), peer=",".join(peers), nbytes=assembly.nbytes,
+                           reused=list(head.same))
+
+
+__all__ = ["DownloadedState", "StateServer", "StateSnapshot", "chunk_plan", "download_state", "stripe_of"]

@@ -25,6 +25,7 @@ from node.settings import settings_mismatch
 from protocol.errors import RemoteError
 
 logger = logging.getLogger("locomesh.node")
+STRIPE_PEERS = 4  # a joiner downloads from up to this many peers at once, an even share from each
 
 Layout = dict[str, list[tuple[tuple[int, ...], torch.dtype]]]
 
@@ -69,9 +70,13 @@ class Joiner:
         refusals: set[str] = set()
         while not self.stop.is_set():
             candidates = sorted(self._trainers(), key=lambda r: (-r.round, r.peer_id))
-            for rec in candidates:
+            # the peers at the swarm's round each send a stripe; then one peer at a time
+            newest = [rec.peer_id for rec in candidates if rec.round == candidates[0].round][:STRIPE_PEERS] if candidates else []
+            sources = ([newest] if len(newest) > 1 else []) + [[rec.peer_id] for rec in candidates]
+            for peers in sources:
+                rec = next(r for r in candidates if r.peer_id == peers[0])
                 try:
-                    got = self.download_from(rec.peer_id, offer_held=True)
+                    got = self.download_from(peers, offer_held=True)
                 except JoinRefused:
                     raise
                 except RemoteError as e:
@@ -85,7 +90,7 @@ class Joiner:
                     self.metrics.state_downloads.labels("failed").inc()
                     continue
                 self.net.call(self.announce(), timeout=30)
-                self.event("joined", peer=rec.peer_id, round=got.snapshot.round, inner_step=got.inner_step, bytes=got.nbytes,
+                self.event("joined", peer=",".join(peers), round=got.snapshot.round, inner_step=got.inner_step, bytes=got.nbytes,
                            reused=got.reused, fingerprint=fingerprint(got.snapshot.tensors["params"]), peer_fingerprint=got.snapshot.fingerprint)
                 return True
             if candidates and refusals >= {rec.peer_id for rec in candidates}:
@@ -100,7 +105,7 @@ class Joiner:
                    + ("the checkpoint" if resumed else "scratch"))
         return False
 
-    def download_from(self, peer: str, offer_held: bool = False) -> DownloadedState:
+    def download_from(self, peer: str | list[str], offer_held: bool = False) -> DownloadedState:
         """Download a peer's state, check its settings and adopt it; a progress bar on a terminal, else
         a log line per quarter. ``offer_held``: tell the peer what this node holds, so identical groups
         are not sent (worth it on joining: a node started from the run's seed or resumed at the swarm's round)."""
@@ -109,7 +114,8 @@ class Joiner:
         if sys.stderr.isatty():
             from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-            bar = Progress("state from " + peer[-8:], BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True)
+            source = peer[-8:] if isinstance(peer, str) else (peer[0][-8:] if len(peer) == 1 else f"{len(peer)} peers")
+            bar = Progress("state from " + source, BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True)
             task = bar.add_task("download", total=None)
             bar.start()
 

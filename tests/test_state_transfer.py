@@ -34,23 +34,31 @@ class _PipeWriter:
 
 
 class _PipeTransport:
-    """``open`` connects to ``server``'s handler through an in-memory pipe (both ends are real FramedStreams)."""
+    """``open`` connects to a server's handler through an in-memory pipe (both ends are real FramedStreams)."""
 
     peer_id = "joiner"
 
-    def __init__(self, server: StateServer) -> None:
-        self.server, self.tasks = server, []
-        self.served_bytes = 0
+    def __init__(self, server: StateServer | dict[str, StateServer]) -> None:
+        self.servers = server if isinstance(server, dict) else {"server": server}
+        self.tasks: list = []
+        self.sent: dict[str, int] = {}
+        self.down: set[str] = set()
+
+    @property
+    def served_bytes(self) -> int:
+        return sum(self.sent.values())
 
     async def open(self, peer: str, protocol: str) -> FramedStream:
+        if peer in self.down:
+            raise ConnectionError(f"{peer} is gone")
         to_server, to_client = asyncio.StreamReader(), asyncio.StreamReader()
         server_side = FramedStream(to_server, _PipeWriter(to_client), peer="joiner", max_frame=1 << 22)  # type: ignore[arg-type]
-        self.tasks.append(asyncio.ensure_future(self._serve(server_side)))
+        self.tasks.append(asyncio.ensure_future(self._serve(peer, server_side)))
         return FramedStream(to_client, _PipeWriter(to_server), peer=peer, max_frame=1 << 22)  # type: ignore[arg-type]
 
-    async def _serve(self, stream: FramedStream) -> None:
-        await self.server._handle(stream)
-        self.served_bytes += stream.bytes_sent
+    async def _serve(self, peer: str, stream: FramedStream) -> None:
+        await self.servers[peer]._handle(stream)
+        self.sent[peer] = self.sent.get(peer, 0) + stream.bytes_sent
 
     def account(self, protocol: str, stream: FramedStream) -> None:
         pass
@@ -129,3 +137,65 @@ def test_have_must_be_a_map():
 
     with pytest.raises(SchemaError, match="have"):
         asyncio.run(ask())
+
+
+BIG = [(512, 1024), (1024,), (700, 600), (3, 5)]  # several 1 MiB chunks per tensor
+
+
+def _big_state(seed: int) -> dict[str, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return {"params": [torch.randn(s, generator=g) for s in BIG], "outer_momentum": [torch.randn(s, generator=g) for s in BIG]}
+
+
+def _striped(states: dict[str, dict[str, list[torch.Tensor]]], down: set[str] = frozenset()):
+    async def go():
+        servers = {}
+        for peer, state in states.items():
+            server = StateServer(None, "run", progress=lambda: 3)  # type: ignore[arg-type]
+            server.publish(StateSnapshot(round=7, tensors=state, fingerprint=f"fp{id(state)}" if len(set(map(id, states.values()))) > 1 else "fp", meta={}))
+            servers[peer] = server
+        transport = _PipeTransport(servers)
+        transport.down = set(down)
+        first = next(iter(states.values()))
+        try:
+            return await download_state(transport, list(states), "run", _layout(first)), transport  # type: ignore[arg-type]
+        finally:
+            await asyncio.gather(*transport.tasks, return_exceptions=True)
+
+    return asyncio.run(go())
+
+
+def test_a_striped_download_takes_an_even_share_from_each_peer():
+    state = _big_state(0)
+    got, transport = _striped({"a": state, "b": state, "c": state})
+    for name, ts in state.items():
+        assert all(torch.equal(x, y) for x, y in zip(got.snapshot.tensors[name], ts)), name
+    total = sum(_full_bytes(state, n) for n in state)
+    shares = [transport.sent[p] for p in "abc"]
+    assert sum(shares) < total + 8192
+    assert max(shares) <= total / 3 + (1 << 20) + 4096, "no peer sends more than its share and one chunk"
+
+
+def test_a_stripe_whose_peer_is_gone_comes_from_another():
+    state = _big_state(1)
+    got, transport = _striped({"a": state, "b": state, "c": state}, down={"b"})
+    assert all(torch.equal(x, y) for x, y in zip(got.snapshot.tensors["params"], state["params"]))
+    assert "b" not in transport.sent
+
+
+def test_peers_with_different_states_are_not_mixed():
+    with pytest.raises(SchemaError, match="different states"):
+        _striped({"a": _big_state(0), "b": _big_state(2)})
+
+
+def test_a_stripe_request_out_of_range_is_refused():
+    server = StateServer(None, "run", progress=lambda: 0)  # type: ignore[arg-type]
+    server.publish(StateSnapshot(round=0, tensors=_state(0), fingerprint="fp", meta={}))
+
+    async def ask(stripe) -> None:
+        stream, _ = _stream(_frames(("get_state", {"run_id": "run", "stripe": stripe})))
+        await server._handle(stream)
+
+    for bad in ([2, 2], [0, 99], "0/2", [True, 2]):
+        with pytest.raises(SchemaError, match="stripe"):
+            asyncio.run(ask(bad))
