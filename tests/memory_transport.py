@@ -14,7 +14,7 @@ from protocol.frames import FramedStream
 Handler = Callable[[FramedStream], Awaitable[None]]
 
 
-class _PipeWriter:
+class PipeWriter:
     """The write end of an in-memory stream: bytes land in the peer's reader."""
 
     def __init__(self, reader: asyncio.StreamReader) -> None:
@@ -65,8 +65,8 @@ class MemoryTransport:
         if handler is None:
             raise ConnectionError(f"{peer} does not serve {protocol}")
         to_server, to_client = asyncio.StreamReader(), asyncio.StreamReader()
-        server = FramedStream(to_server, _PipeWriter(to_client), peer=self.peer_id, max_frame=1 << 26)  # type: ignore[arg-type]
-        client = FramedStream(to_client, _PipeWriter(to_server), peer=peer, max_frame=1 << 26)  # type: ignore[arg-type]
+        server = FramedStream(to_server, PipeWriter(to_client), peer=self.peer_id, max_frame=1 << 26)  # type: ignore[arg-type]
+        client = FramedStream(to_client, PipeWriter(to_server), peer=peer, max_frame=1 << 26)  # type: ignore[arg-type]
         self.network.tasks.append(asyncio.ensure_future(self._serve(peer, handler, server)))
         return client
 

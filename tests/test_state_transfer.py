@@ -10,27 +10,9 @@ from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from protocol.errors import SchemaError
 from protocol.frames import FramedStream
 from tests.fuzz import _frames, _stream
+from tests.memory_transport import PipeWriter
 
 SHAPES = [(64, 32), (32,), (7, 3)]
-
-
-class _PipeWriter:
-    """The write end of an in-memory stream: bytes land in the peer's reader."""
-
-    def __init__(self, reader: asyncio.StreamReader) -> None:
-        self.reader = reader
-
-    def write(self, b: bytes) -> None:
-        self.reader.feed_data(b)
-
-    async def drain(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.reader.feed_eof()
-
-    async def wait_closed(self) -> None:
-        pass
 
 
 class _PipeTransport:
@@ -52,9 +34,9 @@ class _PipeTransport:
         if peer in self.down:
             raise ConnectionError(f"{peer} is gone")
         to_server, to_client = asyncio.StreamReader(), asyncio.StreamReader()
-        server_side = FramedStream(to_server, _PipeWriter(to_client), peer="joiner", max_frame=1 << 22)  # type: ignore[arg-type]
+        server_side = FramedStream(to_server, PipeWriter(to_client), peer="joiner", max_frame=1 << 22)  # type: ignore[arg-type]
         self.tasks.append(asyncio.ensure_future(self._serve(peer, server_side)))
-        return FramedStream(to_client, _PipeWriter(to_server), peer=peer, max_frame=1 << 22)  # type: ignore[arg-type]
+        return FramedStream(to_client, PipeWriter(to_server), peer=peer, max_frame=1 << 22)  # type: ignore[arg-type]
 
     async def _serve(self, peer: str, stream: FramedStream) -> None:
         await self.servers[peer]._handle(stream)
