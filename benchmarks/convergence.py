@@ -274,7 +274,9 @@ def join_args(name: str, settings: Settings) -> list[str]:
     return ["--model", s.model, "--batch-size", str(s.batch_size), "--inner-steps", str(s.inner_steps), "--lr", str(s.lr),
             "--warmup-steps", str(s.warmup_steps), "--threads", str(s.threads), "--eval-every", str(eval_every),
             "--eval-batches", str(s.eval_batches), "--max-steps", str(s.steps), "--run-id", f"conv-{name}",
-            *locomesh_flags(name, s)]
+            # every node starts from the same weights, as `node swarm` starts them (a joiner then
+            # downloads only the state's header)
+            "--init-seed", str(s.seed), *locomesh_flags(name, s)]
 
 
 def supported(name: str, settings: Settings, help_text: str) -> str | None:
