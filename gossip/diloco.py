@@ -113,6 +113,7 @@ class DiLoCoAverager(GroupAverager):
         keep_others: bool = False,
     ) -> None:
         super().__init__(dht, validator, exchange, run_id, peer_id, outer, gather_timeout, fetch_timeout, part_numel, aggregation)
+        self.deadline = AdaptiveDeadline.for_timeout(gather_timeout, back_off=True)  # the whole group is expected
         self.outer: NesterovOuter = outer
         self.member_role, self.keep_others = member_role, keep_others
 

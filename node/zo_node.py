@@ -112,7 +112,7 @@ class ZONode(NodeBase):
         for service in (self.exchange, self.state_server, StatusService(net.transport, self.status_snapshot)):
             net.call(service.start())
         self.summary.protocols = list(net.transport.protocols)
-        self.deadline = AdaptiveDeadline.for_timeout(cfg.averaging_timeout)
+        self.deadline = AdaptiveDeadline.for_timeout(cfg.averaging_timeout, back_off=True)
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
         self.joiner = ZOJoiner(net, self.exchange, self.rep, self._meta(), self.summary.peer_id, self._publish_snapshot,

@@ -223,12 +223,16 @@ def test_merge_fragment_alpha():
 
 # ---- deadline ---------------------------------------------------------------------------------
 def test_deadline_adapts_to_recent_complete_rounds():
-    d = AdaptiveDeadline(ceiling=30.0, floor=1.0, multiplier=3.0, window=4)
+    d = AdaptiveDeadline(ceiling=30.0, floor=1.0, multiplier=3.0, window=4, back_off=True)
     assert d.value == 30.0  # nothing observed: the ceiling
     for w in (0.5, 0.6, 0.7):
         d.observe(w, complete=True)
     assert d.value == pytest.approx(1.8)
-    d.observe(25.0, complete=False)  # a round that hit the deadline says nothing about normal waits
+    d.observe(25.0, complete=False)  # a round that hit the deadline says nothing about normal waits,
+    assert d.value == pytest.approx(3.6)  # but the next round waits twice as long for the late member
+    d.observe(25.0, complete=False)
+    assert d.value == pytest.approx(7.2)
+    d.observe(0.6, complete=True)  # it came: back to the normal deadline
     assert d.value == pytest.approx(1.8)
     for w in (20.0, 20.0, 20.0, 20.0):
         d.observe(w, complete=True)
@@ -238,3 +242,7 @@ def test_deadline_adapts_to_recent_complete_rounds():
     assert d.value == 1.0  # floored
     with pytest.raises(ValueError):
         AdaptiveDeadline(ceiling=1.0, floor=2.0)
+    pairs = AdaptiveDeadline(ceiling=30.0, floor=1.0, window=4)  # NoLoCo: a member left alone is normal
+    pairs.observe(0.6, complete=True)
+    pairs.observe(5.0, complete=False)
+    assert pairs.value == pytest.approx(1.8)
