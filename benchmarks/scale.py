@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,25 +175,8 @@ async def run_size(n: int, params: int, codec: str, rounds: int, timeout: float)
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--peers", default="8,16,32,64", help="comma separated swarm sizes")
-    ap.add_argument("--params", type=int, default=1_000_000, help="parameters of the synthetic pseudo-gradient")
-    ap.add_argument("--codec", default="none")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--timeout", type=float, default=60.0, help="rendezvous and fetch timeout per round")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    runs = []
-    for n in [int(x) for x in args.peers.split(",")]:
-        started = time.monotonic()
-        run = asyncio.run(run_size(n, args.params, args.codec, args.rounds, args.timeout))
-        runs.append(run)
-        payload = run["payload_bytes"] or 1
-        print(f"{n:5d} peers: sent {run['bytes_sent_per_node_per_round'] / payload:.2f}x payload/round "
-              f"(max {run['bytes_sent_per_node_per_round_max'] / payload:.2f}x), round {run['round_s_median']:.2f}s "
-              f"(p95 {run['round_s_p95']:.2f}s), {run['dht_requests_per_node_per_round']:.1f} DHT requests/round, "
-              f"{run['rss_mb_per_peer']:.0f} MB/peer, {run['full_rounds']} full rounds [{time.monotonic() - started:.0f}s]", flush=True)
+def write_report(out: Path, runs: list[dict], args: argparse.Namespace, argv: list[str] | None) -> dict:
+    """The report of the sizes measured so far, with the model calibrated on them (written atomically)."""
     model = calibrate(runs)
     report = {
         "runs": runs,
@@ -202,13 +186,37 @@ def main(argv: list[str] | None = None) -> int:
         "simulated_groups_of_32_not_built": [simulate(model, n, args.params * 4, link, group=32) for n in SIM_PEERS for link in LINKS],
         "environment": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                         "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
-        "command": "python -m benchmarks.scale " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "command": "python -m benchmarks.scale " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=1))
     tmp.replace(out)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers", default="8,16,32,64", help="comma separated swarm sizes")
+    ap.add_argument("--params", type=int, default=1_000_000, help="parameters of the synthetic pseudo-gradient")
+    ap.add_argument("--codec", default="none")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=60.0, help="rendezvous and fetch timeout per round")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    runs: list[dict] = []
+    out = Path(args.out)
+    for n in [int(x) for x in args.peers.split(",")]:
+        started = time.monotonic()
+        run = asyncio.run(run_size(n, args.params, args.codec, args.rounds, args.timeout))
+        runs.append(run)
+        write_report(out, runs, args, argv)  # what was measured survives a later size that fails
+        payload = run["payload_bytes"] or 1
+        print(f"{n:5d} peers: sent {run['bytes_sent_per_node_per_round'] / payload:.2f}x payload/round "
+              f"(max {run['bytes_sent_per_node_per_round_max'] / payload:.2f}x), round {run['round_s_median']:.2f}s "
+              f"(p95 {run['round_s_p95']:.2f}s), {run['dht_requests_per_node_per_round']:.1f} DHT requests/round, "
+              f"{run['rss_mb_per_peer']:.0f} MB/peer, {run['full_rounds']} full rounds [{time.monotonic() - started:.0f}s]", flush=True)
+    report = write_report(out, runs, args, argv)
     for row in report["simulated"]:
         print(f"simulated {row['peers']:5d} peers, {row['link']}: sent {row['bytes_sent_per_node_per_round'] / (args.params * 4):.2f}x payload, "
               f"round {row['round_s_median']:.2f}s, {row['dht_requests_per_node_per_round']:.1f} DHT requests")
