@@ -237,11 +237,13 @@ class DiLoCoAverager(GroupAverager):
         for owner, got in shares.items():
             assert isinstance(got, ReducedShare)
             update.update(got.decoded)
-        for owner, reason in failed.items():
-            # the owner is gone or broken: fetch its parts from the members and reduce them here
-            result.failures.setdefault(owner, f"reduce_{reason}")
-            parts = sources[owner]
-            members = [p for p in used if p not in (self.peer_id, owner)]
+        if failed:
+            # owners gone or broken: fetch all their parts at once from the other members (one fetch
+            # timeout in all, however many owners failed) and reduce them here
+            for owner, reason in failed.items():
+                result.failures.setdefault(owner, f"reduce_{reason}")
+            parts = sorted(i for owner in failed for i in sources[owner])
+            members = [p for p in used if p != self.peer_id]  # a failed owner may still serve its own update
             got_parts, _ = await self.exchange.gather(members, round_no, self.fetch_timeout, parts=parts)
             direct = {self.peer_id: [my_decoded[i] for i in parts],
                       **{p: c.decoded for p, c in got_parts.items() if isinstance(c, Contribution)}}

@@ -11,7 +11,7 @@ from hivemind.p2p import P2P
 from gossip.rendezvous import FULL_READ_PEERS, dht_requests, list_peers, publish_peer
 from protocol.records import PeerRecord
 
-NODES = 14
+NODES = 11
 
 
 def test_a_large_swarm_reads_every_fresh_record_from_the_nearest_nodes():
