@@ -35,7 +35,8 @@ class PipeWriter:
 
 
 class Network:
-    """The members' handlers by (peer, protocol), bytes sent per member, and members that are down."""
+    """The members' handlers by (peer, protocol), bytes sent per member, and members that are down
+    (streams to them fail)."""
 
     def __init__(self) -> None:
         self.handlers: dict[tuple[str, str], Handler] = {}
@@ -59,7 +60,7 @@ class MemoryTransport:
         self.protocols.append(protocol)
 
     async def open(self, peer: str, protocol: str) -> FramedStream:
-        if peer in self.network.down or self.peer_id in self.network.down:
+        if peer in self.network.down:
             raise ConnectionError(f"{peer} is down")
         handler = self.network.handlers.get((peer, protocol))
         if handler is None:

@@ -8,42 +8,20 @@ import torch
 
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from protocol.errors import SchemaError
-from protocol.frames import FramedStream
 from tests.fuzz import _frames, _stream
-from tests.memory_transport import PipeWriter
+from tests.memory_transport import Network
 
 SHAPES = [(64, 32), (32,), (7, 3)]
 
 
-class _PipeTransport:
-    """``open`` connects to a server's handler through an in-memory pipe (both ends are real FramedStreams)."""
-
-    peer_id = "joiner"
-
-    def __init__(self, server: StateServer | dict[str, StateServer]) -> None:
-        self.servers = server if isinstance(server, dict) else {"server": server}
-        self.tasks: list = []
-        self.sent: dict[str, int] = {}
-        self.down: set[str] = set()
-
-    @property
-    def served_bytes(self) -> int:
-        return sum(self.sent.values())
-
-    async def open(self, peer: str, protocol: str) -> FramedStream:
-        if peer in self.down:
-            raise ConnectionError(f"{peer} is gone")
-        to_server, to_client = asyncio.StreamReader(), asyncio.StreamReader()
-        server_side = FramedStream(to_server, PipeWriter(to_client), peer="joiner", max_frame=1 << 22)  # type: ignore[arg-type]
-        self.tasks.append(asyncio.ensure_future(self._serve(peer, server_side)))
-        return FramedStream(to_client, PipeWriter(to_server), peer=peer, max_frame=1 << 22)  # type: ignore[arg-type]
-
-    async def _serve(self, peer: str, stream: FramedStream) -> None:
-        await self.servers[peer]._handle(stream)
-        self.sent[peer] = self.sent.get(peer, 0) + stream.bytes_sent
-
-    def account(self, protocol: str, stream: FramedStream) -> None:
-        pass
+async def _serving(states: dict[str, dict[str, list[torch.Tensor]]], fingerprints: dict[str, str], round_no: int) -> Network:
+    """A network where each peer of ``states`` serves a snapshot of its state."""
+    network = Network()
+    for peer, state in states.items():
+        server = StateServer(network.transport(peer), "run", progress=lambda: 3)  # type: ignore[arg-type]
+        await server.start()
+        server.publish(StateSnapshot(round=round_no, tensors=state, fingerprint=fingerprints[peer], meta={}))
+    return network
 
 
 def _state(seed: int) -> dict[str, list[torch.Tensor]]:
@@ -57,12 +35,10 @@ def _layout(tensors: dict[str, list[torch.Tensor]]) -> dict[str, list[tuple[tupl
 
 def _download(served: dict[str, list[torch.Tensor]], held: dict[str, list[torch.Tensor]] | None):
     async def go():
-        server = StateServer(None, "run", progress=lambda: 3)  # type: ignore[arg-type]
-        server.publish(StateSnapshot(round=4, tensors=served, fingerprint="fp", meta={}))
-        transport = _PipeTransport(server)
-        got = await download_state(transport, "server", "run", _layout(served), have=held)  # type: ignore[arg-type]
-        await asyncio.gather(*transport.tasks)
-        return got, transport.served_bytes
+        network = await _serving({"server": served}, {"server": "fp"}, 4)
+        got = await download_state(network.transport("joiner"), "server", "run", _layout(served), have=held)  # type: ignore[arg-type]
+        await asyncio.gather(*network.tasks)
+        return got, network.sent["server"]
 
     return asyncio.run(go())
 
@@ -131,18 +107,14 @@ def _big_state(seed: int) -> dict[str, list[torch.Tensor]]:
 
 def _striped(states: dict[str, dict[str, list[torch.Tensor]]], down: set[str] = frozenset()):
     async def go():
-        servers = {}
-        for peer, state in states.items():
-            server = StateServer(None, "run", progress=lambda: 3)  # type: ignore[arg-type]
-            server.publish(StateSnapshot(round=7, tensors=state, fingerprint=f"fp{id(state)}" if len(set(map(id, states.values()))) > 1 else "fp", meta={}))
-            servers[peer] = server
-        transport = _PipeTransport(servers)
-        transport.down = set(down)
+        distinct = len(set(map(id, states.values()))) > 1
+        network = await _serving(states, {p: f"fp{id(state)}" if distinct else "fp" for p, state in states.items()}, 7)
+        network.down = set(down)
         first = next(iter(states.values()))
         try:
-            return await download_state(transport, list(states), "run", _layout(first)), transport  # type: ignore[arg-type]
+            return await download_state(network.transport("joiner"), list(states), "run", _layout(first)), network  # type: ignore[arg-type]
         finally:
-            await asyncio.gather(*transport.tasks, return_exceptions=True)
+            await asyncio.gather(*network.tasks, return_exceptions=True)
 
     return asyncio.run(go())
 

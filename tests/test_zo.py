@@ -18,8 +18,8 @@ from gossip import zo
 from gossip.fingerprint import fingerprint
 from gossip.zo_exchange import Applied, CodeExchange, CodeSet, LogEntry, Position, ReplayError, members_digest, replay
 from protocol.errors import ProtocolError
-from protocol.frames import FramedStream
 from swarm.model import GPT, preset
+from tests.memory_transport import Network
 
 SHAPES = [(300, 7), (5,), (70_000,), (3, 4, 5)]  # 70 000 values span two blocks of 65 536
 _DIGEST = """
@@ -218,70 +218,9 @@ def test_the_majority_fingerprint_and_its_tie_break_are_the_same_everywhere():
 
 
 # ---- the exchange: relays and log replay (in-memory transport) -----------------------------------
-class _Writer:
-    def __init__(self, reader: asyncio.StreamReader) -> None:
-        self.reader = reader
-
-    def write(self, data: bytes) -> None:
-        self.reader.feed_data(data)
-
-    async def drain(self) -> None:
-        await asyncio.sleep(0)
-
-    def can_write_eof(self) -> bool:
-        return True
-
-    def write_eof(self) -> None:
-        if not self.reader.at_eof():
-            self.reader.feed_eof()
-
-    def close(self) -> None:
-        self.write_eof()
-
-    async def wait_closed(self) -> None:
-        pass
-
-
-class _Net:
-    """Peers on one asyncio loop; ``down`` holds peers whose streams fail."""
-
-    def __init__(self) -> None:
-        self.handlers: dict[str, object] = {}
-        self.down: set[str] = set()
-
-
-class _Transport:
-    def __init__(self, net: _Net, peer_id: str) -> None:
-        self.net, self.peer_id, self.protocols = net, peer_id, []
-
-    async def serve(self, protocol: str, handler) -> None:
-        self.net.handlers[self.peer_id] = handler
-
-    async def open(self, peer: str, protocol: str) -> FramedStream:
-        if peer in self.net.down:
-            raise ConnectionError(f"{peer} is unreachable")
-        to_server, to_client = asyncio.StreamReader(), asyncio.StreamReader()
-        server = FramedStream(to_server, _Writer(to_client), peer=self.peer_id)
-        client = FramedStream(to_client, _Writer(to_server), peer=peer)
-
-        async def run() -> None:
-            try:
-                await self.net.handlers[peer](server)
-            except ProtocolError as e:
-                await server.send_error(e)
-            finally:
-                await server.close()
-
-        asyncio.get_running_loop().create_task(run())
-        return client
-
-    def account(self, protocol: str, stream: FramedStream) -> None:
-        pass
-
-
-def _exchanges(names: list[str], position: dict[str, Position]) -> tuple[_Net, dict[str, CodeExchange]]:
-    net = _Net()
-    out = {n: CodeExchange(_Transport(net, n), "run", lambda n=n: position[n], {"zo_lr": 1e-3}, serve_timeout=2) for n in names}
+def _exchanges(names: list[str], position: dict[str, Position]) -> tuple[Network, dict[str, CodeExchange]]:
+    net = Network()
+    out = {n: CodeExchange(net.transport(n), "run", lambda n=n: position[n], {"zo_lr": 1e-3}, serve_timeout=2) for n in names}
     return net, out
 
 
