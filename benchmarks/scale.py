@@ -63,7 +63,7 @@ class Peer:
         return self.p2p.peer_id.to_base58()
 
 
-def _count_dht_requests(dht: DHTNode, counts: dict[str, int]) -> None:
+def count_dht_requests(dht: DHTNode, counts: dict[str, int]) -> None:
     """Count every find and store request this DHT node sends (hivemind's own lookups included)."""
     protocol = dht.protocol
     for name in ("call_find", "call_store", "call_ping"):
@@ -92,7 +92,7 @@ async def make_peer(initial: list[str], shapes: list[tuple[int, ...]], codec: st
     peer_id = p2p.peer_id.to_base58()
     averager = DiLoCoAverager(dht, validator, exchange, RUN, peer_id, NesterovOuter(lr=1.0, momentum=0.0),
                               gather_timeout=timeout, fetch_timeout=timeout, part_numel=part_numel)
-    _count_dht_requests(dht, counts)
+    count_dht_requests(dht, counts)
     return Peer(p2p, dht, validator, exchange, averager, [torch.zeros(s) for s in shapes], counts)
 
 

@@ -42,12 +42,6 @@ def _peer_of_subkey(subkey: object) -> str | None:
 
 
 FULL_READ_PEERS = 8  # up to this many routing-table peers, a read asks them all; beyond, the key's nearest nodes
-_requests: "weakref.WeakKeyDictionary[DHTNode, int]" = weakref.WeakKeyDictionary()
-
-
-def dht_requests(dht: DHTNode) -> int:
-    """How many DHT find requests this module's reads sent through ``dht`` so far (for benchmarks)."""
-    return _requests.get(dht, 0)
 
 
 async def _nearest_copies(dht: DHTNode, key_id: DHTID, ask: Callable[..., Awaitable[dict | None]]) -> list[object]:
@@ -90,7 +84,6 @@ async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[str
     peers = list(dht.protocol.routing_table.peer_id_to_uid)
 
     async def ask(peer):
-        _requests[dht] = _requests.get(dht, 0) + 1
         try:
             return await asyncio.wait_for(dht.protocol.call_find(peer, [key_id]), timeout)
         except Exception:  # a slow or gone peer only means one copy fewer

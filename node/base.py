@@ -149,6 +149,7 @@ class NodeBase:
         self.summary = Summary(metrics_port=cfg.metrics_port, seed=cfg.seed)
         self.net = NetworkThread()
         self.bytes_lock = threading.Lock()
+        self._traffic_marks: dict[str, tuple[int, int]] = {}
         self.started = time.monotonic()
         self.last_loss = math.nan
         self.folder_lock: Any = None  # the checkpoint folder's lock (node.folder_lock), named with our peer id once known
@@ -160,6 +161,14 @@ class NodeBase:
     def _on_bytes(self, protocol: str, direction: str, nbytes: int, path: str = "direct") -> None:
         with self.bytes_lock:
             count_traffic(self.metrics, self.summary, protocol, direction, nbytes, path)
+
+    def traffic_since_last(self, kind: str) -> tuple[int, int]:
+        """(bytes sent, bytes received) on protocol ``kind`` since the previous call for that kind."""
+        with self.bytes_lock:
+            now = (self.summary.bytes_sent_by_kind.get(kind, 0), self.summary.bytes_received_by_kind.get(kind, 0))
+        before = self._traffic_marks.get(kind, (0, 0))
+        self._traffic_marks[kind] = now
+        return now[0] - before[0], now[1] - before[1]
 
     def _on_error(self, protocol: str, code: str, peer: str) -> None:
         self.metrics.errors.labels(code).inc()

@@ -68,7 +68,6 @@ class Daemon(NodeBase):
         self.compute_tokens_per_s = 0.0  # inner steps only, announced for --inner-steps auto
         self.peer_rates: dict[str, float] = {}
         self.heartbeats = 0
-        self.round_bytes_mark = (0, 0)
         self.round_target = 1
         self.role = "trainer"  # announced in the DHT; "leaving" once the node stops
 
@@ -306,7 +305,8 @@ class Daemon(NodeBase):
                   "gather_s": round(result.gather_s, 3), "exchange_s": round(result.exchange_s, 3), "deadline_s": round(result.deadline_s, 3), "in_sync": result.in_sync,
                   "fingerprint": "", "loss": self.last_loss, "tokens": self.summary.steps * self.cfg.batch_size * self.trainer.model.cfg.context,
                   "norms": {p[-8:]: round(n, 6) for p, n in result.norms.items()}, "update_norm": round(result.update_norm, 6),
-                  "scheme": "reduce-scatter" if result.reduce_scatter else "all-gather", **self._round_traffic()}
+                  "scheme": "reduce-scatter" if result.reduce_scatter else "all-gather"}
+        record["average_bytes_sent"], record["average_bytes_received"] = self.traffic_since_last("average")
         if not result.in_sync:
             m.outer_rounds.labels("failed").inc()
             m.errors.labels("out_of_sync").inc()
@@ -345,14 +345,6 @@ class Daemon(NodeBase):
         self._write_info()
         logger.info("round %d done: %d/%d peers averaged in %.2fs (waited %.2fs), loss %.3f",
                     result.round, len(result.contributors), len(result.group), result.duration_s, result.gather_s, self.last_loss)
-
-    def _round_traffic(self) -> dict[str, int]:
-        """Averaging bytes sent and received since the previous round's record (served and fetched alike)."""
-        with self.bytes_lock:
-            now = (self.summary.bytes_sent_by_kind.get("average", 0), self.summary.bytes_received_by_kind.get("average", 0))
-        sent, received = now[0] - self.round_bytes_mark[0], now[1] - self.round_bytes_mark[1]
-        self.round_bytes_mark = now
-        return {"average_bytes_sent": sent, "average_bytes_received": received}
 
     def _publish_snapshot(self) -> None:
         snap = StateSnapshot(
