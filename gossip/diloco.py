@@ -187,7 +187,7 @@ class DiLoCoAverager(GroupAverager):
                 update = await self._reduce_scatter(round_no, owners, contributions, my_decoded, used, majority_fp, result)  # type: ignore[arg-type]
                 result.exchange_s = time.monotonic() - gathered
                 result.update_norm = sum(float(t.pow(2).sum()) for t in update) ** 0.5
-                await asyncio.to_thread(self.outer.step, phi, join(update, shapes, self.part_numel), indices)
+                await asyncio.to_thread(self.outer.step, phi, join(update, shapes, self.part_numel), indices, round_no)
             else:
                 self.exchange.publish_reduced(round_no, None)
             result.duration_s = time.monotonic() - started
@@ -206,7 +206,7 @@ class DiLoCoAverager(GroupAverager):
                 summed = [sum(contributions[p].samples * contributions[p].decoded[i] for p in others) for i in range(len(agg.update))]
                 result.others_sum = join(summed, shapes, self.part_numel)  # type: ignore[arg-type]
                 result.others_samples = sum(contributions[p].samples for p in others)
-            await asyncio.to_thread(self.outer.step, phi, averaged, indices)
+            await asyncio.to_thread(self.outer.step, phi, averaged, indices, round_no)
         result.duration_s = time.monotonic() - started
         return result
 

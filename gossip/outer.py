@@ -64,37 +64,50 @@ class NesterovOuter(_IndexedState):
     :param lr: outer learning rate η (DiLoCo default 0.7)
     :param momentum: μ (default 0.9); 0 gives plain outer SGD (SparseLoCo's EF-SGD step)
     :param nesterov: Nesterov (default, as in DiLoCo) or heavy-ball momentum
+    :param warmup_rounds: W: round r (counted from the run's start, the same on every member) steps at
+        η·min(1, (r + 1)/W); 0 steps at η from the first round
     """
 
-    def __init__(self, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> None:
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, warmup_rounds: int = 0) -> None:
         super().__init__()
-        if lr <= 0 or not 0 <= momentum < 1:
-            raise ValueError(f"outer lr must be > 0 and momentum in [0, 1), got lr={lr}, momentum={momentum}")
-        self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
+        if lr <= 0 or not 0 <= momentum < 1 or warmup_rounds < 0:
+            raise ValueError(f"outer lr must be > 0, momentum in [0, 1) and warm-up rounds ≥ 0, got lr={lr}, "
+                             f"momentum={momentum}, warmup_rounds={warmup_rounds}")
+        self.lr, self.momentum, self.nesterov, self.warmup_rounds = lr, momentum, nesterov, warmup_rounds
+
+    def lr_at(self, round_no: int | None) -> float:
+        """η in force in round ``round_no`` (None: after the warm-up)."""
+        if round_no is None or not self.warmup_rounds:
+            return self.lr
+        return self.lr * min(1.0, (max(round_no, 0) + 1) / self.warmup_rounds)
 
     @torch.no_grad()
-    def step(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
-        """Update ``phi`` in place from the (averaged) pseudo-gradient ``delta``."""
+    def step(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], indices: Sequence[int] | None = None,
+             round_no: int | None = None) -> None:
+        """Update ``phi`` in place from the (averaged) pseudo-gradient ``delta`` of round ``round_no``."""
         if len(phi) != len(delta):
             raise ValueError(f"{len(phi)} parameters but {len(delta)} pseudo-gradients")
+        lr = self.lr_at(round_no)
         for i, p, d in zip(_indices(indices, len(phi)), phi, delta):
             v = self._buffer(i, p)
             d = d.to(v.device, v.dtype)
             v.mul_(self.momentum).add_(d)
             update = d.add(v, alpha=self.momentum) if self.nesterov else v
-            p.sub_(update.to(p.dtype), alpha=self.lr)
+            p.sub_(update.to(p.dtype), alpha=lr)
 
 
     @torch.no_grad()
-    def preview(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> list[torch.Tensor]:
+    def preview(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], indices: Sequence[int] | None = None,
+                round_no: int | None = None) -> list[torch.Tensor]:
         """What :meth:`step` would make of ``phi``, leaving ``phi`` and the momentum untouched (eager updates)."""
+        lr = self.lr_at(round_no)
         out = []
         for i, p, d in zip(_indices(indices, len(phi)), phi, delta):
             v = self.buffers[i].to(p.device, copy=True) if i in self.buffers else torch.zeros_like(p, dtype=torch.float32)
             d = d.to(p.device, torch.float32)
             v.mul_(self.momentum).add_(d)
             update = d.add(v, alpha=self.momentum) if self.nesterov else v
-            out.append(p.detach().float() - self.lr * update)
+            out.append(p.detach().float() - lr * update)
         return out
 
 

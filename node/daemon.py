@@ -86,7 +86,7 @@ class Daemon(NodeBase):
         if cfg.algorithm == "noloco":
             self.outer: NesterovOuter | NoLoCoOuter = NoLoCoOuter(outer_lr, cfg.noloco_pull, outer_momentum)
         else:
-            self.outer = NesterovOuter(outer_lr, outer_momentum, nesterov=cfg.algorithm == "diloco")
+            self.outer = NesterovOuter(outer_lr, outer_momentum, nesterov=cfg.algorithm == "diloco", warmup_rounds=cfg.outer_warmup)
         try:  # before any networking: a checkpoint of another run is refused at once
             self.checkpoint = check_resumable(cfg.checkpoint_dir, run_settings(cfg), cfg.fresh) if cfg.checkpoint_dir else None
         except ResumeRefused as e:

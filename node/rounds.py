@@ -109,18 +109,18 @@ class RoundRunner:
         estimate = None
         if self.eager and fragment in self.others_prev:
             # before the round touches φ and the outer momentum
-            estimate = self._apply_eager(fragment, indices, phi_fragment, theta, params, samples)
+            estimate = self._apply_eager(round_no, fragment, indices, phi_fragment, theta, params, samples)
         self.pending = PendingRound(round_no, fragment, steps, self.net.submit(coro), estimate)
         return self.pending
 
-    def _apply_eager(self, fragment: int, indices: list[int], phi: list[torch.Tensor], theta: list[torch.Tensor],
+    def _apply_eager(self, round_no: int, fragment: int, indices: list[int], phi: list[torch.Tensor], theta: list[torch.Tensor],
                      params: list[torch.nn.Parameter], samples: int) -> list[torch.Tensor]:
         """Eager update: step at once with Δ̃ = (n_i·Δ_i + Σ_{j≠i} n_j·Δ_j(previous round)) / Σ n, this node's
         fresh pseudo-gradient standing in with the others' last ones; the true average corrects it later."""
         others_sum, others_samples = self.others_prev[fragment]
         total = samples + others_samples
         estimate = [(samples * (p.float() - t) + o.to(p.device)) / total for p, t, o in zip(phi, theta, others_sum)]
-        phi_estimate = self.averager.outer.preview(phi, estimate, indices)  # type: ignore[union-attr]
+        phi_estimate = self.averager.outer.preview(phi, estimate, indices, round_no)  # type: ignore[union-attr]
         merge_fragment([params[i].data for i in indices], phi_estimate, 0.0)
         return phi_estimate
 

@@ -148,3 +148,29 @@ def test_preview_is_the_step_without_side_effects():
     assert torch.equal(phi[0], torch.tensor([1.0, -2.0])), "phi untouched"
     outer.step(phi, delta)
     assert all(torch.allclose(g, p) for g, p in zip(guess, phi))
+
+
+def test_outer_lr_warms_up_over_the_first_rounds_of_the_run():
+    """Round r steps at η·min(1, (r+1)/W): the same round number gives the same step on every member,
+    a member that joins late steps at the full η, and the momentum is unaffected."""
+    outer = NesterovOuter(lr=1.0, momentum=0.5, warmup_rounds=4)
+    assert [outer.lr_at(r) for r in (0, 1, 2, 3, 4, 100)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert outer.lr_at(None) == 1.0 and NesterovOuter(lr=0.7).lr_at(0) == 0.7
+    phi = [torch.tensor([1.0])]
+    outer.step(phi, [torch.tensor([1.0])], round_no=0)
+    assert phi[0].item() == pytest.approx(1 - 0.25 * 1.5)
+    guess = outer.preview(phi, [torch.tensor([1.0])], round_no=1)
+    outer.step(phi, [torch.tensor([1.0])], round_no=1)
+    assert phi[0].item() == pytest.approx(1 - 0.25 * 1.5 - 0.5 * (1 + 0.5 * 1.5)) == guess[0].item()
+    assert outer.buffers[0].item() == pytest.approx(1.5)
+    with pytest.raises(ValueError):
+        NesterovOuter(warmup_rounds=-1)
+
+
+@pytest.mark.parametrize("flags, warmup", [({}, 0), ({"compression": "q2"}, 5), ({"compression": "rot2"}, 5),
+                                            ({"compression": "seed:r=8"}, 0), ({"algorithm": "sparseloco"}, 0),
+                                            ({"compression": "q2", "outer_warmup_rounds": 0}, 0)])
+def test_lossy_diloco_warms_its_outer_lr_up_by_default(flags, warmup):
+    from node.config import NodeConfig
+
+    assert NodeConfig(**flags).outer_warmup == warmup
