@@ -155,6 +155,10 @@ class DiLoCoAverager(GroupAverager):
         specs = self.exchange.layout(round_no)
         scatter = use_reduce_scatter(all(is_dense(s.codec) for s in specs), len(group), self.aggregation, self.keep_others)
         owners = assign_owners([torch.Size(s.shape).numel() for s in specs], [e.peer_id for e in group]) if scatter else {}
+        if not scatter:
+            # a late member may count more members than this one did and ask it for reduced parts: refuse at
+            # once (it falls back to the contributions) instead of leaving it waiting for the serve timeout
+            self.exchange.publish_reduced(round_no, None)
         got, failures = await self.exchange.gather(others, round_no, self.fetch_timeout, parts=owners.get(self.peer_id))
         exchanged = time.monotonic()
         mine = owners.get(self.peer_id, range(len(specs)))  # my own contribution, cut to the parts this member reduces

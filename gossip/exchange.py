@@ -207,6 +207,8 @@ class RoundExchange:
             await stream.send("part", {"i": i, "payload": c.parts[i]})
 
     async def _serve_reduced(self, stream: FramedStream, round_no: int, selection: list[int] | None) -> None:
+        if round_no not in self._reduced and round_no < max(self._contributions, default=-1):
+            raise SchemaError(f"this node reduced no parts of round {round_no} and has moved on")  # it never will
         try:
             await asyncio.wait_for(self._event(round_no, self._reduced_ready).wait(), timeout=self.serve_timeout)
         except asyncio.TimeoutError:

@@ -47,15 +47,15 @@ def test_dense_codecs_reduce_scatter_from_three_members():
     assert fine_part_numel(842_496) == 16384 and fine_part_numel(1 << 30) == 1 << 20
 
 
-def _members(n: int, codec: str, network: Network, seed: int = 0):
+def _members(n: int, codec: str, network: Network, seed: int = 0, fetch_timeout: float = 3, serve_timeout: float = 5):
     g = torch.Generator().manual_seed(seed)
     phi = [torch.randn(s, generator=g) for s in SHAPES]
     members = []
     for k in range(n):
         peer = f"peer{k:02d}"
-        exchange = RoundExchange(network.transport(peer), "run", codec, part_shapes(SHAPES, PART_NUMEL), serve_timeout=5)
+        exchange = RoundExchange(network.transport(peer), "run", codec, part_shapes(SHAPES, PART_NUMEL), serve_timeout=serve_timeout)
         outer = NesterovOuter(lr=1.0, momentum=0.0)
-        averager = DiLoCoAverager(None, None, exchange, "run", peer, outer, gather_timeout=3, fetch_timeout=3,  # type: ignore[arg-type]
+        averager = DiLoCoAverager(None, None, exchange, "run", peer, outer, gather_timeout=3, fetch_timeout=fetch_timeout,  # type: ignore[arg-type]
                                   part_numel=PART_NUMEL)
         delta = [torch.randn(s, generator=g) for s in SHAPES]
         members.append({"peer": peer, "exchange": exchange, "averager": averager, "phi": [p.clone() for p in phi],
@@ -125,3 +125,30 @@ def test_owners_that_die_after_sending_their_parts_leave_a_complete_round(n, dyi
             assert r.in_sync and all(r.failures.get(d["peer"], "").startswith("reduce_") for d in dead), r.failures
     for m in alive[1:]:
         assert all(torch.equal(a, b) for a, b in zip(m["phi"], alive[0]["phi"])), "the survivors agree"
+
+
+def test_a_late_member_that_counts_more_members_than_the_others_is_refused_at_once(monkeypatch):
+    """Two members gathered without the third (an all-gather round of two); the third saw all three and
+    reduce-scatters. The owners it asks refuse at once, so it falls back to their contributions well
+    before the 60 s timeouts (it waited that long in a NAT swarm, round after round)."""
+    network = Network()
+    _, members = _members(3, "none", network, seed=7, fetch_timeout=60, serve_timeout=60)
+    entries = sorted((RoundEntry(peer_id=m["peer"], samples=m["samples"], codec="none") for m in members), key=lambda e: e.peer_id)
+    late = members[2]["peer"]
+
+    async def views(dht, validator, run_id, round_no, entry, *args, **kwargs):
+        return (entries if entry.peer_id == late else [e for e in entries if e.peer_id != late]), True
+
+    monkeypatch.setattr(diloco_module, "gather_group", views)
+
+    async def go():
+        for m in members:
+            await m["exchange"].start()
+        rounds = (m["averager"].run_round(0, m["phi"], m["theta"], m["samples"]) for m in members)
+        return await asyncio.wait_for(asyncio.gather(*rounds), timeout=30)
+
+    early0, early1, third = asyncio.run(go())
+    assert not early0.reduce_scatter and not early1.reduce_scatter and early0.contributors == early1.contributors == sorted(
+        m["peer"] for m in members[:2])
+    assert third.reduce_scatter and all(third.failures[m["peer"]].startswith("reduce_") for m in members[:2]), third.failures
+    assert third.contributors == sorted(m["peer"] for m in members), "it fell back to every member's contribution"
