@@ -25,7 +25,10 @@ def test_a_bootstrap_peer_that_comes_up_later_is_waited_for(tmp_path, nodes):
 
     joiner = start_node(tmp_path, "joiner", FAST_ARGS + ["--join-timeout", "90"], [maddr])
     nodes.append(joiner)
-    time.sleep(10)
+    deadline = time.time() + 60
+    while "bootstrap attempt 1 failed" not in joiner.log() and time.time() < deadline:
+        time.sleep(0.5)
+    time.sleep(1)  # still waiting after its first failed attempt, not exiting
     assert joiner.process.poll() is None, joiner.log()[-2000:]
     assert "bootstrap attempt 1 failed" in joiner.log() and maddr in joiner.log()
     boot_again = start_node(tmp_path, "boot", boot_args)  # same identity and port: the address the joiner was given
