@@ -268,8 +268,8 @@ class NodeConfig(BaseModel):
 
         DiLoCo with a lossy codec steps at η = 1 with momentum 0.5 from its first round, where the
         pseudo-gradients are the largest: φ overshot for a round now and then (nano, 2 nodes from round
-        0, 15 steps a round: a held-out spike at round 3 in 2 of 6 runs with q2 and 1 of 6 with rot2,
-        3.2 → 3.9–4.1, once 6.8, while dense DiLoCo never did). Warming η up over 5 rounds removed
+        0, 15 steps a round: a held-out spike at round 3 in 3 of 10 runs with rot2 and 1 of 6 with q2,
+        3.2 → 3.7–4.1, once 6.8 in CI, while dense DiLoCo did not in 4). Warming η up over 5 rounds removed
         the spikes in the in-process simulation of those runs (4 of 4 smooth, and 2.82 instead of
         3.00–3.12 by round 5)."""
         if self.outer_warmup_rounds is not None:
