@@ -77,12 +77,14 @@ class GroupAverager:
     """What every kind of outer round needs: the DHT, the exchange, this member's outer optimizer
     and the timing of the rendezvous and fetches."""
 
+    back_off = False  # whether incomplete rounds in a row lengthen the rendezvous deadline (gossip.deadline)
+
     def __init__(self, dht: DHTNode, validator: RSASignatureValidator, exchange: RoundExchange, run_id: str, peer_id: str,
                  outer: object, gather_timeout: float, fetch_timeout: float, part_numel: int, aggregation: str) -> None:
         self.dht, self.validator, self.exchange = dht, validator, exchange
         self.run_id, self.peer_id, self.outer = run_id, peer_id, outer
         self.fetch_timeout, self.part_numel, self.aggregation = fetch_timeout, part_numel, aggregation
-        self.deadline = AdaptiveDeadline.for_timeout(gather_timeout)
+        self.deadline = AdaptiveDeadline.for_timeout(gather_timeout, back_off=self.back_off)
 
 
 class DiLoCoAverager(GroupAverager):
@@ -96,6 +98,8 @@ class DiLoCoAverager(GroupAverager):
     :param fetch_timeout: longest wait for one member's contribution
     :param aggregation: ``mean``, ``sparse-mean``, ``median-clip`` or ``trimmed-mean`` (see ``gossip.aggregate``)
     """
+
+    back_off = True  # the whole group is expected every round
 
     def __init__(
         self,
@@ -113,7 +117,6 @@ class DiLoCoAverager(GroupAverager):
         keep_others: bool = False,
     ) -> None:
         super().__init__(dht, validator, exchange, run_id, peer_id, outer, gather_timeout, fetch_timeout, part_numel, aggregation)
-        self.deadline = AdaptiveDeadline.for_timeout(gather_timeout, back_off=True)  # the whole group is expected
         self.outer: NesterovOuter = outer
         self.member_role, self.keep_others = member_role, keep_others
 
