@@ -39,8 +39,7 @@ from benchmarks.scale_model import LINKS, SIM_PEERS, calibrate, simulate, synthe
 from gossip.diloco import DiLoCoAverager
 from gossip.exchange import RoundExchange
 from gossip.outer import NesterovOuter
-from gossip.partition import part_shapes
-from gossip.reduce_scatter import wire_part_numel
+from gossip.reduce_scatter import wire_partition
 from gossip.rendezvous import publish_peer
 from protocol.hivemind_transport import Transport
 from protocol.records import PeerRecord
@@ -86,12 +85,12 @@ async def make_peer(initial: list[str], shapes: list[tuple[int, ...]], codec: st
         counts[direction] += nbytes
 
     transport = Transport(p2p, on_bytes=on_bytes)
-    part_numel = wire_part_numel(codec, shapes)
-    exchange = RoundExchange(transport, RUN, codec, part_shapes(shapes, part_numel), serve_timeout=2 * timeout)
+    partition = wire_partition(codec, shapes)
+    exchange = RoundExchange(transport, RUN, codec, partition.shapes(shapes), serve_timeout=2 * timeout)
     await exchange.start()
     peer_id = p2p.peer_id.to_base58()
     averager = DiLoCoAverager(dht, validator, exchange, RUN, peer_id, NesterovOuter(lr=1.0, momentum=0.0),
-                              gather_timeout=timeout, fetch_timeout=timeout, part_numel=part_numel)
+                              gather_timeout=timeout, fetch_timeout=timeout, partition=partition)
     count_dht_requests(dht, counts)
     return Peer(p2p, dht, validator, exchange, averager, [torch.zeros(s) for s in shapes], counts)
 

@@ -27,8 +27,7 @@ import math
 import statistics
 from typing import Any
 
-from gossip.partition import part_shapes
-from gossip.reduce_scatter import wire_part_numel
+from gossip.reduce_scatter import wire_partition
 
 SIM_PEERS = (256, 1000, 4000)
 LINKS = (
@@ -52,7 +51,7 @@ def synthetic_shapes(params: int) -> list[tuple[int, ...]]:
 
 def part_count(params: int, codec: str = "none") -> int:
     shapes = synthetic_shapes(params)
-    return len(part_shapes(shapes, wire_part_numel(codec, shapes)))
+    return len(wire_partition(codec, shapes).shapes(shapes))
 
 
 def _fit_log(points: list[tuple[int, float]]) -> tuple[float, float]:

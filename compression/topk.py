@@ -1,13 +1,14 @@
 """Chunked top-k sparsification (SparseLoCo): keep the K largest-magnitude values of every chunk.
 
 Chunks follow :mod:`compression.chunking` (64×64 tiles for 2-D tensors at C = 4096, flat runs of C
-otherwise). Per chunk the K positions are sent as indices packed to ⌈log₂ C⌉ bits (12 for 4096) and
-the values either as float32 or, composed as ``topk:K/C+q2``, through the statistical quantizer
+otherwise). Per chunk the K positions are sent sorted, Elias–Fano coded (:mod:`compression.elias_fano`:
+⌊log₂(C/K)⌋ + 1 bits each plus C/2^⌊log₂(C/K)⌋ bits per chunk, 8 bits a position for 64 of 4096), or packed
+to ⌈log₂ C⌉ bits (12 for 4096) where that is smaller (K close to 1 or to C), and the values either as float32 or, composed as ``topk:K/C+q2``, through the statistical quantizer
 (one shift/table for the whole tensor), or, composed as ``topk:K/C+rot2``, through the rotation
 quantizer (:mod:`compression.rotation`: the kept values, rotated in blocks of 1024, 2 bits each plus
 one float32 scale per block). Wire cost per value: (index bits + value bits)·K/C bits, e.g.
-(12 + 2)·64/4096 = 0.219 bits/param for ``topk:64/4096+q2`` ((12 + 2.03)·64/4096 for ``+rot2``),
-plus a fixed ~100-byte header.
+(8 + 2)·64/4096 = 0.156 bits/param for ``topk:64/4096+q2`` ((8 + 2.03)·64/4096 for ``+rot2``),
+plus a fixed ~250-byte header per payload.
 
 A tensor with fewer than K elements keeps all of them (its single chunk is mostly padding).
 Pair it with :class:`compression.ErrorFeedback` so dropped mass is sent in later rounds. With K = C
@@ -22,6 +23,7 @@ import torch
 
 from compression import memory
 from compression.base import Codec, finite_range
+from compression import elias_fano
 from compression.bitpack import pack_bits, packed_size, unpack_bits
 from compression.chunking import BAND, ChunkLayout
 from compression.errors import CodecError
@@ -36,10 +38,16 @@ def index_bits(chunk: int) -> int:
     return max(1, (chunk - 1).bit_length())
 
 
+def uses_elias_fano(k: int, chunk: int) -> bool:
+    """Whether K positions per chunk of C travel Elias–Fano coded (when it takes fewer bits than packing)."""
+    return k > 0 and elias_fano.chunk_bits(k, chunk) < k * index_bits(chunk)
+
+
 class TopKCompression(Codec):
     """``topk:K/C[+qB|+rotB]``: per chunk of C values keep the K of largest magnitude.
 
-    Fields: ``idx`` (packed uint8 indices, chunk by chunk), then ``values`` (float32, n_chunks·K),
+    Fields: ``idx_low``/``idx_high`` (the Elias–Fano streams of the sorted positions) or ``idx`` (packed
+    uint8 indices, chunk by chunk, where packing is smaller: :func:`uses_elias_fano`), then ``values`` (float32, n_chunks·K),
     the statistical quantizer's fields (:meth:`compression.quantize.Quantized.fields`) when
     ``value_bits`` is set, or the rotation
     quantizer's ``seed``/``scales``/``codes`` when ``rotated`` is also set.
@@ -52,7 +60,7 @@ class TopKCompression(Codec):
     """
 
     family = "topk"
-    version = 2  # 2: ``+qB`` values carry the quantizer's outlier side channel
+    version = 3  # 2: ``+qB`` values carry the quantizer's outlier side channel; 3: Elias–Fano positions
 
     def __init__(self, k: int, chunk: int, value_bits: int | None = None, rotated: bool = False) -> None:
         if not 1 <= chunk <= 1 << 24:
@@ -94,10 +102,15 @@ class TopKCompression(Codec):
             block = self._forward(layout.read_band(source, count, region, work), layout)
             _check_band(block)
             mags = torch.abs(block, out=magnitude[:count])
-            chosen = torch.topk(mags, k, dim=1, sorted=False).indices
+            chosen = torch.topk(mags, k, dim=1, sorted=False).indices.sort(dim=1).values
             indices[first : first + count] = chosen
             torch.gather(block, 1, chosen, out=values[first : first + count])
-        fields: dict[str, Any] = {"idx": owned_tensor_map(pack_bits(indices.reshape(-1), index_bits(self.chunk)))}
+        fields: dict[str, Any] = {}
+        if uses_elias_fano(k, self.chunk):
+            low, high = elias_fano.encode(indices, self.chunk)
+            fields.update(idx_low=owned_tensor_map(low), idx_high=owned_tensor_map(high))
+        else:
+            fields["idx"] = owned_tensor_map(pack_bits(indices.reshape(-1), index_bits(self.chunk)))
         if self.value_bits is None:
             fields["values"] = owned_tensor_map(values.reshape(-1))
         elif self.rotated:
@@ -110,9 +123,15 @@ class TopKCompression(Codec):
         layout = ChunkLayout(payload.shape, self.chunk)
         n_chunks, k = layout.n_chunks, self.kept(payload.numel)
         total = n_chunks * k
-        bits = index_bits(self.chunk)
-        packed = read_tensor(payload.fields, "idx", [packed_size(total, bits)], torch.uint8, self.spec)
-        indices = unpack_bits(packed, bits, total).to(torch.int64).view(n_chunks, k)
+        if uses_elias_fano(k, self.chunk):
+            low_size, high_size = elias_fano.stream_sizes(n_chunks, k, self.chunk)
+            low = read_tensor(payload.fields, "idx_low", [low_size], torch.uint8, self.spec)
+            high = read_tensor(payload.fields, "idx_high", [high_size], torch.uint8, self.spec)
+            indices = elias_fano.decode(low, high, n_chunks, k, self.chunk, self.spec)
+        else:
+            bits = index_bits(self.chunk)
+            packed = read_tensor(payload.fields, "idx", [packed_size(total, bits)], torch.uint8, self.spec)
+            indices = unpack_bits(packed, bits, total).to(torch.int64).view(n_chunks, k)
         if total:
             if int(indices.max()) >= self.chunk:
                 raise CodecError(f"{self.spec}: an index points past the end of its {self.chunk}-value chunk")

@@ -42,7 +42,7 @@ from gossip.deadline import AdaptiveDeadline
 from gossip.exchange import Contribution, ReducedShare, RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter, pseudo_gradient
-from gossip.partition import join, split
+from gossip.partition import Partition
 from gossip.placement import to_host
 from gossip.reduce_scatter import assign_owners, is_dense, use_reduce_scatter
 from gossip.rendezvous import gather_group, round_members
@@ -80,10 +80,10 @@ class GroupAverager:
     back_off = False  # whether incomplete rounds in a row lengthen the rendezvous deadline (gossip.deadline)
 
     def __init__(self, dht: DHTNode, validator: RSASignatureValidator, exchange: RoundExchange, run_id: str, peer_id: str,
-                 outer: object, gather_timeout: float, fetch_timeout: float, part_numel: int, aggregation: str) -> None:
+                 outer: object, gather_timeout: float, fetch_timeout: float, partition: Partition, aggregation: str) -> None:
         self.dht, self.validator, self.exchange = dht, validator, exchange
         self.run_id, self.peer_id, self.outer = run_id, peer_id, outer
-        self.fetch_timeout, self.part_numel, self.aggregation = fetch_timeout, part_numel, aggregation
+        self.fetch_timeout, self.partition, self.aggregation = fetch_timeout, partition, aggregation
         self.deadline = AdaptiveDeadline.for_timeout(gather_timeout, back_off=self.back_off)
 
 
@@ -111,12 +111,12 @@ class DiLoCoAverager(GroupAverager):
         outer: NesterovOuter,
         gather_timeout: float = 30.0,
         fetch_timeout: float = 30.0,
-        part_numel: int = 1 << 20,
+        partition: Partition = Partition(),
         aggregation: str = "mean",
         member_role: str = "trainer",
         keep_others: bool = False,
     ) -> None:
-        super().__init__(dht, validator, exchange, run_id, peer_id, outer, gather_timeout, fetch_timeout, part_numel, aggregation)
+        super().__init__(dht, validator, exchange, run_id, peer_id, outer, gather_timeout, fetch_timeout, partition, aggregation)
         self.outer: NesterovOuter = outer
         self.member_role, self.keep_others = member_role, keep_others
 
@@ -142,7 +142,7 @@ class DiLoCoAverager(GroupAverager):
         shapes = [tuple(p.shape) for p in phi]
         my_fp = fingerprint(phi)
         delta = to_host(pseudo_gradient(phi, theta))  # codecs and the wire work on the CPU
-        blobs, my_decoded = await asyncio.to_thread(self.exchange.encode, round_no, split(delta, self.part_numel), feedback)
+        blobs, my_decoded = await asyncio.to_thread(self.exchange.encode, round_no, self.partition.split(delta), feedback)
         self.exchange.publish(Contribution(round_no, samples, my_fp, self.exchange.wire, blobs, self.peer_id, my_decoded))
         if before_gather is not None:
             await before_gather()
@@ -194,7 +194,7 @@ class DiLoCoAverager(GroupAverager):
                 update = await self._reduce_scatter(round_no, owners, contributions, my_decoded, used, majority_fp, result)  # type: ignore[arg-type]
                 result.exchange_s = time.monotonic() - gathered
                 result.update_norm = sum(float(t.pow(2).sum()) for t in update) ** 0.5
-                await asyncio.to_thread(self.outer.step, phi, join(update, shapes, self.part_numel), indices, round_no)
+                await asyncio.to_thread(self.outer.step, phi, self.partition.join(update, shapes), indices, round_no)
             else:
                 self.exchange.publish_reduced(round_no, None)
             result.duration_s = time.monotonic() - started
@@ -207,11 +207,11 @@ class DiLoCoAverager(GroupAverager):
             result.contributors, result.norms = agg.used, agg.norms
             result.samples = sum(contributions[p].samples for p in agg.used)
             result.update_norm = sum(float(t.pow(2).sum()) for t in agg.update) ** 0.5
-            averaged = join(agg.update, shapes, self.part_numel)
+            averaged = self.partition.join(agg.update, shapes)
             others = [p for p in agg.used if p != self.peer_id]
             if self.keep_others and others:
                 summed = [sum(contributions[p].samples * contributions[p].decoded[i] for p in others) for i in range(len(agg.update))]
-                result.others_sum = join(summed, shapes, self.part_numel)  # type: ignore[arg-type]
+                result.others_sum = self.partition.join(summed, shapes)  # type: ignore[arg-type]
                 result.others_samples = sum(contributions[p].samples for p in others)
             await asyncio.to_thread(self.outer.step, phi, averaged, indices, round_no)
         result.duration_s = time.monotonic() - started

@@ -35,7 +35,7 @@ from gossip.diloco import GroupAverager, RoundResult
 from gossip.exchange import Contribution, RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NoLoCoOuter, pseudo_gradient
-from gossip.partition import join, split
+from gossip.partition import Partition
 from gossip.placement import to_host
 from gossip.rendezvous import read_round_entries, register_round, round_members
 from protocol.records import RoundEntry
@@ -87,13 +87,13 @@ class NoLoCoAverager(GroupAverager):
         group_size: int = 2,
         gather_timeout: float = 30.0,
         fetch_timeout: float = 30.0,
-        part_numel: int = 1 << 20,
+        partition: Partition = Partition(),
         aggregation: str = "mean",
         poll_interval: float = 0.2,
     ) -> None:
         if group_size < 2:
             raise ValueError(f"a NoLoCo group needs at least 2 members, got {group_size}")
-        super().__init__(dht, validator, exchange, run_id, peer_id, outer, gather_timeout, fetch_timeout, part_numel, aggregation)
+        super().__init__(dht, validator, exchange, run_id, peer_id, outer, gather_timeout, fetch_timeout, partition, aggregation)
         self.outer: NoLoCoOuter = outer
         self.group_size, self.poll_interval = group_size, poll_interval
 
@@ -127,8 +127,8 @@ class NoLoCoAverager(GroupAverager):
         for a partner (a member with no partner takes a local outer step)."""
         started = time.monotonic()
         shapes = [tuple(p.shape) for p in phi]
-        delta = split(to_host(pseudo_gradient(phi, theta)), self.part_numel)  # codecs and the wire work on the CPU
-        weights = split(to_host([p.detach().float() for p in phi]), self.part_numel)
+        delta = self.partition.split(to_host(pseudo_gradient(phi, theta)))  # codecs and the wire work on the CPU
+        weights = self.partition.split(to_host([p.detach().float() for p in phi]))
         n_delta = len(delta)
         blobs, decoded = await asyncio.to_thread(
             self.exchange.encode, round_no, delta + weights, list(feedback or [None] * n_delta) + [None] * len(weights)
@@ -159,7 +159,7 @@ class NoLoCoAverager(GroupAverager):
         mean_phi = [torch.stack([contributions[p].decoded[n_delta + i] for p in used]).mean(0) for i in range(len(weights))]
         mean_progress = [-d for d in agg.update]  # u = θ − φ = −Δ
         await asyncio.to_thread(
-            self.outer.step, phi, join(mean_phi, shapes, self.part_numel), join(mean_progress, shapes, self.part_numel), indices
+            self.outer.step, phi, self.partition.join(mean_phi, shapes), self.partition.join(mean_progress, shapes), indices
         )
         return RoundResult(
             round=round_no,

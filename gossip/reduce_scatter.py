@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from gossip.partition import DEFAULT_PART_NUMEL
+from gossip.partition import DEFAULT_PART_NUMEL, Partition
 
 # codecs whose reduced result keeps its form (a mean of dense updates is dense); sparse and
 # shared-seed payloads keep the all-gather, which is cheaper for them
@@ -37,11 +37,15 @@ def fine_part_numel(total_numel: int, max_numel: int = 1 << 20, floor: int = 163
     return max(floor, min(max_numel, -(-total_numel // FINE_PARTS)))
 
 
-def wire_part_numel(codec: str, shapes: Sequence[Sequence[int]], noloco: bool = False) -> int:
-    """Elements per wire part of a run's pseudo-gradients: fine parts for dense codecs (their rounds
-    may reduce-scatter), the default partition otherwise (NoLoCo's pairs always all-gather)."""
+def wire_partition(codec: str, shapes: Sequence[Sequence[int]], noloco: bool = False) -> Partition:
+    """How a run's pseudo-gradients are cut into wire parts: fine parts for dense codecs (their rounds
+    may reduce-scatter), flat runs for top-k (its chunks need no tensor structure, and one payload
+    header serves many small tensors), the default row blocks otherwise (NoLoCo's pairs always
+    all-gather; DCT and shared-seed codecs work per tensor)."""
     total = sum(math.prod(shape) for shape in shapes)
-    return fine_part_numel(total) if is_dense(codec) and not noloco else DEFAULT_PART_NUMEL
+    if is_dense(codec) and not noloco:
+        return Partition(fine_part_numel(total))
+    return Partition(DEFAULT_PART_NUMEL, flat=codec.split(":", 1)[0] == "topk")
 
 
 def assign_owners(part_numels: Sequence[int], members: Sequence[str]) -> dict[str, list[int]]:

@@ -124,12 +124,12 @@ class Daemon(NodeBase):
         self.summary.protocols = list(net.transport.protocols)
         if isinstance(self.outer, NoLoCoOuter):
             self.averager: DiLoCoAverager | NoLoCoAverager = NoLoCoAverager(
-                net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, group_size=cfg.group_size,
+                net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, group_size=cfg.group_size, partition=self.plan.partition,
                 gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregation,
             )
         else:
             self.averager = DiLoCoAverager(
-                net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, part_numel=self.plan.part_numel,
+                net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, partition=self.plan.partition,
                 gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregation,
                 keep_others=cfg.overlap and cfg.overlap_mode == "eager",
             )

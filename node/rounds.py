@@ -21,8 +21,7 @@ from gossip.diloco import DiLoCoAverager, RoundResult
 from gossip.exchange import PartSpec
 from gossip.fragments import assign_fragments, fragment_of_round, merge_fragment
 from gossip.noloco import NoLoCoAverager
-from gossip.partition import part_shapes
-from gossip.reduce_scatter import wire_part_numel
+from gossip.reduce_scatter import wire_partition
 from gossip.placement import OuterPlacement
 from node.network import Interrupted, NetworkThread
 
@@ -42,8 +41,8 @@ class RoundPlan:
                  noloco: bool) -> None:
         self.codec, self.fragment_count, self.noloco = codec, fragments, noloco
         self.fragments = assign_fragments(names, fragments)
-        self.part_numel = wire_part_numel(codec, shapes, noloco)  # finer for dense rounds: they may reduce-scatter
-        self.parts = [part_shapes([shapes[i] for i in fragment], self.part_numel) for fragment in self.fragments]
+        self.partition = wire_partition(codec, shapes, noloco)  # finer for dense rounds: they may reduce-scatter
+        self.parts = [self.partition.shapes([shapes[i] for i in fragment]) for fragment in self.fragments]
         self.feedback: list[list[ErrorFeedback] | None] = [
             [ErrorFeedback(feedback_decay) for _ in parts] if feedback_decay > 0 else None for parts in self.parts
         ]
@@ -54,6 +53,8 @@ class RoundPlan:
         wire = self.codec
         if self.fragment_count > 1:
             wire += f"|fragments={self.fragment_count}"
+        if self.partition.flat:
+            wire += "|flat"
         if self.noloco:
             wire += f"|noloco:phi={self.phi_codec}"
         return wire

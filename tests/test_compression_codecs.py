@@ -176,24 +176,50 @@ def test_topk_tiles_2d_tensors_in_squares() -> None:
 def test_topk_q2_bits_per_parameter() -> None:
     x = torch.randn(1024, 1024)
     payload = get_codec("topk:64/4096+q2").encode(x)
-    assert 8 * payload.nbytes / x.numel() <= 0.25  # (12 + 2)·64/4096 = 0.219 plus a small header
+    assert 8 * payload.nbytes / x.numel() <= 0.16  # (8 + 2)·64/4096 = 0.156 plus a small header
 
 
-def _with_index_bytes(payload: Payload, data: bytes) -> Payload:
-    idx = dict(payload.fields["idx"], data=data)
-    return Payload(payload.codec, payload.version, payload.shape, {**payload.fields, "idx": idx})
+def _with_field_bytes(payload: Payload, name: str, data: bytes) -> Payload:
+    field = dict(payload.fields[name], data=data)
+    return Payload(payload.codec, payload.version, payload.shape, {**payload.fields, name: field})
 
 
 def test_topk_refuses_out_of_range_and_repeated_indices() -> None:
-    codec = get_codec("topk:4/3000")  # 12-bit indices, so 3000..4095 are representable but invalid
+    codec = get_codec("topk:1/3000")  # one position: packed to 12 bits, so 3000..4095 are representable but invalid
     payload = codec.encode(torch.randn(6000))
     raw = bytes(payload.fields["idx"]["data"])
     with pytest.raises(CodecError, match="past the end"):
-        codec.decode(Payload.from_bytes(_with_index_bytes(payload, b"\xff" * len(raw)).to_bytes()))
-    with pytest.raises(CodecError, match="repeats"):
-        codec.decode(Payload.from_bytes(_with_index_bytes(payload, b"\x00" * len(raw)).to_bytes()))
+        codec.decode(Payload.from_bytes(_with_field_bytes(payload, "idx", b"\xff" * len(raw)).to_bytes()))
     with pytest.raises(CodecError):
-        codec.decode(Payload.from_bytes(_with_index_bytes(payload, raw[:-1]).to_bytes()))
+        codec.decode(Payload.from_bytes(_with_field_bytes(payload, "idx", raw[:-1]).to_bytes()))
+    codec = get_codec("topk:4/3000")  # Elias–Fano: 9 low bits, a 10-bit unary bitmap per chunk
+    payload = codec.encode(torch.randn(6000))
+    low, high = bytes(payload.fields["idx_low"]["data"]), bytes(payload.fields["idx_high"]["data"])
+    with pytest.raises(CodecError, match="exactly 4 positions"):
+        codec.decode(Payload.from_bytes(_with_field_bytes(payload, "idx_high", b"\xff" * len(high)).to_bytes()))
+    # bitmap 1111000000 for both chunks: highs 0, 0, 0, 0; equal low bits repeat a position
+    forged = _with_field_bytes(payload, "idx_high", bytes([0x0F, 0xC0, 0x03] + [0] * (len(high) - 3)))
+    with pytest.raises(CodecError, match="repeats"):
+        codec.decode(Payload.from_bytes(_with_field_bytes(forged, "idx_low", b"\x00" * len(low)).to_bytes()))
+    # the last high value (6 = bitmap bit 9) with all-ones low bits is 6·512 + 511 = 3583 ≥ 3000
+    forged = _with_field_bytes(payload, "idx_high", bytes([0x07, 0x3E, 0x00] + [0] * (len(high) - 3)))
+    with pytest.raises(CodecError, match="past the end"):
+        codec.decode(Payload.from_bytes(_with_field_bytes(forged, "idx_low", b"\xff" * len(low)).to_bytes()))
+    with pytest.raises(CodecError):
+        codec.decode(Payload.from_bytes(_with_field_bytes(payload, "idx_low", low[:-1]).to_bytes()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 300), st.integers(1, 5), st.integers(0, 2**31))
+def test_elias_fano_round_trip_and_size(k: int, chunk: int, n_chunks: int, seed: int) -> None:
+    from compression import elias_fano
+    k = min(k, chunk)
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.stack([torch.randperm(chunk, generator=g)[:k].sort().values for _ in range(n_chunks)])
+    low, high = elias_fano.encode(positions, chunk)
+    assert (low.numel(), high.numel()) == elias_fano.stream_sizes(n_chunks, k, chunk)
+    assert 8 * (low.numel() + high.numel()) <= n_chunks * elias_fano.chunk_bits(k, chunk) + 16
+    assert torch.equal(elias_fano.decode(low, high, n_chunks, k, chunk, "test"), positions)
 
 
 def test_dct_transforms_are_orthonormal_and_inverse() -> None:

@@ -15,8 +15,7 @@ from hivemind.p2p import P2P
 
 from compression import get_codec
 from gossip.exchange import Contribution, RoundExchange
-from gossip.partition import part_shapes
-from gossip.reduce_scatter import wire_part_numel
+from gossip.reduce_scatter import wire_partition
 from gossip.rendezvous import gather_group, list_peers, publish_peer
 from swarm.model import GPT, preset
 from node.status_service import fetch_status
@@ -169,7 +168,7 @@ async def _attacker(boot: str, run_id: str, rounds: int, scales: list[float], lo
     transport = Transport(p2p)
     me = transport.peer_id
     shapes = [tuple(p.shape) for p in GPT(preset("nano")).parameters()]
-    exchange = RoundExchange(transport, run_id, "none", part_shapes(shapes, wire_part_numel("none", shapes)), serve_timeout=60)
+    exchange = RoundExchange(transport, run_id, "none", wire_partition("none", shapes).shapes(shapes), serve_timeout=60)
     await exchange.start()
     try:
         peers = await list_peers(dht, run_id)

@@ -7,7 +7,7 @@ import torch
 
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter, pseudo_gradient, weighted_mean
-from gossip.partition import join, part_shapes, split
+from gossip.partition import Partition, join, part_shapes, split
 from swarm.model import GPT, preset
 
 
@@ -107,6 +107,12 @@ def test_partition_round_trip(max_numel):
     assert all(p.numel() <= max(max_numel, 7 if p.dim() > 1 else 1) for p in parts)
     for a, b in zip(join(parts, [t.shape for t in tensors], max_numel), tensors):
         assert torch.equal(a, b)
+    flat = Partition(max_numel, flat=True)
+    parts = flat.split(tensors)
+    assert [tuple(p.shape) for p in parts] == flat.shapes([t.shape for t in tensors])
+    assert all(p.dim() == 1 and p.numel() <= max_numel for p in parts) and sum(p.numel() for p in parts) == 70 + 13 + 1 + 12
+    for a, b in zip(flat.join(parts, [t.shape for t in tensors]), tensors):
+        assert torch.equal(a, b) and a.shape == b.shape
 
 
 def test_fingerprint_sensitive_to_any_change():

@@ -14,7 +14,7 @@ import gossip.diloco as diloco_module
 from gossip.diloco import DiLoCoAverager
 from gossip.exchange import RoundExchange
 from gossip.outer import NesterovOuter, weighted_mean
-from gossip.partition import part_shapes
+from gossip.partition import Partition
 from gossip.reduce_scatter import assign_owners, fine_part_numel, is_dense, round_bytes, use_reduce_scatter
 from protocol.records import RoundEntry
 from tests.memory_transport import Network
@@ -53,10 +53,10 @@ def _members(n: int, codec: str, network: Network, seed: int = 0, fetch_timeout:
     members = []
     for k in range(n):
         peer = f"peer{k:02d}"
-        exchange = RoundExchange(network.transport(peer), "run", codec, part_shapes(SHAPES, PART_NUMEL), serve_timeout=serve_timeout)
+        exchange = RoundExchange(network.transport(peer), "run", codec, Partition(PART_NUMEL).shapes(SHAPES), serve_timeout=serve_timeout)
         outer = NesterovOuter(lr=1.0, momentum=0.0)
         averager = DiLoCoAverager(None, None, exchange, "run", peer, outer, gather_timeout=3, fetch_timeout=fetch_timeout,  # type: ignore[arg-type]
-                                  part_numel=PART_NUMEL)
+                                  partition=Partition(PART_NUMEL))
         delta = [torch.randn(s, generator=g) for s in SHAPES]
         members.append({"peer": peer, "exchange": exchange, "averager": averager, "phi": [p.clone() for p in phi],
                         "theta": [p - d for p, d in zip(phi, delta)], "delta": delta, "samples": 8 * (k + 1)})
