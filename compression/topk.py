@@ -3,11 +3,12 @@
 Chunks follow :mod:`compression.chunking` (64×64 tiles for 2-D tensors at C = 4096, flat runs of C
 otherwise). Per chunk the K positions are sent sorted, Elias–Fano coded (:mod:`compression.elias_fano`:
 ⌊log₂(C/K)⌋ + 1 bits each plus C/2^⌊log₂(C/K)⌋ bits per chunk, 8 bits a position for 64 of 4096), or packed
-to ⌈log₂ C⌉ bits (12 for 4096) where that is smaller (K close to 1 or to C), and the values either as float32 or, composed as ``topk:K/C+q2``, through the statistical quantizer
-(one shift/table for the whole tensor), or, composed as ``topk:K/C+rot2``, through the rotation
+to ⌈log₂ C⌉ bits (12 for 4096) where that is smaller (K close to 1 or to C), and the values either as float32 or, composed as ``topk:K/C+q2``, as a sign and a magnitude bit with two
+float16 levels per chunk (:mod:`compression.chunk_levels`), or, composed as ``topk:K/C+q4``/``+q8``,
+through the statistical quantizer (one shift/table for the whole tensor), or, composed as ``topk:K/C+rot2``, through the rotation
 quantizer (:mod:`compression.rotation`: the kept values, rotated in blocks of 1024, 2 bits each plus
 one float32 scale per block). Wire cost per value: (index bits + value bits)·K/C bits, e.g.
-(8 + 2)·64/4096 = 0.156 bits/param for ``topk:64/4096+q2`` ((8 + 2.03)·64/4096 for ``+rot2``),
+(8 + 2.5)·64/4096 = 0.164 bits/param for ``topk:64/4096+q2`` ((8 + 2.03)·64/4096 for ``+rot2``),
 plus a fixed ~250-byte header per payload.
 
 A tensor with fewer than K elements keeps all of them (its single chunk is mostly padding).
@@ -23,7 +24,7 @@ import torch
 
 from compression import memory
 from compression.base import Codec, finite_range
-from compression import elias_fano
+from compression import chunk_levels, elias_fano
 from compression.bitpack import pack_bits, packed_size, unpack_bits
 from compression.chunking import BAND, ChunkLayout
 from compression.errors import CodecError
@@ -60,7 +61,8 @@ class TopKCompression(Codec):
     """
 
     family = "topk"
-    version = 3  # 2: ``+qB`` values carry the quantizer's outlier side channel; 3: Elias–Fano positions
+    # 2: ``+qB`` values carry the quantizer's outlier side channel; 3: Elias–Fano positions, ``+q2`` levels per chunk
+    version = 3
 
     def __init__(self, k: int, chunk: int, value_bits: int | None = None, rotated: bool = False) -> None:
         if not 1 <= chunk <= 1 << 24:
@@ -72,6 +74,12 @@ class TopKCompression(Codec):
         if not rotated and value_bits not in (None, 2, 4, 8):
             raise ValueError(f"{self.family} values can be quantized to 8, 4 or 2 bits, got {value_bits}")
         self.k, self.chunk, self.value_bits, self.rotated = k, chunk, value_bits, rotated
+
+    @property
+    def chunk_local(self) -> bool:
+        """Whether every chunk's values decode from that chunk's bytes alone (float32 or ``+q2``), so a
+        payload may run across tensors of different scales (``gossip.partition.Partition`` with ``flat``)."""
+        return self.value_bits is None or (self.value_bits == 2 and not self.rotated)
 
     @property
     def spec(self) -> str:
@@ -115,6 +123,9 @@ class TopKCompression(Codec):
             fields["values"] = owned_tensor_map(values.reshape(-1))
         elif self.rotated:
             fields.update(rotate_quantize(values.reshape(-1), self.value_bits).fields())
+        elif self.value_bits == 2:
+            codes, levels = chunk_levels.encode(values)
+            fields.update(codes=owned_tensor_map(codes), levels=owned_tensor_map(levels))
         else:
             fields.update(quantize(values.reshape(-1), self.value_bits).fields())
         return Payload(self.spec, self.version, tuple(x.shape), fields)
@@ -144,6 +155,11 @@ class TopKCompression(Codec):
                 raise CodecError(f"{self.spec}: values hold NaN or Inf")
         elif self.rotated:
             values = dequantize_rotated(read_rotated(payload.fields, self.value_bits, total, self.spec), total)
+        elif self.value_bits == 2:
+            code_bytes, level_shape = chunk_levels.sizes(n_chunks, k)
+            codes = read_tensor(payload.fields, "codes", [code_bytes], torch.uint8, self.spec)
+            levels = read_tensor(payload.fields, "levels", level_shape, torch.float16, self.spec)
+            values = chunk_levels.decode(codes, levels, n_chunks, k, self.spec)
         else:
             q: Quantized = read_quantized(payload.fields, self.value_bits, total, self.spec)
             values = dequantize(q, total)

@@ -39,8 +39,9 @@ from hivemind.dht.node import DHTNode
 from compression import ErrorFeedback
 from gossip.aggregate import aggregate
 from gossip.deadline import AdaptiveDeadline
-from gossip.exchange import Contribution, ReducedShare, RoundExchange
+from gossip.exchange import Contribution, PartSpec, ReducedShare, RoundExchange
 from gossip.fingerprint import fingerprint
+from gossip.groups import group_count, group_of, group_tag
 from gossip.outer import NesterovOuter, pseudo_gradient
 from gossip.partition import Partition
 from gossip.placement import to_host
@@ -71,6 +72,14 @@ class RoundResult:
     others_sum: list[torch.Tensor] | None = None  # Σ_{j≠self} samples_j·Δ_j of the members used (eager updates)
     others_samples: int = 0
     reduce_scatter: bool = False
+    groups: int = 1  # the swarm was split into this many bounded groups (gossip.groups); 1: one group
+
+
+def _assign(phi: Sequence[torch.Tensor], mean: Sequence[torch.Tensor], indices: object = None, round_no: object = None) -> None:
+    """A bounded group's result: φ becomes the group's mean weights (the outer step was taken before)."""
+    with torch.no_grad():
+        for p, m in zip(phi, mean):
+            p.copy_(m)
 
 
 class GroupAverager:
@@ -97,6 +106,9 @@ class DiLoCoAverager(GroupAverager):
     :param gather_timeout: longest wait for late members at the rendezvous (the adaptive deadline's ceiling)
     :param fetch_timeout: longest wait for one member's contribution
     :param aggregation: ``mean``, ``sparse-mean``, ``median-clip`` or ``trimmed-mean`` (see ``gossip.aggregate``)
+    :param max_group_size: a swarm with more live members averages in random groups of about this many
+        (``gossip.groups``); None: one group, whatever the swarm's size
+    :param weight_codec: how the weights travel in such groups (near-lossless: ``none`` or ``fp16``)
     """
 
     back_off = True  # the whole group is expected every round
@@ -115,13 +127,28 @@ class DiLoCoAverager(GroupAverager):
         aggregation: str = "mean",
         member_role: str = "trainer",
         keep_others: bool = False,
+        max_group_size: int | None = None,
+        weight_codec: str = "none",
     ) -> None:
         super().__init__(dht, validator, exchange, run_id, peer_id, outer, gather_timeout, fetch_timeout, partition, aggregation)
         self.outer: NesterovOuter = outer
         self.member_role, self.keep_others = member_role, keep_others
+        self.max_group_size, self.weight_codec = max_group_size, weight_codec
 
     async def expected_members(self, round_no: int) -> set[str]:
         return await round_members(self.dht, self.run_id, round_no, self.member_role)
+
+    async def _grouping(self, round_no: int) -> tuple[int, int] | None:
+        """(this member's group, the number of groups) when the round's live members are more than
+        ``max_group_size`` (``gossip.groups``), else None: the whole swarm is one group."""
+        if self.max_group_size is None:
+            return None
+        count = group_count(len(await self.expected_members(round_no) | {self.peer_id}), self.max_group_size)
+        return None if count == 1 else (group_of(self.run_id, round_no, self.peer_id, count), count)
+
+    async def _group_members(self, round_no: int, grouping: tuple[int, int]) -> set[str]:
+        group, count = grouping
+        return {p for p in await self.expected_members(round_no) if group_of(self.run_id, round_no, p, count) == group}
 
     async def run_round(
         self,
@@ -135,6 +162,11 @@ class DiLoCoAverager(GroupAverager):
     ) -> RoundResult:
         """Average this member's Δ with its group and step ``phi`` in place (when in sync).
 
+        In a swarm split into bounded groups (``gossip.groups``) the group averages weights instead:
+        each member first steps φ with its own Δ (and its own outer momentum), then φ becomes the
+        group's mean of the stepped weights. The step is linear, so the swarm's mean φ moves exactly as
+        one DiLoCo step on the mean Δ; the groups' φ differ a little and mix as groups change.
+
         :param indices: which model parameters ``phi``/``theta`` hold (streaming: one fragment)
         :param feedback: error-feedback buffers of the round's wire parts, if the codec is lossy
         """
@@ -142,21 +174,31 @@ class DiLoCoAverager(GroupAverager):
         shapes = [tuple(p.shape) for p in phi]
         my_fp = fingerprint(phi)
         delta = to_host(pseudo_gradient(phi, theta))  # codecs and the wire work on the CPU
-        blobs, my_decoded = await asyncio.to_thread(self.exchange.encode, round_no, self.partition.split(delta), feedback)
-        self.exchange.publish(Contribution(round_no, samples, my_fp, self.exchange.wire, blobs, self.peer_id, my_decoded))
+        grouping = await self._grouping(round_no)
+        tag = ""
+        if grouping is None:
+            sent = self.partition.split(delta)
+        else:
+            tag = group_tag(*grouping)
+            await asyncio.to_thread(self.outer.step, phi, delta, indices, round_no)
+            sent, feedback = self.partition.split(to_host([p.detach().float() for p in phi])), None
+            self.exchange.regroup(round_no, [PartSpec(tuple(p.shape), self.weight_codec) for p in sent], tag)
+        blobs, my_decoded = await asyncio.to_thread(self.exchange.encode, round_no, sent, feedback)
+        wire = self.exchange.wire_of(round_no)
+        self.exchange.publish(Contribution(round_no, samples, my_fp, wire, blobs, self.peer_id, my_decoded))
         if before_gather is not None:
             await before_gather()
 
-        entry = RoundEntry(peer_id=self.peer_id, samples=samples, codec=self.exchange.wire)
+        entry = RoundEntry(peer_id=self.peer_id, samples=samples, codec=wire)
         deadline, registered = self.deadline.value, time.monotonic()
-        group, complete = await gather_group(
-            self.dht, self.validator, self.run_id, round_no, entry, lambda: self.expected_members(round_no), deadline
-        )
+        expected = (lambda: self.expected_members(round_no)) if grouping is None else (lambda: self._group_members(round_no, grouping))
+        group, complete = await gather_group(self.dht, self.validator, self.run_id, round_no, entry, expected, deadline, group=tag)
         gathered = time.monotonic()
         self.deadline.observe(gathered - registered, complete)
         others = [e.peer_id for e in group if e.peer_id != self.peer_id]
-        specs = self.exchange.layout(round_no)
-        scatter = use_reduce_scatter(all(is_dense(s.codec) for s in specs), len(group), self.aggregation, self.keep_others)
+        specs = self.exchange.specs(round_no)
+        scatter = use_reduce_scatter(all(is_dense(s.codec) for s in specs), len(group), self.aggregation,
+                                     self.keep_others and grouping is None)
         owners = assign_owners([torch.Size(s.shape).numel() for s in specs], [e.peer_id for e in group]) if scatter else {}
         if not scatter:
             # a late member may count more members than this one did and ask it for reduced parts: refuse at
@@ -167,15 +209,18 @@ class DiLoCoAverager(GroupAverager):
         mine = owners.get(self.peer_id, range(len(specs)))  # my own contribution, cut to the parts this member reduces
         contributions = {self.peer_id: Contribution(round_no, samples, my_fp, "", [blobs[i] for i in mine], self.peer_id,
                                                     [my_decoded[i] for i in mine]), **got}
-        votes = Counter(c.fingerprint for c in contributions.values())
-        best = max(votes.values())
-        # ties go to the fingerprint held by the smallest peer id, so every member picks the same one
-        majority = min((p for p, c in contributions.items() if votes[c.fingerprint] == best), key=str)
-        majority_fp = contributions[majority].fingerprint
+        if grouping is None:
+            votes = Counter(c.fingerprint for c in contributions.values())
+            best = max(votes.values())
+            # ties go to the fingerprint held by the smallest peer id, so every member picks the same one
+            majority = min((p for p, c in contributions.items() if votes[c.fingerprint] == best), key=str)
+            majority_fp = contributions[majority].fingerprint
+        else:  # the members' φ differ by design: the group averages them
+            majority, majority_fp = self.peer_id, my_fp
         for peer, c in contributions.items():
-            if c.fingerprint != majority_fp and peer != self.peer_id:
+            if grouping is None and c.fingerprint != majority_fp and peer != self.peer_id:
                 failures[peer] = "out_of_sync"
-        used = sorted(p for p, c in contributions.items() if c.fingerprint == majority_fp)
+        used = sorted(p for p, c in contributions.items() if grouping is not None or c.fingerprint == majority_fp)
         result = RoundResult(
             round=round_no,
             group=[e.peer_id for e in group],
@@ -187,14 +232,16 @@ class DiLoCoAverager(GroupAverager):
             deadline_s=deadline,
             exchange_s=exchanged - gathered,
             samples=sum(contributions[p].samples for p in used),
+            groups=1 if grouping is None else grouping[1],
         )
+        apply = self.outer.step if grouping is None else _assign
         if scatter:
             result.reduce_scatter = True
             if result.in_sync:
                 update = await self._reduce_scatter(round_no, owners, contributions, my_decoded, used, majority_fp, result)  # type: ignore[arg-type]
                 result.exchange_s = time.monotonic() - gathered
                 result.update_norm = sum(float(t.pow(2).sum()) for t in update) ** 0.5
-                await asyncio.to_thread(self.outer.step, phi, self.partition.join(update, shapes), indices, round_no)
+                await asyncio.to_thread(apply, phi, self.partition.join(update, shapes), indices, round_no)
             else:
                 self.exchange.publish_reduced(round_no, None)
             result.duration_s = time.monotonic() - started
@@ -209,11 +256,11 @@ class DiLoCoAverager(GroupAverager):
             result.update_norm = sum(float(t.pow(2).sum()) for t in agg.update) ** 0.5
             averaged = self.partition.join(agg.update, shapes)
             others = [p for p in agg.used if p != self.peer_id]
-            if self.keep_others and others:
+            if self.keep_others and others and grouping is None:
                 summed = [sum(contributions[p].samples * contributions[p].decoded[i] for p in others) for i in range(len(agg.update))]
                 result.others_sum = self.partition.join(summed, shapes)  # type: ignore[arg-type]
                 result.others_samples = sum(contributions[p].samples for p in others)
-            await asyncio.to_thread(self.outer.step, phi, averaged, indices, round_no)
+            await asyncio.to_thread(apply, phi, averaged, indices, round_no)
         result.duration_s = time.monotonic() - started
         return result
 

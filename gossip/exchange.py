@@ -113,6 +113,24 @@ class RoundExchange:
         self._ready: dict[int, asyncio.Event] = {}
         self._reduced: dict[int, ReducedShare | None] = {}
         self._reduced_ready: dict[int, asyncio.Event] = {}
+        self._regrouped: dict[int, tuple[list[PartSpec], str]] = {}
+
+    def regroup(self, round_no: int, specs: Sequence[PartSpec], tag: str) -> None:
+        """Round ``round_no`` averages in a bounded group (``gossip.groups``): it sends ``specs`` instead of
+        the run's layout, under the wire settings ``wire|tag``, so only members of the same group match."""
+        self._regrouped[round_no] = (list(specs), tag)
+        for old in [r for r in self._regrouped if r <= round_no - KEEP_ROUNDS]:
+            self._regrouped.pop(old, None)
+
+    def specs(self, round_no: int) -> Sequence[PartSpec]:
+        """The parts of round ``round_no``: the run's layout, or what :meth:`regroup` set for that round."""
+        regrouped = self._regrouped.get(round_no)
+        return regrouped[0] if regrouped else self.layout(round_no)
+
+    def wire_of(self, round_no: int) -> str:
+        """The wire settings of round ``round_no`` (the run's, plus the group's tag in a grouped round)."""
+        regrouped = self._regrouped.get(round_no)
+        return f"{self.wire}|{regrouped[1]}" if regrouped else self.wire
 
     async def start(self) -> None:
         await self.transport.serve(ids.AVERAGE, self._handle)
@@ -144,7 +162,7 @@ class RoundExchange:
     ) -> tuple[list[bytes], list[torch.Tensor]]:
         """Encode round ``round_no``'s parts (with error feedback where given); also returns what
         receivers will decode, so the sender averages exactly the values its peers see."""
-        specs = self.layout(round_no)
+        specs = self.specs(round_no)
         if len(parts) != len(specs):
             raise ValueError(f"round {round_no} sends {len(specs)} parts, got {len(parts)}")
         return self.encode_parts(round_no, range(len(specs)), parts, feedback)
@@ -153,7 +171,7 @@ class RoundExchange:
         self, round_no: int, indices: Sequence[int], parts: Sequence[torch.Tensor], feedback: Sequence[ErrorFeedback | None] | None = None
     ) -> tuple[list[bytes], list[torch.Tensor]]:
         """Encode the given parts of round ``round_no`` (part ``indices[j]`` is ``parts[j]``), as :meth:`encode`."""
-        specs = self.layout(round_no)
+        specs = self.specs(round_no)
         blobs, decoded = [], []
         for j, (i, part) in enumerate(zip(indices, parts)):
             codec = get_codec(specs[i].codec)
@@ -168,7 +186,7 @@ class RoundExchange:
         wanted = body.get("parts")
         if wanted is None:
             return None
-        n = len(self.layout(round_no))
+        n = len(self.specs(round_no))
         if not isinstance(wanted, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in wanted):
             raise SchemaError(f"'parts' must list part indices of round {round_no} (0..{n - 1})")
         if len(set(wanted)) != len(wanted):
@@ -182,8 +200,8 @@ class RoundExchange:
         wire = require(msg.body, "codec", str)
         if run_id != self.run_id:
             raise SchemaError(f"this node trains run {self.run_id!r}, not {run_id!r}")
-        if wire != self.wire:
-            raise SchemaError(f"wire mismatch: this run averages with {self.wire!r}, request asked for {wire!r}")
+        if wire != self.wire_of(round_no):
+            raise SchemaError(f"wire mismatch: this run averages round {round_no} with {self.wire_of(round_no)!r}, request asked for {wire!r}")
         selection = self._selection(msg.body, round_no)
         if msg.kind == "fetch_reduced":
             await self._serve_reduced(stream, round_no, selection)
@@ -227,7 +245,7 @@ class RoundExchange:
 
     async def _receive_parts(self, stream: FramedStream, round_no: int, chosen: Sequence[int]) -> tuple[list[bytes], list[torch.Tensor]]:
         """The ``part`` frames of ``chosen`` (in that order), each checked and decoded."""
-        specs = self.layout(round_no)
+        specs = self.specs(round_no)
         parts, decoded = [], []
         for i in chosen:
             shape, part_codec = specs[i].shape, get_codec(specs[i].codec)
@@ -251,7 +269,7 @@ class RoundExchange:
         """Download an owner's reduced ``parts`` of ``round_no``; raises on anything invalid."""
         stream = await self.transport.open(owner, ids.AVERAGE)
         try:
-            await stream.send("fetch_reduced", {"run_id": self.run_id, "round": round_no, "codec": self.wire, "parts": list(parts)})
+            await stream.send("fetch_reduced", {"run_id": self.run_id, "round": round_no, "codec": self.wire_of(round_no), "parts": list(parts)})
             head = await stream.recv(expect="reduced")
             if require(head.body, "round", int) != round_no:
                 raise SchemaError(f"asked for round {round_no}, got {head.body['round']}")
@@ -273,7 +291,7 @@ class RoundExchange:
         when given: the contribution's lists then hold those); raises on anything invalid."""
         stream = await self.transport.open(peer, ids.AVERAGE)
         try:
-            request = {"run_id": self.run_id, "round": round_no, "codec": self.wire}
+            request = {"run_id": self.run_id, "round": round_no, "codec": self.wire_of(round_no)}
             if parts is not None:
                 request["parts"] = list(parts)
             await stream.send("fetch", request)
@@ -285,9 +303,9 @@ class RoundExchange:
             fp = require(head.body, "fingerprint", str)
             if got_round != round_no:
                 raise SchemaError(f"asked for round {round_no}, got {got_round}")
-            if codec != self.wire:
-                raise SchemaError(f"wire mismatch: peer sent {codec!r}, this run uses {self.wire!r}")
-            chosen = list(range(len(self.layout(round_no)))) if parts is None else list(parts)
+            if codec != self.wire_of(round_no):
+                raise SchemaError(f"wire mismatch: peer sent {codec!r}, this run uses {self.wire_of(round_no)!r}")
+            chosen = list(range(len(self.specs(round_no)))) if parts is None else list(parts)
             if n_parts != len(chosen):
                 raise SchemaError(f"peer sent {n_parts} parts, asked for {len(chosen)} of round {round_no}")
             if samples <= 0:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from compression import get_codec
+from compression.topk import TopKCompression
 from gossip.partition import DEFAULT_PART_NUMEL, Partition
 
 # codecs whose reduced result keeps its form (a mean of dense updates is dense); sparse and
@@ -39,13 +41,15 @@ def fine_part_numel(total_numel: int, max_numel: int = 1 << 20, floor: int = 163
 
 def wire_partition(codec: str, shapes: Sequence[Sequence[int]], noloco: bool = False) -> Partition:
     """How a run's pseudo-gradients are cut into wire parts: fine parts for dense codecs (their rounds
-    may reduce-scatter), flat runs for top-k (its chunks need no tensor structure, and one payload
-    header serves many small tensors), the default row blocks otherwise (NoLoCo's pairs always
+    may reduce-scatter), flat runs for top-k whose values are scaled per chunk (float32 or ``+q2``: its
+    chunks need no tensor structure, and one payload header serves many small tensors), the default
+    row blocks otherwise (NoLoCo's pairs always
     all-gather; DCT and shared-seed codecs work per tensor)."""
     total = sum(math.prod(shape) for shape in shapes)
     if is_dense(codec) and not noloco:
         return Partition(fine_part_numel(total))
-    return Partition(DEFAULT_PART_NUMEL, flat=codec.split(":", 1)[0] == "topk")
+    chosen = get_codec(codec)
+    return Partition(DEFAULT_PART_NUMEL, flat=type(chosen) is TopKCompression and chosen.chunk_local)
 
 
 def assign_owners(part_numels: Sequence[int], members: Sequence[str]) -> dict[str, list[int]]:

@@ -225,10 +225,10 @@ async def round_members(dht: DHTNode, run_id: str, round_no: int, role: str = "t
     return {p for p, rec in peers.items() if rec.round in (round_no - 1, round_no) and rec.role == role}
 
 
-async def read_round_entries(dht: DHTNode, run_id: str, round_no: int) -> dict[str, tuple[RoundEntry, float]]:
-    """{peer: (its entry, the entry's expiration time)} of round ``round_no``'s rendezvous."""
+async def read_round_entries(dht: DHTNode, run_id: str, round_no: int, group: str = "") -> dict[str, tuple[RoundEntry, float]]:
+    """{peer: (its entry, the entry's expiration time)} of round ``round_no``'s rendezvous (of ``group``'s, if named)."""
     entries: dict[str, tuple[RoundEntry, float]] = {}
-    for peer, (value, expiration) in (await read_subkeys(dht, round_key(run_id, round_no))).items():
+    for peer, (value, expiration) in (await read_subkeys(dht, round_key(run_id, round_no, group))).items():
         try:
             candidate = RoundEntry.from_value(value)
         except SchemaError as e:
@@ -240,10 +240,10 @@ async def read_round_entries(dht: DHTNode, run_id: str, round_no: int) -> dict[s
 
 
 async def register_round(
-    dht: DHTNode, validator: RSASignatureValidator, run_id: str, round_no: int, entry: RoundEntry, ttl: float
+    dht: DHTNode, validator: RSASignatureValidator, run_id: str, round_no: int, entry: RoundEntry, ttl: float, group: str = ""
 ) -> bool:
-    """Store this member's entry in round ``round_no``'s rendezvous, expiring ``ttl`` seconds from now."""
-    return await dht.store(round_key(run_id, round_no), entry.to_value(), get_dht_time() + ttl, subkey=owned_subkey(entry.peer_id, validator))
+    """Store this member's entry in round ``round_no``'s rendezvous (``group``'s, if named), expiring ``ttl`` seconds from now."""
+    return await dht.store(round_key(run_id, round_no, group), entry.to_value(), get_dht_time() + ttl, subkey=owned_subkey(entry.peer_id, validator))
 
 
 async def gather_group(
@@ -255,17 +255,18 @@ async def gather_group(
     expected: Callable[[], Awaitable[set[str]]],
     timeout: float,
     poll_interval: float = 0.2,
+    group: str = "",
 ) -> tuple[list[RoundEntry], bool]:
-    """Register for round ``round_no``; returns the group (sorted by peer id, self included) and
-    whether it is complete.
+    """Register for round ``round_no`` (in ``group``'s rendezvous, if named); returns the group
+    (sorted by peer id, self included) and whether it is complete.
 
     Returns once every peer in ``expected()`` has registered (complete), or after ``timeout`` seconds.
     """
-    await register_round(dht, validator, run_id, round_no, entry, max(60.0, 4 * timeout))
+    await register_round(dht, validator, run_id, round_no, entry, max(60.0, 4 * timeout), group)
     deadline = time.monotonic() + timeout
     entries: dict[str, RoundEntry] = {entry.peer_id: entry}
     while True:
-        entries.update({peer: e for peer, (e, _) in (await read_round_entries(dht, run_id, round_no)).items()})
+        entries.update({peer: e for peer, (e, _) in (await read_round_entries(dht, run_id, round_no, group)).items()})
         waiting_for = (await expected()) - set(entries)
         if not waiting_for or time.monotonic() >= deadline:
             if waiting_for:

@@ -17,9 +17,10 @@ def peers_key(run_id: str) -> str:
     return f"locomesh.{run_id}.peers"
 
 
-def round_key(run_id: str, round_no: int) -> str:
-    """DHT key of the rendezvous for outer round ``round_no`` of ``run_id``."""
-    return f"locomesh.{run_id}.round.{round_no}"
+def round_key(run_id: str, round_no: int, group: str = "") -> str:
+    """DHT key of the rendezvous for outer round ``round_no`` of ``run_id`` (of one of its groups, when
+    the round is split into bounded groups: ``group`` names it)."""
+    return f"locomesh.{run_id}.round.{round_no}" + (f".{group}" if group else "")
 
 
 def _typed(value: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:

@@ -199,6 +199,10 @@ def test_missing_and_mistyped_fields_are_refused() -> None:
         fields = {k: v for k, v in payload.fields.items() if k != name}
         with pytest.raises(CodecError, match=name):
             codec.decode(Payload(payload.codec, payload.version, payload.shape, fields))
+    with pytest.raises(CodecError, match="levels"):
+        codec.decode(Payload(payload.codec, payload.version, payload.shape, {**payload.fields, "levels": "0"}))
+    codec = get_codec("topk:2/4+q4")  # statistically quantized values
+    payload = codec.encode(torch.randn(8))
     with pytest.raises(CodecError, match="shift"):
         codec.decode(Payload(payload.codec, payload.version, payload.shape, {**payload.fields, "shift": "0"}))
 
