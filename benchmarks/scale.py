@@ -1,6 +1,6 @@
 """Scale benchmark: what one peer pays per DiLoCo round as the swarm grows.
 
-    python -m benchmarks.scale --peers 8,16,32,64 [--params P] [--codec C] [--rounds R] --out PATH.json
+    python -m benchmarks.scale --peers 8,16,32,64 [--params P] [--codec C] [--rounds R] [--max-group-size G] --out PATH.json
 
 Real lightweight peers on loopback, all in this process: each has its own p2pd, hivemind DHT node,
 locomesh transport, ``RoundExchange`` and ``DiLoCoAverager`` (the daemon's round logic: DHT
@@ -9,7 +9,11 @@ of P parameters instead of a model. Per swarm size the report holds bytes sent a
 per round (average protocol, measured by the transport), round time (median and p95 over peers and
 rounds, the first round left out), DHT requests per peer per round (every find and store request
 the peer's DHT node sent, counted on its protocol object) and resident memory per peer (this
-process and its p2pd children, divided by the peers).
+process and its p2pd children, divided by the peers). A swarm larger than ``--max-group-size`` (32, as
+``node join``) averages in bounded groups (``gossip.groups``); then the report also holds the groups
+per round and the replicas' spread after each round: the largest distance of a peer's φ from the
+swarm's mean φ, in units of one peer's update (the synthetic updates are independent noise, the
+worst case for agreement: real pseudo-gradients share most of their direction).
 
 ``simulated`` extrapolates to 256, 1000 and 4000 peers with the model in ``benchmarks.scale_model``
 (README, Benchmarks), calibrated on the measured runs, for two links: 20 Mbit/s with 50 ms RTT and
@@ -75,7 +79,7 @@ def count_dht_requests(dht: DHTNode, counts: dict[str, int]) -> None:
         setattr(protocol, name, counted)
 
 
-async def make_peer(initial: list[str], shapes: list[tuple[int, ...]], codec: str, timeout: float) -> Peer:
+async def make_peer(initial: list[str], shapes: list[tuple[int, ...]], codec: str, timeout: float, max_group_size: int) -> Peer:
     p2p = await P2P.create(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     validator = RSASignatureValidator()
     dht = await DHTNode.create(p2p=p2p, initial_peers=initial, record_validator=validator)
@@ -90,7 +94,8 @@ async def make_peer(initial: list[str], shapes: list[tuple[int, ...]], codec: st
     await exchange.start()
     peer_id = p2p.peer_id.to_base58()
     averager = DiLoCoAverager(dht, validator, exchange, RUN, peer_id, NesterovOuter(lr=1.0, momentum=0.0),
-                              gather_timeout=timeout, fetch_timeout=timeout, partition=partition)
+                              gather_timeout=timeout, fetch_timeout=timeout, partition=partition, max_group_size=max_group_size,
+                              weight_codec="none" if codec == "none" else "fp16")
     count_dht_requests(dht, counts)
     return Peer(p2p, dht, validator, exchange, averager, [torch.zeros(s) for s in shapes], counts)
 
@@ -120,13 +125,20 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-async def run_size(n: int, params: int, codec: str, rounds: int, timeout: float) -> dict:
+def replica_spread(phis: list[list[torch.Tensor]], update_norm: float) -> float:
+    """max_i ‖φ_i − φ̄‖ / ‖Δ‖: how far the replicas are from agreeing, in units of one peer's update."""
+    mean = [torch.stack(ts).mean(0) for ts in zip(*phis)]
+    worst = max(sum(float((p - m).pow(2).sum()) for p, m in zip(phi, mean)) ** 0.5 for phi in phis)
+    return worst / update_norm
+
+
+async def run_size(n: int, params: int, codec: str, rounds: int, timeout: float, max_group_size: int = 32) -> dict:
     shapes = synthetic_shapes(params)
     peers: list[Peer] = []
     try:
         for _ in range(n):
             initial = [str(a) for a in await peers[0].p2p.get_visible_maddrs()] if peers else []
-            peers.append(await make_peer(initial, shapes, codec, timeout))
+            peers.append(await make_peer(initial, shapes, codec, timeout, max_group_size))
         for peer in peers:  # everyone learns of its neighbours, as heartbeats do in a running swarm
             await peer.dht.find_nearest_nodes([peer.dht.node_id])
         g = torch.Generator().manual_seed(0)
@@ -149,6 +161,9 @@ async def run_size(n: int, params: int, codec: str, rounds: int, timeout: float)
                 "sent": [p.counts["sent"] - m["sent"] for p, m in zip(peers, marks)],
                 "received": [p.counts["received"] - m["received"] for p, m in zip(peers, marks)],
                 "dht": [p.counts["dht"] - m["dht"] for p, m in zip(peers, marks)],
+                "groups": sorted({res.groups for res in results}),
+                "complete": all(len(res.contributors) == len(res.group) for res in results),
+                "spread": replica_spread([p.phi for p in peers], statistics.mean(sum(float(t.pow(2).sum()) for t in d) ** 0.5 for d in deltas)),
             })
         pids = [os.getpid()] + _children(os.getpid())
         memory = rss_mb(pids) / n
@@ -160,9 +175,12 @@ async def run_size(n: int, params: int, codec: str, rounds: int, timeout: float)
     durations = sorted(d for row in steady for d in row["duration_s"])
     payload = params * 4 if codec == "none" else None
     return {
-        "peers": n, "params": params, "codec": codec, "payload_bytes": payload, "rounds": rounds,
+        "peers": n, "params": params, "codec": codec, "payload_bytes": payload, "rounds": rounds, "max_group_size": max_group_size,
+        "groups": sorted({g for row in per_round for g in row["groups"]}),
+        "spread_after_each_round": [row["spread"] for row in per_round],
         "schemes": sorted({s for row in per_round for s in row["schemes"]}),
-        "full_rounds": sum(all(c == n for c in row["contributors"]) for row in steady),
+        "full_rounds": sum(row["complete"] for row in steady),  # every member averaged with its whole group
+        "group_sizes": sorted({c for row in per_round for c in row["contributors"]}),
         "bytes_sent_per_node_per_round": statistics.mean(x for row in steady for x in row["sent"]),
         "bytes_sent_per_node_per_round_max": max(x for row in steady for x in row["sent"]),
         "bytes_received_per_node_per_round": statistics.mean(x for row in steady for x in row["received"]),
@@ -180,9 +198,8 @@ def write_report(out: Path, runs: list[dict], args: argparse.Namespace, argv: li
     report = {
         "runs": runs,
         "model": model,
-        "simulated": [simulate(model, n, args.params * 4, link) for n in SIM_PEERS for link in LINKS],
-        # bounded groups (--max-group-size) are not built yet: what they would cost, for comparison
-        "simulated_groups_of_32_not_built": [simulate(model, n, args.params * 4, link, group=32) for n in SIM_PEERS for link in LINKS],
+        "simulated": [simulate(model, n, args.params * 4, link, max_group_size=args.max_group_size) for n in SIM_PEERS for link in LINKS],
+        "simulated_one_group": [simulate(model, n, args.params * 4, link) for n in SIM_PEERS for link in LINKS],
         "environment": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                         "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
         "command": "python -m benchmarks.scale " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -201,23 +218,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codec", default="none")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=60.0, help="rendezvous and fetch timeout per round")
+    ap.add_argument("--max-group-size", type=int, default=32, help="a larger swarm averages in random groups of about this many")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     runs: list[dict] = []
     out = Path(args.out)
     for n in [int(x) for x in args.peers.split(",")]:
         started = time.monotonic()
-        run = asyncio.run(run_size(n, args.params, args.codec, args.rounds, args.timeout))
+        run = asyncio.run(run_size(n, args.params, args.codec, args.rounds, args.timeout, args.max_group_size))
         runs.append(run)
         write_report(out, runs, args, argv)  # what was measured survives a later size that fails
         payload = run["payload_bytes"] or 1
         print(f"{n:5d} peers: sent {run['bytes_sent_per_node_per_round'] / payload:.2f}x payload/round "
               f"(max {run['bytes_sent_per_node_per_round_max'] / payload:.2f}x), round {run['round_s_median']:.2f}s "
               f"(p95 {run['round_s_p95']:.2f}s), {run['dht_requests_per_node_per_round']:.1f} DHT requests/round, "
-              f"{run['rss_mb_per_peer']:.0f} MB/peer, {run['full_rounds']} full rounds [{time.monotonic() - started:.0f}s]", flush=True)
+              f"{run['rss_mb_per_peer']:.0f} MB/peer, {run['full_rounds']} full rounds, groups {run['groups']} of {run['group_sizes']}, "
+              f"spread {run['spread_after_each_round'][-1]:.3f} [{time.monotonic() - started:.0f}s]", flush=True)
     report = write_report(out, runs, args, argv)
     for row in report["simulated"]:
-        print(f"simulated {row['peers']:5d} peers, {row['link']}: sent {row['bytes_sent_per_node_per_round'] / (args.params * 4):.2f}x payload, "
+        print(f"simulated {row['peers']:5d} peers (groups of {row['group']:.0f}), {row['link']}: sent {row['bytes_sent_per_node_per_round'] / (args.params * 4):.2f}x payload, "
               f"round {row['round_s_median']:.2f}s, {row['dht_requests_per_node_per_round']:.1f} DHT requests")
     print(f"report: {out}")
     return 0

@@ -27,6 +27,7 @@ import math
 import statistics
 from typing import Any
 
+from gossip.groups import group_count
 from gossip.reduce_scatter import wire_partition
 
 SIM_PEERS = (256, 1000, 4000)
@@ -81,9 +82,10 @@ def calibrate(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "fit": "dht_requests = a + b * log2(peers), least squares over the measured sizes"}
 
 
-def simulate(model: dict[str, Any], peers: int, payload: int, link: dict[str, Any], group: int | None = None) -> dict[str, Any]:
-    """One round's cost per peer for ``peers`` peers in groups of ``group`` (None: one group)."""
-    g = peers if group is None else min(group, peers)
+def simulate(model: dict[str, Any], peers: int, payload: int, link: dict[str, Any], max_group_size: int | None = None) -> dict[str, Any]:
+    """One round's cost per peer for ``peers`` peers in bounded groups (``gossip.groups``: their mean
+    size; None: one group). A grouped round sends the members' weights, as many bytes as the update."""
+    g = peers if max_group_size is None else peers / group_count(peers, max_group_size)
     owners = max(1, min(g, model["parts"]))
     share = payload / owners
     overhead = 2 * (g - 1) * model["stream_overhead_bytes"]

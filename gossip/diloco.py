@@ -17,6 +17,11 @@ One round, for a member holding φ (agreed weights) and θ (weights after its in
    averaged, weighted by samples, in peer-id order (bit-identical on every member), and the outer
    optimizer steps φ. A member in the minority reports ``in_sync = False`` and re-downloads state.
 
+A swarm with more live members than ``max_group_size`` splits every round into random bounded groups
+(``gossip.groups``), each with its own rendezvous. Their φ differ, so such a round averages weights:
+each member steps φ with its own Δ first, then the group's mean of the stepped weights becomes φ
+(no fingerprint vote).
+
 SparseLoCo is this round with a top-k + quantizing codec, error feedback and a plain SGD outer
 step (momentum 0, η = 1): the error-feedback buffer acts as the momentum.
 
@@ -73,6 +78,7 @@ class RoundResult:
     others_samples: int = 0
     reduce_scatter: bool = False
     groups: int = 1  # the swarm was split into this many bounded groups (gossip.groups); 1: one group
+    group_tag: str = ""  # which of them this member averaged in (e.g. g1of2)
 
 
 def _assign(phi: Sequence[torch.Tensor], mean: Sequence[torch.Tensor], indices: object = None, round_no: object = None) -> None:
@@ -138,17 +144,19 @@ class DiLoCoAverager(GroupAverager):
     async def expected_members(self, round_no: int) -> set[str]:
         return await round_members(self.dht, self.run_id, round_no, self.member_role)
 
-    async def _grouping(self, round_no: int) -> tuple[int, int] | None:
-        """(this member's group, the number of groups) when the round's live members are more than
-        ``max_group_size`` (``gossip.groups``), else None: the whole swarm is one group."""
-        if self.max_group_size is None:
-            return None
-        count = group_count(len(await self.expected_members(round_no) | {self.peer_id}), self.max_group_size)
-        return None if count == 1 else (group_of(self.run_id, round_no, self.peer_id, count), count)
+    def _rendezvous_view(self, round_no: int, members: set[str] | None,
+                         grouping: tuple[int, int] | None) -> Callable[[], Awaitable[set[str]]]:
+        """The members the rendezvous waits for (of this member's group only, in a grouped round); its
+        first poll reuses ``members``, the read that decided the grouping."""
+        first = [] if members is None else [members]
 
-    async def _group_members(self, round_no: int, grouping: tuple[int, int]) -> set[str]:
-        group, count = grouping
-        return {p for p in await self.expected_members(round_no) if group_of(self.run_id, round_no, p, count) == group}
+        async def expected() -> set[str]:
+            live = first.pop() if first else await self.expected_members(round_no)
+            if grouping is None:
+                return live
+            return {p for p in live if group_of(self.run_id, round_no, p, grouping[1]) == grouping[0]}
+
+        return expected
 
     async def run_round(
         self,
@@ -174,7 +182,12 @@ class DiLoCoAverager(GroupAverager):
         shapes = [tuple(p.shape) for p in phi]
         my_fp = fingerprint(phi)
         delta = to_host(pseudo_gradient(phi, theta))  # codecs and the wire work on the CPU
-        grouping = await self._grouping(round_no)
+        members, grouping = None, None
+        if self.max_group_size is not None:
+            members = await self.expected_members(round_no)
+            count = group_count(len(members | {self.peer_id}), self.max_group_size)
+            if count > 1:  # more live members than one group holds (gossip.groups)
+                grouping = (group_of(self.run_id, round_no, self.peer_id, count), count)
         tag = ""
         if grouping is None:
             sent = self.partition.split(delta)
@@ -191,8 +204,8 @@ class DiLoCoAverager(GroupAverager):
 
         entry = RoundEntry(peer_id=self.peer_id, samples=samples, codec=wire)
         deadline, registered = self.deadline.value, time.monotonic()
-        expected = (lambda: self.expected_members(round_no)) if grouping is None else (lambda: self._group_members(round_no, grouping))
-        group, complete = await gather_group(self.dht, self.validator, self.run_id, round_no, entry, expected, deadline, group=tag)
+        group, complete = await gather_group(self.dht, self.validator, self.run_id, round_no, entry,
+                                             self._rendezvous_view(round_no, members, grouping), deadline, group=tag)
         gathered = time.monotonic()
         self.deadline.observe(gathered - registered, complete)
         others = [e.peer_id for e in group if e.peer_id != self.peer_id]
@@ -233,6 +246,7 @@ class DiLoCoAverager(GroupAverager):
             exchange_s=exchanged - gathered,
             samples=sum(contributions[p].samples for p in used),
             groups=1 if grouping is None else grouping[1],
+            group_tag=tag,
         )
         apply = self.outer.step if grouping is None else _assign
         if scatter:

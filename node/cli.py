@@ -72,6 +72,7 @@ def join_flags(
     init_from: Annotated[Optional[Path], opt("Start a new run from existing weights: a locomesh checkpoint (a checkpoint.pt a node wrote, or its --checkpoint-dir) or a Hugging Face Llama folder (config.json, model.safetensors, tokenizer.json; node export writes one). Joiners still take the swarm's state", TRAIN, "init_from")] = None,
     compression: Annotated[Optional[str], opt("Codec for pseudo-gradients: none, fp16, bf16, q8, q4, q2, int8-block, topk:64/4096+q2, dct:32/4096, rot2, topk:64/4096+rot2, seed:r=16 (default: none; topk:64/4096+q2 for sparseloco)", AVG, "compression")] = None,
     group_size: Annotated[Optional[int], opt("noloco: members per averaging group (default: 2)", AVG, "group_size")] = None,
+    max_group_size: Annotated[Optional[int], opt("diloco/sparseloco: a swarm with more live trainers averages each round in random groups of about this many, new every round (Moshpit); such rounds average each member's stepped weights (default: 32)", AVG, "max_group_size")] = None,
     noloco_pull: Annotated[Optional[float], opt("noloco: γ, pull toward the group's mean weights (default: the outer lr)", AVG, "noloco_pull")] = None,
     fragments: Annotated[Optional[int], opt("Streaming: split the model into P fragments synchronised in rotation, one every H/P steps (default: 1)", AVG, "fragments")] = None,
     overlap: Annotated[Optional[bool], opt("Keep training while a round's exchange runs (default: off)", AVG, "overlap")] = None,

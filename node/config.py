@@ -68,6 +68,7 @@ class NodeConfig(BaseModel):
     outer_warmup_rounds: int | None = Field(None, ge=0, le=10_000, description="W: round r steps at η·min(1, (r+1)/W); default 5 for diloco with a lossy codec other than seed:, else 0")
     noloco_pull: float | None = Field(None, ge=0, le=10, description="γ of noloco: pull toward the group's mean weights; default = outer lr")
     group_size: int = Field(2, ge=2, le=64, description="members per noloco group")
+    max_group_size: int = Field(32, ge=2, le=4096, description="diloco/sparseloco: a swarm with more live trainers averages in random groups of about this many")
     fragments: int = Field(1, ge=1, le=64, description="streaming: parameter fragments synchronised in rotation")
     overlap: bool = Field(False, description="keep training while a round's exchange runs")
     overlap_mode: Literal["asap", "delayed", "eager"] = Field("asap", description="apply a round's result as soon as it arrives, at the next round (one-step delay), or eagerly estimate it from the previous round")

@@ -131,7 +131,8 @@ class Daemon(NodeBase):
             self.averager = DiLoCoAverager(
                 net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, partition=self.plan.partition,
                 gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregation,
-                keep_others=cfg.overlap and cfg.overlap_mode == "eager",
+                keep_others=cfg.overlap and cfg.overlap_mode == "eager", max_group_size=cfg.max_group_size,
+                weight_codec=self.plan.phi_codec,
             )
         self.rounds = RoundRunner(net, self.averager, cfg.overlap and cfg.overlap_mode == "eager", self._heartbeat, self.stop,
                                   final_timeout=2 * cfg.averaging_timeout + 30, placement=self.placement)
@@ -305,7 +306,7 @@ class Daemon(NodeBase):
                   "gather_s": round(result.gather_s, 3), "exchange_s": round(result.exchange_s, 3), "deadline_s": round(result.deadline_s, 3), "in_sync": result.in_sync,
                   "fingerprint": "", "loss": self.last_loss, "tokens": self.summary.steps * self.cfg.batch_size * self.trainer.model.cfg.context,
                   "norms": {p[-8:]: round(n, 6) for p, n in result.norms.items()}, "update_norm": round(result.update_norm, 6),
-                  "scheme": "reduce-scatter" if result.reduce_scatter else "all-gather"}
+                  "scheme": "reduce-scatter" if result.reduce_scatter else "all-gather", "groups": result.groups, "group_tag": result.group_tag}
         record["average_bytes_sent"], record["average_bytes_received"] = self.traffic_since_last("average")
         if not result.in_sync:
             m.outer_rounds.labels("failed").inc()

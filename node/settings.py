@@ -12,8 +12,9 @@ from typing import Any
 from node.config import NodeConfig
 
 SETTINGS_FLAGS = {"run_id": "--run-id", "model": "--model", "algorithm": "--algorithm", "compression": "--compression",
-                  "fragments": "--fragments", "stages": "--stages", "tokenizer": "--data with tokenizer"}
-SWARM_KEYS = ("model", "algorithm", "compression", "fragments", "tokenizer")  # in a state download's meta (the run id is the request's)
+                  "fragments": "--fragments", "stages": "--stages", "tokenizer": "--data with tokenizer",
+                  "max_group_size": "--max-group-size"}
+SWARM_KEYS = ("model", "algorithm", "compression", "fragments", "tokenizer", "max_group_size")  # in a state download's meta (the run id is the request's)
 
 
 def run_settings(cfg: NodeConfig) -> dict[str, Any]:
@@ -22,7 +23,7 @@ def run_settings(cfg: NodeConfig) -> dict[str, Any]:
     from node.workload import identity
 
     return {"run_id": cfg.run_id, "algorithm": cfg.algorithm, "compression": cfg.codec, "fragments": cfg.fragments,
-            "stages": cfg.stages, **identity(cfg)}
+            "stages": cfg.stages, "max_group_size": cfg.max_group_size, **identity(cfg)}
 
 
 def settings_from_saved_config(config: dict[str, Any]) -> dict[str, Any]:

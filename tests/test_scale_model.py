@@ -21,8 +21,8 @@ def test_a_peer_pays_about_twice_the_payload_while_every_member_owns_parts():
     # more members than parts: the owners carry the rest
     big = simulate(model, 4000, 4_000_000, LINKS[0])
     assert big["owners"] == 245 and big["bytes_sent_busiest_node_per_round"] > 10 * 4_000_000
-    grouped = simulate(model, 4000, 4_000_000, LINKS[0], group=32)
-    assert grouped["bytes_sent_busiest_node_per_round"] < 2 * 4_000_000
+    grouped = simulate(model, 4000, 4_000_000, LINKS[0], max_group_size=32)
+    assert grouped["group"] == 4000 / 128 and grouped["bytes_sent_busiest_node_per_round"] < 2 * 4_000_000
 
 
 def test_calibration_recovers_the_stream_overhead_and_the_dht_fit():
