@@ -23,22 +23,28 @@ def test_six_nodes_average_in_two_groups_that_change_every_round(tmp_path, nodes
         return [r for r in info["rounds"] if r.get("groups") == 2 and r["contributors"] == r["group"] >= 2]
 
     for handle in nodes:
-        handle.wait(lambda i: len(grouped(i)) >= 4, 600, "4 rounds averaged with a whole group of two")
+        handle.wait(lambda i: len(grouped(i)) >= 6, 600, "6 rounds averaged with a whole group of two or more")
     payload = 4 * num_params(preset("nano"))
     infos = [h.info() for h in nodes]
     for info in infos:
-        for r in grouped(info)[1:]:  # the first may still carry a joiner's late bytes
-            assert r["average_bytes_sent"] <= 2.5 * payload, (r, payload)
-    by_round: dict[int, dict[str, set[str]]] = {}
+        # bytes count in the record of the round during which they went out, so a late member's fetch
+        # served after a round lands in the next one: the mean over rounds is what a member pays
+        sent = [r["average_bytes_sent"] for r in grouped(info)[1:]]  # the first may carry a joiner's late bytes
+        assert sum(sent) / len(sent) <= 2.5 * payload, (sent, payload)
+    # a group whose members all recorded the round once, each with the whole group, ends bit-identical
+    # (start-up transients, e.g. a node pulled back a round, record a round twice and are left out)
+    records: dict[tuple[int, str], list[dict]] = {}
     for info in infos:
         for r in grouped(info):
-            by_round.setdefault(r["round"], {}).setdefault(r["group_tag"], set()).add(r["fingerprint"])
-    assert by_round, "no grouped round"
-    for round_no, tags in by_round.items():
-        for tag, fingerprints in tags.items():
-            assert len(fingerprints) == 1, f"round {round_no}: group {tag}'s replicas differ"
-    memberships = {tuple(sorted(tag for tag in tags)) for tags in by_round.values()}
-    assert any(len(m) == 2 for m in memberships), "every round should have two groups"
+            records.setdefault((r["round"], r["group_tag"]), []).append(r)
+    whole = {key: rs for key, rs in records.items() if all(r["group"] == len(rs) for r in rs)}
+    assert len(whole) >= 4, records
+    for (round_no, tag), rs in whole.items():
+        assert len({r["fingerprint"] for r in rs}) == 1, f"round {round_no}: group {tag}'s replicas differ: {rs}"
+    by_round: dict[int, set[str]] = {}
+    for round_no, tag in records:
+        by_round.setdefault(round_no, set()).add(tag)
+    assert any(len(tags) == 2 for tags in by_round.values()), "rounds should have two groups"
     partners = [{r["round"]: r["group_tag"] for r in grouped(info)} for info in infos]
     common = sorted(set.intersection(*(set(p) for p in partners)))
     assert len({tuple(p[r] for p in partners) for r in common}) > 1 or len(common) < 2, "the groups never changed"

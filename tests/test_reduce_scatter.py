@@ -152,3 +152,16 @@ def test_a_late_member_that_counts_more_members_than_the_others_is_refused_at_on
         m["peer"] for m in members[:2])
     assert third.reduce_scatter and all(third.failures[m["peer"]].startswith("reduce_") for m in members[:2]), third.failures
     assert third.contributors == sorted(m["peer"] for m in members), "it fell back to every member's contribution"
+
+
+def test_wire_partition_per_codec():
+    from gossip.reduce_scatter import wire_partition
+    shapes = [(256, 128), (128,), (64, 64)]
+    assert wire_partition("none", shapes).flat is False and wire_partition("q2", shapes).max_numel == 16384
+    # top-k with values scaled per chunk runs across tensors: one payload header for the whole model
+    for codec in ("topk:64/4096+q2", "topk:64/4096"):
+        partition = wire_partition(codec, shapes)
+        assert partition.flat and partition.shapes(shapes) == [(256 * 128 + 128 + 64 * 64,)]
+    # one quantizer table per payload (+q4/+q8), rotation blocks and DCT tiles keep tensors apart
+    for codec in ("topk:64/4096+q4", "topk:64/4096+rot2", "dct:32/4096", "seed:r=8"):
+        assert not wire_partition(codec, shapes).flat
