@@ -25,6 +25,7 @@ from gossip.partition import DEFAULT_PART_NUMEL, Partition
 # shared-seed payloads keep the all-gather, which is cheaper for them
 DENSE_CODECS = frozenset({"none", "fp16", "bf16", "q8", "q4", "q2", "rot1", "rot2", "rot4", "rot8", "int8-block"})
 FINE_PARTS = 256  # a dense round's wire parts per model: enough for even shares in groups of up to 64
+ELEMENTWISE_CODECS = frozenset({"none", "fp16", "bf16"})  # no per-part tables: small parts cost only a header
 
 
 def is_dense(codec: str) -> bool:
@@ -47,7 +48,9 @@ def wire_partition(codec: str, shapes: Sequence[Sequence[int]], noloco: bool = F
     all-gather; DCT and shared-seed codecs work per tensor)."""
     total = sum(math.prod(shape) for shape in shapes)
     if is_dense(codec) and not noloco:
-        return Partition(fine_part_numel(total))
+        # an elementwise codec's part costs only its ~250-byte header, so small models get finer parts
+        # and even shares (nano in 12 members: the busiest member sent 2.4x the payload with 16384-value parts)
+        return Partition(fine_part_numel(total, floor=4096 if codec in ELEMENTWISE_CODECS else 16384))
     chosen = get_codec(codec)
     return Partition(DEFAULT_PART_NUMEL, flat=type(chosen) is TopKCompression and chosen.chunk_local)
 
