@@ -79,7 +79,7 @@ def join_flags(
     overlap_mode: Annotated[Optional[str], opt("With --overlap: asap (apply a round's result when it arrives) | delayed (at the next round: one-step delay) | eager (apply an estimate from this node's Δ and the others' previous Δ at once, correct it when the result arrives) (default: asap)", AVG, "overlap_mode")] = None,
     fragment_alpha: Annotated[Optional[float], opt("α in θ ← (1−α)·φ + α·θ when a round's result is applied; 0 replaces local weights (default: 0)", AVG, "fragment_alpha")] = None,
     error_feedback_decay: Annotated[Optional[float], opt("β of error feedback for lossy codecs (default: 0.95; 0 for none/fp16/bf16)", AVG, "error_feedback_decay")] = None,
-    outer_lr: Annotated[Optional[float], opt("Outer learning rate η (β for noloco) (default: 0.7; 2.0 for sparseloco; 1.0 for diloco with a lossy codec)", AVG, "outer_lr")] = None,
+    outer_lr: Annotated[Optional[float], opt("Outer learning rate η (β for noloco) (default: 0.7; 2.0 for sparseloco; 1.0 for noloco and for diloco with a lossy codec)", AVG, "outer_lr")] = None,
     outer_momentum: Annotated[Optional[float], opt("Outer momentum μ (α for noloco) (default: 0.9 Nesterov; 0.5 for noloco and for diloco with a lossy codec; 0 for sparseloco and seed:)", AVG, "outer_momentum")] = None,
     outer_warmup_rounds: Annotated[Optional[int], opt("Outer lr warm-up: round r of the run steps at η·min(1, (r+1)/W) (default: 5 for diloco with a lossy codec other than seed:, else 0)", AVG, "outer_warmup_rounds")] = None,
     aggregate: Annotated[Optional[str], opt("mean | sparse-mean | median-clip | trimmed-mean: how updates are combined; the last two are robust against broken or malicious peers (default: sparse-mean for sparseloco, else mean)", AVG, "aggregate")] = None,

@@ -15,7 +15,8 @@ def test_defaults():
 
 def test_algorithm_defaults_follow_the_papers():
     noloco = parse_join_args(["--algorithm", "noloco"])
-    assert noloco.outer_hyper == (0.7, 0.5) and noloco.group_size == 2 and noloco.codec == "none"
+    # NoLoCo steps with β = γ = 1 (measured on tiny, 4 nodes: see NodeConfig.outer_hyper)
+    assert noloco.outer_hyper == (1.0, 0.5) and noloco.group_size == 2 and noloco.codec == "none"
     sparse = parse_join_args(["--algorithm", "sparseloco"])
     # SparseLoCo steps at η = 2 (measured on tiny, 4 nodes: see NodeConfig.outer_hyper)
     assert sparse.outer_hyper == (2.0, 0.0) and sparse.codec == "topk:64/4096+q2" and sparse.feedback_decay() == 0.95
@@ -28,7 +29,7 @@ def test_algorithm_defaults_follow_the_papers():
     # other lossy codecs: half the momentum at lr 1 (error feedback already carries what was dropped)
     assert parse_join_args(["--compression", "rot2"]).outer_hyper == (1.0, 0.5)
     assert parse_join_args(["--compression", "bf16"]).outer_hyper == (0.7, 0.9)
-    assert parse_join_args(["--algorithm", "noloco", "--compression", "q2"]).outer_hyper == (0.7, 0.5)
+    assert parse_join_args(["--algorithm", "noloco", "--compression", "q2"]).outer_hyper == (1.0, 0.5)
     # sparse rounds are cheap: SparseLoCo syncs more often unless told otherwise, and NoLoCo's pairs too
     # (its paper syncs at half DiLoCo's interval)
     assert (sparse.inner_steps, sparse.round_steps, noloco.inner_steps) == (30, 30, 30)
