@@ -15,7 +15,9 @@ What travels in round r is the round's *layout*: the shape and codec of every pa
 on every member (derived from the model and the run's settings), may change from round to round
 (streaming DiLoCo sends one fragment per round) and may mix codecs (NoLoCo sends Δ with the run's
 codec and φ with a near-lossless one). ``wire`` names the run's wire settings; a request for other
-settings is refused.
+settings is refused. A round averaged in a bounded group (``gossip.groups``) sends the members'
+weights instead, under ``wire|gKofN`` (:meth:`RoundExchange.regroup`), so members that counted
+another number of groups do not mix.
 """
 
 from __future__ import annotations
