@@ -149,4 +149,6 @@ class RoundRunner:
             self.pending = None
         if result.in_sync and result.others_sum is not None:
             self.others_prev[pending.fragment] = (result.others_sum, result.others_samples)
+        elif result.groups > 1:  # a bounded group averaged weights: no others' Δ to estimate the next round from
+            self.others_prev.pop(pending.fragment, None)
         return result, pending
