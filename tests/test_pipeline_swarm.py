@@ -69,9 +69,12 @@ def test_pipeline_trains_replicas_agree_and_a_killed_replica_is_routed_around(tm
         trainer.wait(lambda i, n=before[trainer.name]: i.get("steps", 0) >= n + 40, 180, "40 steps after the kill")
     for node in (t0, t1, s0a, s1a, s0b):  # trainers first: a pipeline without stage servers cannot step
         assert node.stop() == 0, node.log()[-2000:]
+    # the trainers share the stages: one that took its first step after the other had trained for a
+    # while starts from a lower loss (3.44 once in a full suite run), so compare with the swarm's first loss
+    first_loss = max(t.info()["train_loss_first"] for t in (t0, t1))
     for trainer in (t0, t1):
         info = trainer.info()
-        assert info["train_loss_last"] < info["train_loss_first"] - 1.0, info
+        assert info["train_loss_last"] < first_loss - 1.0, info
         assert info["val_loss"] < 3.5
         kinds = [e["event"] for e in info["events"]]
         assert "step_failed" not in kinds[kinds.index("rerouted") if "rerouted" in kinds else 0:], "another replica took over"
