@@ -143,12 +143,12 @@ class TopKCompression(Codec):
             bits = index_bits(self.chunk)
             packed = read_tensor(payload.fields, "idx", [packed_size(total, bits)], torch.uint8, self.spec)
             indices = unpack_bits(packed, bits, total).to(torch.int64).view(n_chunks, k)
-        if total:
-            if int(indices.max()) >= self.chunk:
-                raise CodecError(f"{self.spec}: an index points past the end of its {self.chunk}-value chunk")
-            ordered = indices.sort(dim=1).values
-            if k > 1 and bool((ordered[:, 1:] == ordered[:, :-1]).any()):
-                raise CodecError(f"{self.spec}: a chunk repeats an index")
+            if total:  # (Elias–Fano decoding checks the same itself)
+                if int(indices.max()) >= self.chunk:
+                    raise CodecError(f"{self.spec}: an index points past the end of its {self.chunk}-value chunk")
+                ordered = indices.sort(dim=1).values
+                if k > 1 and bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+                    raise CodecError(f"{self.spec}: a chunk repeats an index")
         if self.value_bits is None:
             values = read_tensor(payload.fields, "values", [total], torch.float32, self.spec)
             if total and not bool(torch.isfinite(values).all()):
