@@ -1,11 +1,12 @@
 """Chunked top-k sparsification (SparseLoCo): keep the K largest-magnitude values of every chunk.
 
 Chunks follow :mod:`compression.chunking` (64×64 tiles for 2-D tensors at C = 4096, flat runs of C
-otherwise). Per chunk the K positions are sent sorted, Elias–Fano coded (:mod:`compression.elias_fano`:
-⌊log₂(C/K)⌋ + 1 bits each plus C/2^⌊log₂(C/K)⌋ bits per chunk, 8 bits a position for 64 of 4096), or packed
-to ⌈log₂ C⌉ bits (12 for 4096) where that is smaller (K close to 1 or to C), and the values either as float32 or, composed as ``topk:K/C+q2``, as a sign and a magnitude bit with two
-float16 levels per chunk (:mod:`compression.chunk_levels`), or, composed as ``topk:K/C+q4``/``+q8``,
-through the statistical quantizer (one shift/table for the whole tensor), or, composed as ``topk:K/C+rot2``, through the rotation
+otherwise). Per chunk the K positions are sent sorted and Elias–Fano coded (:mod:`compression.elias_fano`:
+⌊log₂(C/K)⌋ + 1 bits each plus C/2^⌊log₂(C/K)⌋ bits per chunk, 8 bits a position for 64 of 4096),
+or packed to ⌈log₂ C⌉ bits (12 for 4096) where that is smaller (K close to 1 or to C). The values
+travel as float32; or, composed as ``topk:K/C+q2``, as a sign and a magnitude bit with two float16
+levels per chunk (:mod:`compression.chunk_levels`); or, composed as ``topk:K/C+q4``/``+q8``, through
+the statistical quantizer (one shift/table for the whole tensor); or, composed as ``topk:K/C+rot2``, through the rotation
 quantizer (:mod:`compression.rotation`: the kept values, rotated in blocks of 1024, 2 bits each plus
 one float32 scale per block). Wire cost per value: (index bits + value bits)·K/C bits, e.g.
 (8 + 2.5)·64/4096 = 0.164 bits/param for ``topk:64/4096+q2`` ((8 + 2.03)·64/4096 for ``+rot2``),
@@ -48,7 +49,8 @@ class TopKCompression(Codec):
     """``topk:K/C[+qB|+rotB]``: per chunk of C values keep the K of largest magnitude.
 
     Fields: ``idx_low``/``idx_high`` (the Elias–Fano streams of the sorted positions) or ``idx`` (packed
-    uint8 indices, chunk by chunk, where packing is smaller: :func:`uses_elias_fano`), then ``values`` (float32, n_chunks·K),
+    uint8 indices, chunk by chunk, where packing is smaller: :func:`uses_elias_fano`), then ``values``
+    (float32, n_chunks·K),
     the statistical quantizer's fields (:meth:`compression.quantize.Quantized.fields`) when
     ``value_bits`` is set, or the rotation
     quantizer's ``seed``/``scales``/``codes`` when ``rotated`` is also set.

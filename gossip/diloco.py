@@ -81,6 +81,14 @@ class RoundResult:
     group_tag: str = ""  # which of them this member averaged in (e.g. g1of2)
 
 
+def _majority(contributions: dict[str, Contribution]) -> str:
+    """The member holding the φ most members hold (by fingerprint); ties go to the fingerprint held by
+    the smallest peer id, so every member picks the same one."""
+    votes = Counter(c.fingerprint for c in contributions.values())
+    best = max(votes.values())
+    return min((p for p, c in contributions.items() if votes[c.fingerprint] == best), key=str)
+
+
 def _assign(phi: Sequence[torch.Tensor], mean: Sequence[torch.Tensor], indices: object = None, round_no: object = None) -> None:
     """A bounded group's result: φ becomes the group's mean weights (the outer step was taken before)."""
     with torch.no_grad():
@@ -222,18 +230,11 @@ class DiLoCoAverager(GroupAverager):
         mine = owners.get(self.peer_id, range(len(specs)))  # my own contribution, cut to the parts this member reduces
         contributions = {self.peer_id: Contribution(round_no, samples, my_fp, "", [blobs[i] for i in mine], self.peer_id,
                                                     [my_decoded[i] for i in mine]), **got}
-        if grouping is None:
-            votes = Counter(c.fingerprint for c in contributions.values())
-            best = max(votes.values())
-            # ties go to the fingerprint held by the smallest peer id, so every member picks the same one
-            majority = min((p for p, c in contributions.items() if votes[c.fingerprint] == best), key=str)
-            majority_fp = contributions[majority].fingerprint
-        else:  # the members' φ differ by design: the group averages them
-            majority, majority_fp = self.peer_id, my_fp
-        for peer, c in contributions.items():
-            if grouping is None and c.fingerprint != majority_fp and peer != self.peer_id:
-                failures[peer] = "out_of_sync"
+        # a bounded group's φ differ by design (it averages them): its members do not vote
+        majority = self.peer_id if grouping is not None else _majority(contributions)
+        majority_fp = contributions[majority].fingerprint
         used = sorted(p for p, c in contributions.items() if grouping is not None or c.fingerprint == majority_fp)
+        failures.update({p: "out_of_sync" for p in contributions if p not in used and p != self.peer_id})
         result = RoundResult(
             round=round_no,
             group=[e.peer_id for e in group],
