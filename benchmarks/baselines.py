@@ -7,7 +7,7 @@ or each inside its own network namespace:
     python -m benchmarks.baselines hivemind --rank R --world N --rendezvous DIR --host IP --out r.json ...
 
 Both use the node's model presets, data (``ByteBatches`` seeded ``seed + rank``, the held-out
-``validation_batches``) and the inner optimizer of :class:`node.trainer.LocalTrainer` (AdamW, betas
+``validation_batches``) and the inner optimizer of :class:`node.runtime.local_training.LocalTrainer` (AdamW, betas
 (0.9, 0.95), weight decay 0.1 on matrices only, linear warmup then constant lr, gradient clipping at 1.0),
 with the same initial weights on every worker (``torch.manual_seed(seed)`` before the model is built).
 
@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
-from node.data import ByteBatches, load_corpus, validation_batches
-from swarm.model import preset
-from node.trainer import LocalTrainer
+from node.data.bytes import ByteBatches, load_corpus, validation_batches
+from swarm.models.presets import preset
+from node.runtime.local_training import LocalTrainer
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

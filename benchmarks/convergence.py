@@ -6,8 +6,8 @@
 
 Every configuration trains the same model preset with real processes, the same number of tokens
 (N nodes × S steps × batch × context), the same seeds (initial weights from seed 0, node i draws its
-data with seed i) and the same inner optimizer (AdamW as in ``node.trainer.LocalTrainer``), and is
-evaluated on the same held-out windows (``node.data.validation_batches``):
+data with seed i) and the same inner optimizer (AdamW as in ``node.runtime.local_training.LocalTrainer``), and is
+evaluated on the same held-out windows (``node.data.bytes.validation_batches``):
 
 - ``single``: one process trains on all N·S batches (no communication).
 - ``ddp``: N processes, gradients all-reduced with gloo every step (``benchmarks.baselines``).
@@ -211,7 +211,7 @@ def run_baseline(name: str, settings: Settings, directory: Path) -> dict[str, An
 
 
 def _free_port() -> int:
-    from node.launcher import free_port
+    from node.ops.launcher import free_port
 
     return free_port()
 
@@ -255,7 +255,7 @@ class InfoPoller(threading.Thread):
 
 def fragments(settings: Settings) -> int:
     """Streaming splits the model into 4 fragments, or one per block when it has fewer (nano has 2)."""
-    from swarm.model import preset
+    from swarm.models.presets import preset
 
     return min(4, preset(settings.model).n_layer)
 
@@ -286,7 +286,7 @@ def supported(name: str, settings: Settings, help_text: str) -> str | None:
     if missing:
         return f"unsupported by this build: node join has no {', '.join(missing)}"
     check = subprocess.run(
-        [*_python(), "-c", "import sys; from node.cli import parse_join_args; parse_join_args(sys.argv[1:])", *args],
+        [*_python(), "-c", "import sys; from node.cli.app import parse_join_args; parse_join_args(sys.argv[1:])", *args],
         capture_output=True, text=True, timeout=120,
     )
     if check.returncode != 0:
@@ -409,7 +409,7 @@ def run_locomesh(name: str, settings: Settings, directory: Path) -> dict[str, An
 
 
 def _context(model: str) -> int:
-    from swarm.model import preset
+    from swarm.models.presets import preset
 
     return preset(model).context
 

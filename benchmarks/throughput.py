@@ -4,11 +4,11 @@
         [--warmup 5] [--micro-batch-size M] [--activation-checkpointing] [--compile] [--threads T]
         --out PATH.json
 
-For every model (comma separated; ``all`` = every preset of ``swarm.model.PRESETS`` that fits this
+For every model (comma separated; ``all`` = every preset of ``swarm.models.presets.PRESETS`` that fits this
 machine's memory and ``--budget-s``), at the same batch, data and trainer options:
 
-- **bare**: a process that builds a :class:`node.trainer.LocalTrainer` on the node's data
-  (``node.data.ByteBatches`` of the embedded corpus) and times ``--steps`` steps of
+- **bare**: a process that builds a :class:`node.runtime.local_training.LocalTrainer` on the node's data
+  (``node.data.bytes.ByteBatches`` of the embedded corpus) and times ``--steps`` steps of
   ``batches.next()`` + ``trainer.step`` after ``--warmup`` untimed ones;
 - **daemon**: one real ``node join`` process (a new swarm of one, loopback, a fresh
   ``--checkpoint-dir`` in a temporary folder, ``--max-steps`` warmup + steps, no outer round
@@ -22,7 +22,7 @@ machine's memory and ``--budget-s``), at the same batch, data and trainer option
 back to back R times and the medians (of the rates, and of the pairs' ratios) are reported. On a
 machine shared with other work wall-clock rates swing with its load, so ``daemon_over_bare_cpu``
 compares tokens per CPU second of each process (all its threads: what the daemon costs beside
-training, but not time lost waiting for the GIL). MFU uses ``node.mfu`` (null on
+training, but not time lost waiting for the GIL). MFU uses ``node.runtime.mfu`` (null on
 the CPU unless ``--peak-tflops``); peak memory is ``torch.cuda.max_memory_allocated`` on CUDA and the
 process's peak RSS on the CPU. The JSON::
 
@@ -66,10 +66,10 @@ def _options(args: argparse.Namespace) -> list[str]:
 
 # ---- the bare loop (runs in a process of its own) ----------------------------------------------------
 def bare(args: argparse.Namespace) -> dict[str, Any]:
-    from node.data import ByteBatches, load_corpus
-    from node.mfu import flops_per_token, mfu, peak_flops, peak_memory_mb
-    from node.trainer import LocalTrainer, pick_device
-    from swarm.model import preset
+    from node.data.bytes import ByteBatches, load_corpus
+    from node.runtime.mfu import flops_per_token, mfu, peak_flops, peak_memory_mb
+    from node.runtime.local_training import LocalTrainer, pick_device
+    from swarm.models.presets import preset
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -125,7 +125,7 @@ def _cpu_s(pid: int) -> float | None:
 
 
 def run_daemon(args: argparse.Namespace, model: str, context: int) -> dict[str, Any]:
-    from node.launcher import free_port
+    from node.ops.launcher import free_port
 
     per_step = args.batch_size * context
     total = args.warmup + args.steps
@@ -180,7 +180,7 @@ def _available_mb(device: torch.device) -> float:
 
 def _achievable_flops(device: torch.device, peak_tflops: float | None) -> float:
     """FLOP/s training may reach: 30 % of the device's peak, or what a short matmul probe achieves."""
-    from node.mfu import peak_flops
+    from node.runtime.mfu import peak_flops
 
     peak = peak_flops(device, peak_tflops)
     if peak is not None:
@@ -201,8 +201,8 @@ def _estimate(cfg: Any, batch: int, device: torch.device, args: argparse.Namespa
     and the outer state (fp32, 24 B per parameter), activations (~34·d bytes per token and layer in bf16,
     Korthikanti et al. 2022, twice that in fp32 on the CPU; one layer's worth under checkpointing) and
     fp32 logits and their gradient; time at ``flops`` FLOP/s."""
-    from node.mfu import flops_per_token
-    from swarm.model import num_params
+    from node.runtime.mfu import flops_per_token
+    from swarm.models.presets import num_params
 
     rows = args.micro_batch_size or batch
     per_token = 34 * cfg.d_model * (1 if args.activation_checkpointing else cfg.n_layer) * (1 if device.type == "cuda" else 2)
@@ -212,7 +212,7 @@ def _estimate(cfg: Any, batch: int, device: torch.device, args: argparse.Namespa
 
 
 def choose_models(args: argparse.Namespace, device: torch.device) -> tuple[list[str], list[dict[str, Any]]]:
-    from swarm.model import PRESETS
+    from swarm.models.presets import PRESETS
 
     names = [n.strip() for n in args.model.split(",") if n.strip()]
     unknown = [n for n in names if n != "all" and n not in PRESETS]
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.out is None:
         parser.error("--out is required")
-    from node.trainer import pick_device
+    from node.runtime.local_training import pick_device
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -6,7 +6,7 @@ Importing torch and hivemind and decoding the corpus take seconds on a small mac
 one node after the other (``node swarm`` waits for node 0 before it starts the rest) lets node 0 train
 alone for that long, which at benchmark budgets is a large part of the run. This wrapper does that work
 first, waits until the bootstrap node's TCP port (from MADDR, ``/ip4/A/tcp/P/p2p/ID``) accepts
-connections, and runs the real CLI entry point, ``node.cli.main``, as
+connections, and runs the real CLI entry point, ``node.cli.app.main``, as
 ``node join JOIN_ARGS --initial-peers MADDR``.
 """
 
@@ -26,9 +26,9 @@ def main() -> None:
     args = parser.parse_args()
     join_args = args.join_args[1:] if args.join_args[:1] == ["--"] else args.join_args
 
-    import node.cli  # the point: pay for the imports and the corpus before the release
-    import node.daemon  # noqa: F401
-    from node.data import load_corpus
+    import node.cli.app  # the point: pay for the imports and the corpus before the release
+    import node.replica.node  # noqa: F401
+    from node.data.bytes import load_corpus
 
     load_corpus(None)  # decoded once per process; the daemon's own load then only checks the digest
     parts = args.bootstrap.split("/")
@@ -43,7 +43,7 @@ def main() -> None:
                 sys.exit(f"warm_join: {host}:{port} did not accept connections within {args.timeout:.0f}s")
             time.sleep(0.05)
     sys.argv = ["node", "join", *join_args, "--initial-peers", args.bootstrap]
-    node.cli.main()
+    node.cli.app.main()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 1. Pretrain ``nano`` with a short DiLoCo run (one ``node join``, ``--max-steps``) on the embedded
    corpus's training plays.
 2. The "other text" is the corpus's held-out plays (never seen in pretraining), written one file per
-   play; ``node.data.load_text_corpus`` fine-tunes on all but one and holds the last one out.
+   play; ``node.data.bytes.load_text_corpus`` fine-tunes on all but one and holds the last one out.
 3. For N = 1, 2, 4: N real ``node join --algorithm zo`` daemons on loopback start from the pretrained
    checkpoint (``--init-from``), wait for each other (``--min-peers N``) and take the same number of
    steps each (``--max-steps``, ``--inner-steps H``). Every node reports the held-out loss at exit.
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from node.launcher import free_port
+from node.ops.launcher import free_port
 
 
 @dataclass
@@ -93,7 +93,7 @@ def pretrain(s: Settings, run_dir: Path) -> Path:
 
 def write_text(run_dir: Path) -> Path:
     """The embedded corpus's held-out plays, one file each (the last one is the fine-tuning's held-out split)."""
-    from node.data import load_embedded_corpus
+    from node.data.bytes import load_embedded_corpus
 
     folder = run_dir / "text"
     folder.mkdir(parents=True, exist_ok=True)
@@ -104,10 +104,10 @@ def write_text(run_dir: Path) -> Path:
 
 def held_out_loss(checkpoint: Path, text: Path, s: Settings) -> float:
     """The loss the nodes report at exit, for the pretrained weights (same windows, same batches)."""
-    from node.checkpoint import load
-    from node.data import load_text_corpus, validation_batches
-    from node.trainer import LocalTrainer
-    from swarm.model import preset
+    from node.checkpoints.checkpoint import load
+    from node.data.bytes import load_text_corpus, validation_batches
+    from node.runtime.local_training import LocalTrainer
+    from swarm.models.presets import preset
 
     cfg = preset("nano")
     trainer = LocalTrainer(cfg, torch.device("cpu"), 1e-3)

@@ -1,5 +1,5 @@
 """``python -m node`` ≡ the ``node`` console script."""
 
-from node.cli import main
+from node.cli.app import main
 
 main()

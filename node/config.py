@@ -212,7 +212,7 @@ class NodeConfig(BaseModel):
 
     def _layers(self) -> int:
         """Transformer blocks of the architecture in force (a config file that cannot be read is refused later, with its reason)."""
-        from swarm.model import PRESETS, config_from_hf
+        from swarm.models.presets import PRESETS, config_from_hf
 
         source = self.model_config_file
         if source is None and self.init_from is not None and (Path(self.init_from) / "config.json").is_file():
@@ -309,7 +309,7 @@ class NodeConfig(BaseModel):
     @field_validator("model")
     @classmethod
     def _model(cls, value: str) -> str:
-        from swarm.model import PRESETS
+        from swarm.models.presets import PRESETS
 
         if value not in PRESETS:
             raise ValueError(f"unknown model preset {value!r}; choose one of {', '.join(PRESETS)}")

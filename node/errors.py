@@ -9,3 +9,7 @@ from __future__ import annotations
 
 class UserError(Exception):
     """A bad flag, file, port, device or folder: the message names it and says what to do."""
+
+
+class JoinRefused(Exception):
+    """Every peer of the run refused this node's credentials, or the run trains with other settings."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Awaitable, Callable, Protocol
 
 from hivemind.p2p import PeerID
 
@@ -30,10 +30,24 @@ from protocol.auth import client_hello
 from protocol.errors import SchemaError
 from protocol.frames import FramedStream, require
 
-if TYPE_CHECKING:
-    from protocol.hivemind_transport import Transport
-
 logger = logging.getLogger(__name__)
+
+
+class RelayHost(Protocol):
+    """What the relay needs from the transport that serves it (``protocol.hivemind_transport.Transport``)."""
+
+    p2p: Any  # hivemind's P2P: ``call_binary_stream_handler``
+    peer_id: str
+    swarm_key: bytes | None
+    max_frame: int
+    idle_timeout: float
+    relay_limits: "RelayLimits | None"
+    handlers: dict[str, Callable[[FramedStream], Awaitable[None]]]
+
+    def account(self, protocol: str, stream: FramedStream) -> None: ...
+
+    async def handle(self, protocol: str, handler: Callable[[FramedStream], Awaitable[None]],
+                     stream: FramedStream, client: str) -> None: ...
 
 
 @dataclass
@@ -92,7 +106,7 @@ async def splice(client: FramedStream, target: FramedStream, limit: int) -> tupl
     return moved[0], moved[1]
 
 
-async def serve_hop(transport: "Transport", stream: FramedStream) -> None:
+async def serve_hop(transport: RelayHost, stream: FramedStream) -> None:
     """The relay's side of ``/locomesh/relay/1.0``."""
     limits = transport.relay_limits
     if limits is None:
@@ -130,7 +144,7 @@ async def serve_hop(transport: "Transport", stream: FramedStream) -> None:
         limits.release(stream.peer)
 
 
-async def serve_relayed(transport: "Transport", stream: FramedStream) -> None:
+async def serve_relayed(transport: RelayHost, stream: FramedStream) -> None:
     """The target's side: a relay forwards a client's stream for one of our protocols."""
     msg = await stream.recv(expect="relayed")
     origin = require(msg.body, "from", str)
@@ -143,7 +157,7 @@ async def serve_relayed(transport: "Transport", stream: FramedStream) -> None:
     await transport.handle(protocol, handler, stream, origin)
 
 
-async def open_via(transport: "Transport", relay: str, target: str, protocol: str) -> FramedStream:
+async def open_via(transport: RelayHost, relay: str, target: str, protocol: str) -> FramedStream:
     """A client stream to ``target`` speaking ``protocol``, carried by ``relay``."""
     info, reader, writer = await transport.p2p.call_binary_stream_handler(PeerID.from_base58(relay), ids.RELAY)
     stream = FramedStream(reader, writer, peer=relay, max_frame=transport.max_frame)

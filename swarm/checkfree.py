@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from swarm.model import ModelConfig
+from swarm.models.presets import ModelConfig
 from swarm.stages import Stage
 
 METHODS = ("checkfree", "uniform", "copy", "random")

@@ -28,7 +28,7 @@ from protocol.errors import RemoteError, SchemaError
 from protocol.frames import FramedStream, require
 from protocol.hivemind_transport import Transport
 from protocol.tensors import tensor_from_wire, tensor_to_wire
-from swarm.worker import StageWorker
+from swarm.stage_worker import StageWorker
 
 logger = logging.getLogger(__name__)
 KINDS = ("forward", "backward", "loss", "evaluate")

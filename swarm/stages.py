@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.model import ModelConfig, build_model
+from swarm.models.presets import ModelConfig, build_model
 
 
 def block_range(n_layer: int, index: int, count: int) -> tuple[int, int]:

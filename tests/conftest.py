@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.swarm_utils import kill_group
+from tests.helpers.swarm_utils import kill_group
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""Checkpoint files: atomic writes, the folder lock and the Hugging Face export."""

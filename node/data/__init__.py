@@ -1,0 +1,1 @@
+"""Training data: the embedded corpus, byte batches, documents, tokenizers and token shards."""

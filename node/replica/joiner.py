@@ -1,0 +1,181 @@
+"""Bringing a whole-model replica into the run's state: join through a live peer, resync after
+drifting out of the group, and catch up with the swarm's round.
+
+:class:`Joiner` is handed the few things it needs (the network, the run, the state layout, the node's
+settings, and a callback that adopts a downloaded state) and never the node itself, so the daemon's
+training loop and these transitions stay apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Any, Awaitable, Callable
+
+import torch
+
+from gossip.fingerprint import fingerprint
+from gossip.rendezvous import list_peers, rejoin_target
+from gossip.state_transfer import DownloadedState, download_state
+from node.runtime.metrics import NodeMetrics
+from node.runtime.network import NetworkThread
+from node.runtime.settings import settings_mismatch
+from protocol.errors import RemoteError
+
+from node.errors import JoinRefused
+
+logger = logging.getLogger("locomesh.node")
+STRIPE_PEERS = 4  # a joiner downloads from up to this many peers at once, an even share from each
+
+Layout = dict[str, list[tuple[tuple[int, ...], torch.dtype]]]
+
+
+class Joiner:
+    """Downloads the swarm's state for a replica and hands it to ``adopt``.
+
+    :param net: the node's running network thread
+    :param run_id: the run whose peers are asked
+    :param peer_id: this node (never asked)
+    :param settings: this node's run settings (``node.runtime.settings.run_settings``); a swarm with others is refused
+    :param layout: the tensors a state download must carry, by name
+    :param adopt: takes over a downloaded state (weights, outer state, round, progress into the round)
+    :param announce: publishes this node's DHT record at once (so a round's members wait for a joiner)
+    :param event: records a node event
+    :param held: the state this node holds now, by group (a join skips the groups a peer holds identically)
+    """
+
+    def __init__(self, net: NetworkThread, run_id: str, peer_id: str, settings: dict[str, Any], layout: Callable[[], Layout],
+                 adopt: Callable[[DownloadedState], None], announce: Callable[[], Awaitable[None]], metrics: NodeMetrics,
+                 event: Callable[..., None], stop: threading.Event, join_timeout: float,
+                 held: Callable[[], dict[str, list[torch.Tensor]]] | None = None) -> None:
+        self.net, self.run_id, self.peer_id, self.settings = net, run_id, peer_id, settings
+        self.layout, self.adopt, self.announce, self.held = layout, adopt, announce, held
+        self.metrics, self.event, self.stop, self.join_timeout = metrics, event, stop, join_timeout
+
+    def _trainers(self) -> list[Any]:
+        peers = self.net.call(list_peers(self.net.dht, self.run_id), timeout=30)
+        return [rec for p, rec in peers.items() if p != self.peer_id and rec.role == "trainer"]
+
+    def join(self, resumed: bool) -> bool:
+        """Download state from a live peer and take over its progress into the current round, so this
+        node runs only the round's remaining inner steps and meets its peers at the rendezvous.
+
+        Retries for ``join_timeout`` seconds; raises :class:`JoinRefused` when every peer refused this
+        node's credentials (a private swarm and a missing or wrong ``--swarm-key``)."""
+        deadline = time.monotonic() + self.join_timeout
+        refusals: set[str] = set()
+        while not self.stop.is_set():
+            candidates = sorted(self._trainers(), key=lambda r: (-r.round, r.peer_id))
+            # the peers at the swarm's round each send a stripe; then one peer at a time
+            newest = [rec.peer_id for rec in candidates if rec.round == candidates[0].round][:STRIPE_PEERS] if candidates else []
+            sources = ([newest] if len(newest) > 1 else []) + [[rec.peer_id] for rec in candidates]
+            for peers in sources:
+                rec = next(r for r in candidates if r.peer_id == peers[0])
+                try:
+                    got = self.download_from(peers, offer_held=True)
+                except JoinRefused:
+                    raise
+                except RemoteError as e:
+                    logger.warning("state download from %s refused: %s", rec.peer_id, e)
+                    self.metrics.state_downloads.labels("failed").inc()
+                    if e.remote_code == "auth":
+                        refusals.add(rec.peer_id)
+                    continue
+                except Exception as e:
+                    logger.warning("state download from %s failed: %s", rec.peer_id, e)
+                    self.metrics.state_downloads.labels("failed").inc()
+                    continue
+                self.net.call(self.announce(), timeout=30)
+                self.event("joined", peer=",".join(peers), round=got.snapshot.round, inner_step=got.inner_step, bytes=got.nbytes,
+                           reused=got.reused, fingerprint=fingerprint(got.snapshot.tensors["params"]), peer_fingerprint=got.snapshot.fingerprint)
+                return True
+            if candidates and refusals >= {rec.peer_id for rec in candidates}:
+                raise JoinRefused(
+                    f"every peer of run {self.run_id!r} refused this node: it is a private swarm. "
+                    "Ask its operator for the swarm key and pass it with --swarm-key FILE."
+                )
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
+        self.event("join_alone", reason="no peer of this run answered within --join-timeout; continuing from "
+                   + ("the checkpoint" if resumed else "scratch"))
+        return False
+
+    def download_from(self, peer: str | list[str], offer_held: bool = False) -> DownloadedState:
+        """Download a peer's state, check its settings and adopt it; a progress bar on a terminal, else
+        a log line per quarter. ``offer_held``: tell the peer what this node holds, so identical groups
+        are not sent (worth it on joining: a node started from the run's seed or resumed at the swarm's round)."""
+        logged = [-1]
+        bar = None
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+            source = peer[-8:] if isinstance(peer, str) else (peer[0][-8:] if len(peer) == 1 else f"{len(peer)} peers")
+            bar = Progress("state from " + source, BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True)
+            task = bar.add_task("download", total=None)
+            bar.start()
+
+        def progress(done: int, total: int) -> None:
+            if bar is not None:
+                bar.update(task, completed=done, total=total)
+                return
+            quarter = 4 * done // max(total, 1)
+            if quarter > logged[0]:
+                logged[0] = quarter
+                logger.info("downloading state from %s: %d%% of %.1f MB", peer, 25 * quarter, total / 1e6)
+
+        try:
+            held = self.held() if offer_held and self.held is not None else None
+            got = self.net.call(download_state(self.net.transport, peer, self.run_id, self.layout(), progress, held), timeout=120)
+        finally:
+            if bar is not None:
+                bar.stop()
+        mismatch = settings_mismatch(self.settings, got.snapshot.meta)
+        if mismatch:
+            raise JoinRefused(f"run {self.run_id!r} trains with {mismatch}; restart with the swarm's settings")
+        self.adopt(got)
+        self.metrics.state_downloads.labels("ok").inc()
+        return got
+
+    def resync(self, peer: str | None, failed_round: int) -> None:
+        """Re-download the group's state after drifting (the peer publishes it right after its round)."""
+        if peer is None:
+            return
+        for _ in range(20):
+            try:
+                got = self.download_from(peer)
+                if got.snapshot.round > failed_round:
+                    self.event("resynced", peer=peer, round=got.snapshot.round, fingerprint=got.snapshot.fingerprint)
+                    return
+            except Exception as e:
+                logger.warning("resync from %s failed: %s", peer, e)
+            time.sleep(0.5)
+
+    def catch_up(self, current_round: int, keep_weights: bool) -> int | None:
+        """Rejoin the swarm's round after drifting away from it (see ``gossip.rendezvous.rejoin_target``):
+        forward after finishing a round alone, back to the majority after racing ahead in a partition.
+
+        Returns the round to continue in, or None to stay. With ``keep_weights`` (NoLoCo: replicas
+        differ by design) only the round changes; otherwise the target round's state is downloaded."""
+        try:
+            others = self._trainers()
+        except Exception as e:
+            logger.info("could not list peers after the round: %s", e)
+            return None
+        target = rejoin_target(current_round, [rec.round for rec in others])
+        if target is None:
+            return None
+        direction = "forward" if target > current_round else "back_to_majority"
+        if keep_weights:
+            self.event("caught_up", peer="", round=target, direction=direction, from_round=current_round)
+            return target
+        source = max((rec for rec in others if rec.round == target), key=lambda r: r.peer_id)
+        try:
+            got = self.download_from(source.peer_id)
+        except Exception as e:
+            logger.warning("could not rejoin round %d through %s: %s", target, source.peer_id, e)
+            return None
+        self.event("caught_up", peer=source.peer_id, round=got.snapshot.round, direction=direction)
+        return got.snapshot.round

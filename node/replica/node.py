@@ -1,0 +1,432 @@
+"""The volunteer daemon: join the swarm, train locally, average with DiLoCo, survive signals.
+
+Lifecycle of ``node join``:
+
+1. Build model, data and metrics; start the network thread (p2pd + DHT) and serve the locomesh
+   protocols (state, average, status).
+2. With ``--initial-peers``: download the swarm's current weights, outer-optimizer state and round
+   from a live peer, and run only what is left of that round's inner steps. Without: resume from
+   the checkpoint in ``--checkpoint-dir`` if there is one, else start a new swarm.
+3. Loop: inner steps → outer round (rendezvous, exchange, outer step) → publish the new state.
+   ``--algorithm`` picks the round (diloco: whole group; noloco: small random groups; sparseloco:
+   top-k + EF-SGD), ``--fragments`` syncs one fragment per round (streaming), ``--overlap`` keeps
+   training while a round runs, ``--inner-steps auto`` sizes each round from this peer's speed.
+4. On SIGTERM/SIGINT, ``--max-steps`` or ``--duration``: stop at a step boundary, evaluate, write
+   the checkpoint atomically, leave the DHT and stop p2pd.
+
+Collaborators: ``node.runtime.resume`` (its own checkpoint, refused when written with other settings),
+``node.replica.joiner`` (join, resync, catch up), ``node.replica.rounds`` (what travels, the round in flight).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gossip.diloco import DiLoCoAverager, RoundResult
+from gossip.exchange import RoundExchange
+from gossip.fingerprint import fingerprint
+from gossip.fragments import fragment_of_round, merge_fragment, sync_interval
+from gossip.noloco import NoLoCoAverager
+from gossip.outer import NesterovOuter, NoLoCoOuter
+from gossip.placement import OuterPlacement
+from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
+from gossip.state_transfer import DownloadedState, StateServer, StateSnapshot
+from node import __version__
+from node.runtime.base import HEARTBEAT_S, RECORD_TTL_S, NodeBase
+from node.checkpoints.checkpoint import CHECKPOINT_NAME, save_atomic
+from node.config import NodeConfig
+from node.replica.joiner import Joiner, JoinRefused
+from node.runtime.network import Interrupted
+from node.runtime.resume import ResumeRefused, check_resumable
+from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
+from node.runtime.settings import run_settings
+from node.runtime.status_service import StatusService
+from node.runtime.local_training import LocalTrainer
+from protocol.records import PeerRecord
+
+PEER_READ_EVERY = 5  # heartbeats between two reads of the members' records
+logger = logging.getLogger("locomesh.node")
+AUTO_STEPS_MAX_FACTOR = 20  # --inner-steps auto never goes past this × --round-steps
+
+
+class Daemon(NodeBase):
+    """One volunteer node. ``run()`` blocks until the node stops and returns its exit code."""
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        super().__init__(cfg)
+        self.round = 0
+        self.inner_step = 0  # inner steps taken in the current round
+        self.tokens_per_s = 0.0
+        self.compute_tokens_per_s = 0.0  # inner steps only, announced for --inner-steps auto
+        self.peer_rates: dict[str, float] = {}
+        self.heartbeats = 0
+        self.round_target = 1
+        self.role = "trainer"  # announced in the DHT; "leaving" once the node stops
+
+    def run(self) -> int:
+        cfg = self.cfg
+        device, model_cfg, work = self._prepare_local()
+        self.trainer = LocalTrainer(model_cfg, device, cfg.lr, cfg.weight_decay, cfg.warmup_steps, seed=cfg.model_seed,
+                                    **self._trainer_options())
+        if work.init_weights is not None:  # a joiner still takes the swarm's state, a resumed node its checkpoint
+            self.trainer.load_weights(work.init_weights)
+            self.event("init_from", checkpoint=work.init_source)
+        self.placement = OuterPlacement.choose(device, cfg.outer_device)  # φ, and the outer momentum with it
+        self.phi = self.placement.copy_of(self.trainer.parameters())
+        self._start_throughput(device, model_cfg)
+        outer_lr, outer_momentum = cfg.outer_hyper
+        if cfg.algorithm == "noloco":
+            self.outer: NesterovOuter | NoLoCoOuter = NoLoCoOuter(outer_lr, cfg.noloco_pull, outer_momentum)
+        else:
+            self.outer = NesterovOuter(outer_lr, outer_momentum, nesterov=cfg.algorithm == "diloco", warmup_rounds=cfg.outer_warmup)
+        try:  # before any networking: a checkpoint of another run is refused at once
+            self.checkpoint = check_resumable(cfg.checkpoint_dir, run_settings(cfg), cfg.fresh) if cfg.checkpoint_dir else None
+        except ResumeRefused as e:
+            logger.error("%s", e)
+            return 2
+        self.started = time.monotonic()
+        if not self._start_network():
+            return 2
+        try:
+            return self._run_joined(work, device)
+        finally:
+            self.net.shutdown()
+            self.summary.state = "stopped"
+            self._write_info()
+            logger.info("stopped cleanly")
+
+    def _run_joined(self, work: Any, device: torch.device) -> int:
+        cfg, net = self.cfg, self.net
+        assert net.transport is not None and net.dht is not None and net.p2p is not None
+        peer_id = net.transport.peer_id
+        self.summary.peer_id = peer_id
+        names = [name for name, _ in self.trainer.model.named_parameters()]
+        self.plan = RoundPlan(names, [tuple(p.shape) for p in self.phi], cfg.codec, cfg.feedback_decay(), cfg.fragments,
+                              noloco=cfg.algorithm == "noloco")
+        self.summary.multiaddrs = self._own_multiaddrs()
+        self.metrics.info.labels(peer_id, cfg.run_id, device.type, cfg.model, cfg.algorithm, cfg.codec, __version__).set(1)
+        self.batches = work.train_batches(cfg.batch_size, cfg.seed)
+
+        self.exchange = RoundExchange(net.transport, cfg.run_id, self.plan.wire(), self.plan.layout, serve_timeout=cfg.averaging_timeout * 2)
+        self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.inner_step)
+        self.status = StatusService(net.transport, self.status_snapshot)
+        net.call(self.exchange.start())
+        net.call(self.state_server.start())
+        net.call(self.status.start())
+        self.summary.protocols = list(net.transport.protocols)
+        if isinstance(self.outer, NoLoCoOuter):
+            self.averager: DiLoCoAverager | NoLoCoAverager = NoLoCoAverager(
+                net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, group_size=cfg.group_size, partition=self.plan.partition,
+                gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregation,
+            )
+        else:
+            self.averager = DiLoCoAverager(
+                net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, partition=self.plan.partition,
+                gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregation,
+                keep_others=cfg.overlap and cfg.overlap_mode == "eager", max_group_size=cfg.max_group_size,
+                weight_codec=self.plan.phi_codec,
+            )
+        self.rounds = RoundRunner(net, self.averager, cfg.overlap and cfg.overlap_mode == "eager", self._heartbeat, self.stop,
+                                  final_timeout=2 * cfg.averaging_timeout + 30, placement=self.placement)
+        self.joiner = Joiner(net, cfg.run_id, peer_id, run_settings(cfg), self._state_layout, self._adopt, self._heartbeat,
+                             self.metrics, self.event, self.stop, cfg.join_timeout,
+                             held=lambda: {"params": self.phi, "outer_momentum": self.outer.state_tensors(self.phi)})
+        if cfg.metrics_port:
+            self.metrics.serve(cfg.metrics_port)
+
+        # a restarted node reloads its own checkpoint (inner optimizer, data order), then takes the
+        # swarm's newer weights and round if any peer answers
+        resumed = self._resume()
+        if cfg.initial_peers:
+            try:
+                if self.joiner.join(resumed):
+                    self.summary.joined_round = self.round
+            except JoinRefused as e:
+                logger.error("%s", e)
+                self.event("join_refused", reason=str(e))
+                return 3
+        self._publish_snapshot()
+        net.every(HEARTBEAT_S, self._heartbeat, "heartbeat")
+        self.summary.state = "training"
+        self._write_info()
+        self._print_join_hint("")
+        try:
+            self._train()
+        except Interrupted:
+            logger.info("interrupted during an outer round")
+        self._finish()
+        return 0
+
+    # ---- what travels ------------------------------------------------------------------------
+    def _round_steps(self) -> int:
+        """Inner steps until this node's next outer round: H/P, with H sized from this node's speed
+        relative to the swarm's median under ``--inner-steps auto`` (so peers finish together)."""
+        cfg = self.cfg
+        if cfg.inner_steps != "auto":
+            return sync_interval(cfg.inner_steps, cfg.fragments)
+        rates = [r for p, r in self.peer_rates.items() if r > 0 and p != self.summary.peer_id]
+        mine = self.compute_tokens_per_s
+        steps = cfg.round_steps
+        if mine > 0 and rates:
+            median = statistics.median(rates + [mine])
+            steps = min(max(1, round(cfg.round_steps * mine / median)), AUTO_STEPS_MAX_FACTOR * cfg.round_steps)
+        return sync_interval(max(steps, cfg.fragments), cfg.fragments)
+
+    # ---- joining -----------------------------------------------------------------------------
+    def _state_layout(self) -> dict[str, list[tuple[tuple[int, ...], torch.dtype]]]:
+        return {
+            "params": [(tuple(p.shape), p.dtype) for p in self.phi],
+            "outer_momentum": [(tuple(p.shape), torch.float32) for p in self.phi],
+        }
+
+    def _adopt(self, got: DownloadedState) -> None:
+        """Take over a downloaded state, and the peer's progress into the round (so this node runs only
+        the round's remaining inner steps)."""
+        snap = got.snapshot
+        self.phi = self.placement.copy_of(snap.tensors["params"])
+        self.outer.load_state_tensors(snap.tensors["outer_momentum"])
+        self.trainer.load_weights(self.phi)
+        self.round = snap.round
+        self.round_target = self._round_steps()
+        self.inner_step = min(got.inner_step, self.round_target - 1)
+        self.metrics.outer_round.set(self.round)
+
+    def _resume(self) -> bool:
+        """Reload this node's own checkpoint (already checked against the run's settings at start-up)."""
+        if self.checkpoint is None:
+            return False
+        path, state = self.checkpoint
+        if [tuple(t.shape) for t in state["phi"]] != [tuple(p.shape) for p in self.phi]:
+            logger.warning("checkpoint %s holds tensors of other shapes; ignoring it", path)
+            return False
+        self.phi = self.placement.copy_of(state["phi"])
+        self.trainer.load_weights(state["theta"])
+        self.outer.load_state_tensors(state["outer_momentum"])
+        self.trainer.optimizer.load_state_dict(state["inner_optimizer"])
+        self.trainer.steps = int(state["inner_steps_total"])
+        if "data_order" in state:
+            self.batches.load_state_dict(state["data_order"])
+        self.round = int(state["round"])
+        self.summary.resumed_from = {"checkpoint": str(path), "round": self.round}
+        self.event("resumed", checkpoint=str(path), round=self.round)
+        return True
+
+    # ---- training ----------------------------------------------------------------------------
+    def _train(self) -> None:
+        cfg = self.cfg
+        self.train_started = time.monotonic()
+        tokens_per_step = cfg.batch_size * self.trainer.model.cfg.context
+        window_start, window_tokens = time.monotonic(), 0
+        self.inner_s, self.inner_tokens = 0.0, 0  # the inner steps' time and tokens, outer rounds left out
+        samples = 0
+        self.round_target = max(self._round_steps(), self.inner_step + 1)
+        self.metrics.round_inner_steps.set(self.round_target)
+        while not self.stop.is_set() and not self._deadline_reached():
+            fetch_started = time.monotonic()
+            x, y = self.batches.next()
+            step_started = time.monotonic()
+            loss = self.trainer.step(x, y)
+            if cfg.slowdown > 1:
+                time.sleep((cfg.slowdown - 1) * (time.monotonic() - step_started))
+            rate = tokens_per_step / max(time.monotonic() - step_started, 1e-6)
+            self.compute_tokens_per_s = rate if self.compute_tokens_per_s == 0 else 0.9 * self.compute_tokens_per_s + 0.1 * rate
+            self.inner_step += 1
+            samples += x.shape[0]
+            self.summary.steps += 1
+            if math.isnan(self.summary.train_loss_first):
+                self.summary.train_loss_first = loss
+            self.summary.train_loss_last = self.last_loss = loss
+            self.metrics.train_loss.set(loss)
+            self.metrics.inner_steps.inc()
+            self.metrics.tokens.inc(tokens_per_step)
+            window_tokens += tokens_per_step
+            elapsed = time.monotonic() - window_start
+            self.inner_s += time.monotonic() - fetch_started
+            self.inner_tokens += tokens_per_step
+            if elapsed >= 2.0:
+                self.tokens_per_s = window_tokens / elapsed
+                self.metrics.tokens_per_second.set(self.tokens_per_s)
+                self._record_throughput(self.tokens_per_s, self._inner_rate())
+                window_start, window_tokens = time.monotonic(), 0
+            if cfg.overlap_mode != "delayed" and self.rounds.ready():
+                self._finish_pending()
+            if self.inner_step >= self.round_target:
+                self._finish_pending()
+                self._start_round(samples)
+                samples = 0
+                self.round_target = self._round_steps()
+                self.metrics.round_inner_steps.set(self.round_target)
+        self._finish_pending(final=True)
+
+    def _inner_rate(self) -> float:
+        """Tokens per second of the inner steps so far (batch, step and bookkeeping; outer rounds left out)."""
+        inner_s = getattr(self, "inner_s", 0.0)
+        return self.inner_tokens / inner_s if inner_s > 0 else 0.0
+
+    def _start_round(self, samples: int) -> None:
+        """Run the outer round of the fragment that is due: in the background with ``--overlap``,
+        else right away (the training loop waits)."""
+        fragment = fragment_of_round(self.round, self.cfg.fragments)
+        self.rounds.start(self.round, fragment, self.plan.fragments[fragment], self.phi, self.trainer.parameters(), samples,
+                          self.inner_step, self.plan.feedback[fragment])
+        self.inner_step = 0
+        if not self.cfg.overlap:
+            self._finish_pending()
+
+    def _finish_pending(self, final: bool = False) -> None:
+        """Wait for the round in flight (counted as communication wait) and apply its result."""
+        waited = time.monotonic()
+        try:
+            done = self.rounds.wait(final)
+        finally:
+            wait = time.monotonic() - waited
+            self.summary.comm_wait_s += wait
+            self.metrics.comm_wait.inc(wait)
+        if done is not None:
+            self._apply_round(*done)
+
+    def _apply_round(self, result: RoundResult, pending: PendingRound) -> None:
+        m = self.metrics
+        for kind in result.failures.values():
+            m.errors.labels(kind).inc()
+        m.round_duration.observe(result.duration_s)
+        m.round_wait.set(result.gather_s)
+        m.round_deadline.set(result.deadline_s)
+        m.group_size.set(len(result.contributors))
+        record = {"t": round(time.time(), 3), "round": result.round, "fragment": pending.fragment, "steps": pending.steps, "group": len(result.group),
+                  "contributors": len(result.contributors), "failures": result.failures, "duration_s": round(result.duration_s, 3),
+                  "gather_s": round(result.gather_s, 3), "exchange_s": round(result.exchange_s, 3), "deadline_s": round(result.deadline_s, 3), "in_sync": result.in_sync,
+                  "fingerprint": "", "loss": self.last_loss, "tokens": self.summary.steps * self.cfg.batch_size * self.trainer.model.cfg.context,
+                  "norms": {p[-8:]: round(n, 6) for p, n in result.norms.items()}, "update_norm": round(result.update_norm, 6),
+                  "scheme": "reduce-scatter" if result.reduce_scatter else "all-gather", "groups": result.groups, "group_tag": result.group_tag}
+        record["average_bytes_sent"], record["average_bytes_received"] = self.traffic_since_last("average")
+        if not result.in_sync:
+            m.outer_rounds.labels("failed").inc()
+            m.errors.labels("out_of_sync").inc()
+            self.event("out_of_sync", round=result.round, majority_peer=result.sync_peer)
+            self.joiner.resync(result.sync_peer, result.round)
+            self.inner_step = 0
+        else:
+            m.outer_rounds.labels("alone" if len(result.contributors) == 1 else "completed").inc()
+            self.round += 1
+            self.summary.outer_rounds += 1
+            indices = self.plan.fragments[pending.fragment]
+            params = self.trainer.parameters()
+            if pending.eager is not None:
+                # keep the steps taken since the estimate, moved by how far the estimate was off
+                with torch.no_grad():
+                    for i, guess in zip(indices, pending.eager):
+                        params[i].data.add_((self.phi[i] - guess).to(params[i].device, params[i].dtype))
+            else:
+                merge_fragment([params[i].data for i in indices], [self.phi[i] for i in indices], self.cfg.fragment_alpha)
+            if result.failures:
+                self.event("round_partial", round=result.round, failures=result.failures)
+        if not self.stop.is_set():
+            moved = self.joiner.catch_up(self.round, keep_weights=self.cfg.algorithm == "noloco")
+            if moved is not None:
+                self.round = moved
+        record["fingerprint"] = fingerprint(self.phi)
+        self.summary.rounds.append(record)
+        m.outer_round.set(self.round)
+        self._publish_snapshot()
+        if self.cfg.checkpoint_dir is not None:
+            self._save_checkpoint()
+        if self.cfg.eval_every and self.summary.outer_rounds % self.cfg.eval_every == 0 and result.in_sync:
+            self._record_val_loss(self.trainer.evaluate(self.val))
+            record["val_loss"] = self.summary.val_loss
+        self._record_throughput(inner_tokens_per_s=self._inner_rate())
+        self._write_info()
+        logger.info("round %d done: %d/%d peers averaged in %.2fs (waited %.2fs), loss %.3f",
+                    result.round, len(result.contributors), len(result.group), result.duration_s, result.gather_s, self.last_loss)
+
+    def _publish_snapshot(self) -> None:
+        snap = StateSnapshot(
+            round=self.round,
+            tensors={"params": [t.to("cpu", copy=True) for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
+            fingerprint=fingerprint(self.phi),
+            meta={**run_settings(self.cfg), "error_feedback_decay": self.cfg.feedback_decay()},
+        )
+        self.state_server.publish(snap)
+
+    async def _heartbeat(self) -> None:
+        await self._refresh_addresses()
+        net = self.net
+        record = PeerRecord(
+            peer_id=self.summary.peer_id, role=self.role, device=self.trainer.device.type, model=self.cfg.model,
+            algorithm=self.cfg.algorithm, compression=self.cfg.codec, round=self.round, inner_step=self.inner_step,
+            tokens_per_s=self.compute_tokens_per_s, loss=self.last_loss, maddrs=self.summary.multiaddrs,
+            protocols=self.summary.protocols, version=__version__, reachability=self.summary.reachability, started_at=time.time() - (time.monotonic() - self.started),
+        )
+        connected = [info.peer_id for info in await net.p2p.list_peers()]
+        await reconnect_routing_table(net.dht, connected)
+        await publish_peer(net.dht, net.validator, self.cfg.run_id, record, RECORD_TTL_S)
+        # the members' records (speeds for --inner-steps auto, the peers gauge) change slowly: reading
+        # them costs a request per routing-table peer, so only every few heartbeats
+        self.heartbeats += 1
+        if self.heartbeats % PEER_READ_EVERY == 1:
+            peers = await list_peers(net.dht, self.cfg.run_id)
+            self.peer_rates = {p: rec.tokens_per_s for p, rec in peers.items() if rec.role == "trainer"}
+            self.metrics.peers.set(len(peers))
+
+    def status_snapshot(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.summary.peer_id, "run_id": self.cfg.run_id, "round": self.round, "inner_step": self.inner_step,
+            "steps": self.summary.steps, "loss": self.last_loss, "tokens_per_s": self.tokens_per_s,
+            "device": self.trainer.device.type, "model": self.cfg.model, "algorithm": self.cfg.algorithm,
+            "compression": self.cfg.codec, "fragments": self.cfg.fragments, "round_steps": self.round_target,
+            "protocols": self.summary.protocols, "version": __version__, "reachability": self.summary.reachability,
+            "state": self.summary.state, "time": time.time(),
+        }
+
+    # ---- stopping ----------------------------------------------------------------------------
+    def _save_checkpoint(self) -> None:
+        state = {
+            "format": 1,
+            "config": json.loads(self.cfg.model_dump_json()),
+            "settings": run_settings(self.cfg),
+            "model_config": self.trainer.model.cfg.to_dict(),
+            "round": self.round,
+            "inner_steps_total": self.trainer.steps,
+            "phi": [t.to("cpu", copy=True) for t in self.phi],
+            "theta": [p.detach().cpu().clone() for p in self.trainer.parameters()],
+            "outer_momentum": self.outer.state_tensors(self.phi),
+            "inner_optimizer": self.trainer.optimizer.state_dict(),
+            "data_order": self.batches.state_dict(),
+        }
+        if self.workload.tokenizer_json is not None:
+            state["tokenizer"] = self.workload.tokenizer_json  # node eval and node export need nothing else
+        path = save_atomic(state, Path(self.cfg.checkpoint_dir) / CHECKPOINT_NAME)
+        self.summary.checkpoint = str(path)
+        self.metrics.checkpoints.inc()
+
+    def _finish(self) -> None:
+        self.summary.state = "stopping"
+        self.summary.wall_s = time.monotonic() - self.started
+        self.summary.train_s = time.monotonic() - getattr(self, "train_started", time.monotonic())
+        self._record_throughput(inner_tokens_per_s=self._inner_rate())
+        self.role = "leaving"
+        try:
+            self.net.call(self._heartbeat(), timeout=10)
+        except Exception as e:
+            logger.info("could not announce leaving: %s", e)
+        self._record_val_loss(self.trainer.evaluate(self.val))
+        if self.cfg.checkpoint_dir is not None:
+            self._save_checkpoint()
+        logger.info("final: %d steps, %d outer rounds, train loss %.3f → %.3f, val loss %.3f",
+                    self.summary.steps, self.summary.outer_rounds, self.summary.train_loss_first,
+                    self.summary.train_loss_last, self.summary.val_loss)
+
+
+def run_daemon(cfg: NodeConfig) -> int:
+    daemon = Daemon(cfg)
+    daemon.install_signal_handlers()
+    return daemon.run()
+

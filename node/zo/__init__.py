@@ -1,0 +1,1 @@
+"""The zeroth-order (one-byte SPSA) node: its lifecycle and its joiner."""

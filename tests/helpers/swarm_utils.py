@@ -1,0 +1,121 @@
+"""Helpers to run real `node join` daemons on loopback in tests and to check nothing outlives them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from node.ops.launcher import free_port
+
+FAST_ARGS = ["--model", "nano", "--batch-size", "8", "--inner-steps", "15", "--threads", "1", "--warmup-steps", "10",
+             "--eval-batches", "4", "--averaging-timeout", "20"]
+
+
+@dataclass
+class NodeHandle:
+    name: str
+    directory: Path
+    process: subprocess.Popen
+    metrics_port: int
+
+    @property
+    def info_file(self) -> Path:
+        return self.directory / "info.json"
+
+    def info(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.info_file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def wait(self, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            info = self.info()
+            if info and predicate(info):
+                return info
+            if self.process.poll() is not None:
+                raise AssertionError(f"{self.name} exited with {self.process.returncode} while waiting for {what}:\n{self.log()[-3000:]}")
+            time.sleep(0.3)
+        raise AssertionError(f"{self.name}: no {what} after {timeout}s:\n{self.log()[-3000:]}")
+
+    def multiaddr(self) -> str:
+        return self.wait(lambda i: i.get("state") == "training", 90, "startup")["multiaddrs"][0]
+
+    def log(self) -> str:
+        try:
+            return (self.directory / "log.txt").read_text()
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+
+def events(node: NodeHandle, kind: str) -> list[dict[str, Any]]:
+    """The node's reported events of one kind."""
+    return [e for e in node.info().get("events", []) if e["event"] == kind]
+
+
+def start_node(directory: Path, name: str, args: list[str], initial_peers: list[str] | None = None) -> NodeHandle:
+    directory = Path(directory) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "info.json").unlink(missing_ok=True)  # a restart must not read the last run's info
+    port = free_port()
+    cmd = [sys.executable, "-m", "node", "join", *args, "--listen", "/ip4/127.0.0.1/tcp/0", "--metrics-port", str(port),
+           "--checkpoint-dir", str(directory), "--info-file", str(directory / "info.json")]
+    for peer in initial_peers or []:
+        cmd += ["--initial-peers", peer]
+    log = open(directory / "log.txt", "w")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOMESH_")}
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    return NodeHandle(name, directory, process, port)
+
+
+def descendants(pid: int) -> set[int]:
+    """All live descendants of ``pid`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def kill_group(handle: NodeHandle) -> None:
+    """Test cleanup: make sure nothing of this node survives a failed test."""
+    try:
+        os.killpg(handle.process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        handle.process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass

@@ -1,0 +1,1 @@
+"""Integration tests: real processes, real p2pd daemons, loopback and network namespaces."""

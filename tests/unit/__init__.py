@@ -1,0 +1,1 @@
+"""Unit and property tests: pure functions and classes, in-process, no daemons."""

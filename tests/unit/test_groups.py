@@ -1,0 +1,151 @@
+"""Bounded averaging groups: group formation (every peer in exactly one group, groups change between
+rounds, sizes near G) and grouped DiLoCo rounds over a real-frame in-memory transport (each group
+ends at the mean of its members' stepped weights, bit-identical inside a group; the swarm's mean moves
+as one DiLoCo step; a member sends about twice the payload)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gossip.diloco as diloco_module
+from gossip.diloco import DiLoCoAverager
+from gossip.exchange import Contribution, RoundExchange
+from gossip.groups import group_count, group_of, split_into_groups
+from gossip.outer import NesterovOuter
+from gossip.partition import Partition
+from protocol.records import RoundEntry, round_key
+from tests.helpers.memory_transport import Network
+
+SHAPES = [(96, 64), (64,), (120, 32), (5,)]
+PART_NUMEL = 256
+
+
+def test_group_count_keeps_groups_at_or_below_the_bound_on_average():
+    assert group_count(1, 32) == group_count(32, 32) == 1
+    assert group_count(33, 32) == 2 and group_count(64, 32) == 2 and group_count(65, 32) == 4
+    assert group_count(1000, 32) == 32 and group_count(4000, 32) == 128
+    for n in (33, 100, 257, 1000, 4000):
+        count = group_count(n, 32)
+        assert n / count <= 32 < 2 * n / count
+    with pytest.raises(ValueError):
+        group_count(10, 1)
+
+
+@given(st.sets(st.text("abcdef0123456789", min_size=4, max_size=10), min_size=1, max_size=300), st.integers(0, 10_000),
+       st.sampled_from([1, 2, 4, 8, 16]))
+@settings(max_examples=100, deadline=None)
+def test_every_peer_is_in_exactly_one_group(members, round_no, count):
+    groups = split_into_groups("run", round_no, members, count)
+    assert len(groups) == count
+    assert sorted(p for g in groups for p in g) == sorted(members)
+    for k, group in enumerate(groups):
+        assert group == sorted(group) and all(group_of("run", round_no, p, count) == k for p in group)
+
+
+def test_groups_change_between_rounds_and_stay_near_their_expected_size():
+    members = [f"peer{i:04d}" for i in range(1000)]
+    count = group_count(len(members), 32)
+    rounds = [split_into_groups("run", r, members, count) for r in range(4)]
+    sizes = [len(g) for groups in rounds for g in groups]
+    assert statistics.mean(sizes) == 1000 / 32 and max(sizes) <= 55 and min(sizes) >= 12  # binomial(1000, 1/32): sd 5.5
+    together = [{frozenset((a, b)) for g in groups for a in g for b in g if a < b} for groups in rounds]
+    # a pair meets again in the next round with probability 1/32: most groups are new
+    assert len(together[0] & together[1]) < 0.1 * len(together[0])
+    assert round_key("run", 3, "g1of4") != round_key("run", 3) == "locomesh.run.round.3"
+
+
+def _members(n: int, network: Network, max_group_size: int, lr: float = 1.0, seed: int = 0, samples=None):
+    g = torch.Generator().manual_seed(seed)
+    phi = [torch.randn(s, generator=g) for s in SHAPES]
+    members = []
+    for k in range(n):
+        peer = f"peer{k:02d}"
+        exchange = RoundExchange(network.transport(peer), "run", "none", Partition(PART_NUMEL).shapes(SHAPES), serve_timeout=5)
+        averager = DiLoCoAverager(None, None, exchange, "run", peer, NesterovOuter(lr=lr, momentum=0.0),  # type: ignore[arg-type]
+                                  gather_timeout=3, fetch_timeout=3, partition=Partition(PART_NUMEL), max_group_size=max_group_size)
+        delta = [torch.randn(s, generator=g) for s in SHAPES]
+        members.append({"peer": peer, "exchange": exchange, "averager": averager, "phi": [p.clone() for p in phi],
+                        "theta": [p - d for p, d in zip(phi, delta)], "samples": samples[k] if samples else 8 * (k + 1)})
+    return phi, members
+
+
+def _run_grouped_round(members, monkeypatch, round_no: int = 0):
+    everyone = {m["peer"] for m in members}
+    samples = {m["peer"]: m["samples"] for m in members}
+
+    async def live(*args, **kwargs):
+        return set(everyone)
+
+    async def group_view(dht, validator, run_id, round_no, entry, expected, timeout, **kwargs):
+        peers = sorted(await expected() | {entry.peer_id})
+        return [RoundEntry(peer_id=p, samples=samples[p], codec=entry.codec) for p in peers], True
+
+    monkeypatch.setattr(diloco_module, "round_members", live)
+    monkeypatch.setattr(diloco_module, "gather_group", group_view)
+
+    async def go():
+        for m in members:
+            await m["exchange"].start()
+        return await asyncio.gather(*(m["averager"].run_round(round_no, m["phi"], m["theta"], m["samples"]) for m in members))
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("n, bound", [(8, 3), (12, 4)])
+def test_each_group_ends_bit_identical_at_the_weighted_mean_of_its_stepped_weights(n, bound, monkeypatch):
+    network = Network()
+    _, members = _members(n, network, bound)
+    results = _run_grouped_round(members, monkeypatch)
+    count = group_count(n, bound)
+    assert all(r.groups == count and r.in_sync and not r.failures for r in results)
+    by_peer = {m["peer"]: m for m in members}
+    groups = {tuple(r.group) for r in results}
+    assert sorted(p for g in groups for p in g) == sorted(by_peer), "every member in exactly one group"
+    assert len(groups) > 1
+    for group in groups:
+        weights = [by_peer[p]["samples"] for p in group]
+        # lr 1, no momentum: a member's stepped weights are its θ
+        for i in range(len(SHAPES)):
+            expected = sum(w * by_peer[p]["theta"][i] for p, w in zip(group, weights)) / sum(weights)
+            for p in group:
+                assert torch.allclose(by_peer[p]["phi"][i], expected, atol=1e-5)
+                assert torch.equal(by_peer[p]["phi"][i], by_peer[group[0]]["phi"][i]), "a group's replicas differ"
+    payload = sum(torch.Size(s).numel() * 4 for s in SHAPES)
+    for m, r in zip(members, results):
+        assert network.sent[m["peer"]] <= 2.5 * payload, (network.sent[m["peer"]], payload, r.reduce_scatter)
+
+
+def test_the_swarm_mean_moves_as_one_outer_step_on_the_mean_update(monkeypatch):
+    network = Network()
+    phi, members = _members(9, network, 3, lr=0.7, seed=4, samples=[16] * 9)
+    mean_delta = [torch.stack([p - m["theta"][i] for m in members]).mean(0) for i, p in enumerate(phi)]
+    _run_grouped_round(members, monkeypatch, round_no=5)
+    for i, p in enumerate(phi):
+        swarm_mean = torch.stack([m["phi"][i] for m in members]).mean(0)
+        assert torch.allclose(swarm_mean, p - 0.7 * mean_delta[i], atol=1e-5)
+    spread = max(float((m["phi"][0] - members[0]["phi"][0]).norm()) for m in members)
+    assert spread > 0, "groups average apart: replicas in different groups differ"
+
+
+def test_members_that_count_a_different_number_of_groups_do_not_mix(monkeypatch):
+    network = Network()
+    _, members = _members(2, network, 4)
+    a, b = members
+    a["exchange"].regroup(0, a["exchange"].specs(0), "g0of2")
+    b["exchange"].regroup(0, b["exchange"].specs(0), "g0of4")
+
+    async def go():
+        await a["exchange"].start()
+        await b["exchange"].start()
+        blobs, decoded = b["exchange"].encode(0, Partition(PART_NUMEL).split(b["theta"]))
+        b["exchange"].publish(Contribution(0, 8, "fp", b["exchange"].wire_of(0), blobs, b["peer"], decoded))
+        return await a["exchange"].gather([b["peer"]], 0, timeout=3)
+
+    got, failed = asyncio.run(go())
+    assert not got and failed == {b["peer"]: "remote"}  # refused by the peer: "wire mismatch"

@@ -1,0 +1,167 @@
+"""Reduce-scatter rounds: who owns which parts, and whole DiLoCo rounds among in-process members over an
+in-memory transport (the DHT rendezvous is replaced by a fixed group): every member ends with
+bit-identical weights equal to the sample-weighted mean, each sends about 2x the payload, and a member
+that dies after sending its parts leaves a round that still completes."""
+
+import asyncio
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gossip.diloco as diloco_module
+from gossip.diloco import DiLoCoAverager
+from gossip.exchange import RoundExchange
+from gossip.outer import NesterovOuter, weighted_mean
+from gossip.partition import Partition
+from gossip.reduce_scatter import assign_owners, fine_part_numel, is_dense, round_bytes, use_reduce_scatter
+from protocol.records import RoundEntry
+from tests.helpers.memory_transport import Network
+
+SHAPES = [(96, 64), (64,), (120, 32), (256, 16), (5,)]
+PART_NUMEL = 256
+
+
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=80), st.sets(st.text("abcdef0123", min_size=3, max_size=6), min_size=1, max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_every_part_has_one_owner_and_shares_are_even(numels, members):
+    owners = assign_owners(numels, list(members))
+    assert owners == assign_owners(numels, sorted(members, reverse=True)), "the assignment ignores the order members are listed in"
+    dealt = sorted(i for parts in owners.values() for i in parts)
+    assert dealt == list(range(len(numels)))
+    fair, biggest = sum(numels) / len(members), max(numels)
+    for parts in owners.values():
+        assert parts == list(range(parts[0], parts[-1] + 1)) if parts else True, "each owner holds a contiguous run"
+        assert sum(numels[i] for i in parts) <= fair + biggest
+
+
+def test_dense_codecs_reduce_scatter_from_three_members():
+    assert all(is_dense(c) for c in ("none", "fp16", "bf16", "q8", "q2", "rot2", "int8-block", "int8-block:1024"))
+    assert not any(is_dense(c) for c in ("topk:64/4096+q2", "dct:8/64", "seed:r=8"))
+    assert use_reduce_scatter(True, 3, "mean", False) and not use_reduce_scatter(True, 2, "mean", False)
+    assert not use_reduce_scatter(True, 8, "median-clip", False) and not use_reduce_scatter(True, 8, "mean", True)
+    assert not use_reduce_scatter(False, 8, "mean", False)
+    for g in (3, 8, 32, 256):
+        assert round_bytes(1000, g, True) <= 2000 and round_bytes(1000, g, True) < round_bytes(1000, g, False)
+    assert fine_part_numel(842_496) == 16384 and fine_part_numel(1 << 30) == 1 << 20
+
+
+def _members(n: int, codec: str, network: Network, seed: int = 0, fetch_timeout: float = 3, serve_timeout: float = 5):
+    g = torch.Generator().manual_seed(seed)
+    phi = [torch.randn(s, generator=g) for s in SHAPES]
+    members = []
+    for k in range(n):
+        peer = f"peer{k:02d}"
+        exchange = RoundExchange(network.transport(peer), "run", codec, Partition(PART_NUMEL).shapes(SHAPES), serve_timeout=serve_timeout)
+        outer = NesterovOuter(lr=1.0, momentum=0.0)
+        averager = DiLoCoAverager(None, None, exchange, "run", peer, outer, gather_timeout=3, fetch_timeout=fetch_timeout,  # type: ignore[arg-type]
+                                  partition=Partition(PART_NUMEL))
+        delta = [torch.randn(s, generator=g) for s in SHAPES]
+        members.append({"peer": peer, "exchange": exchange, "averager": averager, "phi": [p.clone() for p in phi],
+                        "theta": [p - d for p, d in zip(phi, delta)], "delta": delta, "samples": 8 * (k + 1)})
+    return phi, members
+
+
+def _run_round(members, monkeypatch, before=None):
+    entries = sorted((RoundEntry(peer_id=m["peer"], samples=m["samples"], codec="none") for m in members), key=lambda e: e.peer_id)
+
+    async def fixed_group(*args, **kwargs):
+        return entries, True
+
+    monkeypatch.setattr(diloco_module, "gather_group", fixed_group)
+
+    async def go():
+        for m in members:
+            await m["exchange"].start()
+        if before is not None:
+            before()
+        return await asyncio.gather(*(m["averager"].run_round(0, m["phi"], m["theta"], m["samples"]) for m in members))
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_members_end_bit_identical_at_the_weighted_mean_sending_about_twice_the_payload(n, monkeypatch):
+    network = Network()
+    phi, members = _members(n, "none", network)
+    results = _run_round(members, monkeypatch)
+    assert all(r.reduce_scatter and r.in_sync and not r.failures for r in results)
+    expected = weighted_mean([m["delta"] for m in members], [m["samples"] for m in members])
+    for m in members:
+        for got, p, d in zip(m["phi"], phi, expected):
+            assert torch.allclose(got, p - d, atol=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(m["phi"], members[0]["phi"])), "replicas differ"
+    payload = sum(torch.Size(s).numel() * 4 for s in SHAPES)
+    for m in members:
+        assert network.sent[m["peer"]] <= 2.5 * payload, (network.sent[m["peer"]], payload)
+
+
+def test_lossy_codec_rounds_agree_bit_for_bit(monkeypatch):
+    network = Network()
+    _, members = _members(5, "q8", network, seed=3)
+    results = _run_round(members, monkeypatch)
+    assert all(r.reduce_scatter and r.in_sync for r in results)
+    for m in members[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(m["phi"], members[0]["phi"]))
+
+
+@pytest.mark.parametrize("n, dying", [(4, [1]), (6, [1, 4])])
+def test_owners_that_die_after_sending_their_parts_leave_a_complete_round(n, dying, monkeypatch):
+    network = Network()
+    _, members = _members(n, "none", network, seed=5)
+    dead = [members[i] for i in dying]
+    for member in dead:
+        # the member serves its contribution, then is gone before it can serve what it reduced
+        def die(round_no, share, member=member, original=member["exchange"].publish_reduced):
+            network.down.add(member["peer"])
+            original(round_no, None)
+
+        member["exchange"].publish_reduced = die
+    results = _run_round(members, monkeypatch)
+    alive = [m for m in members if m not in dead]
+    for m, r in zip(members, results):
+        if m not in dead:
+            assert r.in_sync and all(r.failures.get(d["peer"], "").startswith("reduce_") for d in dead), r.failures
+    for m in alive[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(m["phi"], alive[0]["phi"])), "the survivors agree"
+
+
+def test_a_late_member_that_counts_more_members_than_the_others_is_refused_at_once(monkeypatch):
+    """Two members gathered without the third (an all-gather round of two); the third saw all three and
+    reduce-scatters. The owners it asks refuse at once, so it falls back to their contributions well
+    before the 60 s timeouts (it waited that long in a NAT swarm, round after round)."""
+    network = Network()
+    _, members = _members(3, "none", network, seed=7, fetch_timeout=60, serve_timeout=60)
+    entries = sorted((RoundEntry(peer_id=m["peer"], samples=m["samples"], codec="none") for m in members), key=lambda e: e.peer_id)
+    late = members[2]["peer"]
+
+    async def views(dht, validator, run_id, round_no, entry, *args, **kwargs):
+        return (entries if entry.peer_id == late else [e for e in entries if e.peer_id != late]), True
+
+    monkeypatch.setattr(diloco_module, "gather_group", views)
+
+    async def go():
+        for m in members:
+            await m["exchange"].start()
+        rounds = (m["averager"].run_round(0, m["phi"], m["theta"], m["samples"]) for m in members)
+        return await asyncio.wait_for(asyncio.gather(*rounds), timeout=30)
+
+    early0, early1, third = asyncio.run(go())
+    assert not early0.reduce_scatter and not early1.reduce_scatter and early0.contributors == early1.contributors == sorted(
+        m["peer"] for m in members[:2])
+    assert third.reduce_scatter and all(third.failures[m["peer"]].startswith("reduce_") for m in members[:2]), third.failures
+    assert third.contributors == sorted(m["peer"] for m in members), "it fell back to every member's contribution"
+
+
+def test_wire_partition_per_codec():
+    from gossip.reduce_scatter import wire_partition
+    shapes = [(256, 128), (128,), (64, 64)]
+    assert wire_partition("none", shapes).flat is False and wire_partition("q2", shapes).max_numel == 16384
+    # top-k with values scaled per chunk runs across tensors: one payload header for the whole model
+    for codec in ("topk:64/4096+q2", "topk:64/4096"):
+        partition = wire_partition(codec, shapes)
+        assert partition.flat and partition.shapes(shapes) == [(256 * 128 + 128 + 64 * 64,)]
+    # one quantizer table per payload (+q4/+q8), rotation blocks and DCT tiles keep tensors apart
+    for codec in ("topk:64/4096+q4", "topk:64/4096+rot2", "dct:32/4096", "seed:r=8"):
+        assert not wire_partition(codec, shapes).flat

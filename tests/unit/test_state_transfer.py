@@ -1,0 +1,155 @@
+"""State download for joiners: what a joiner already holds is not sent again, and a peer cannot make it
+keep tensors it never offered."""
+
+import asyncio
+
+import pytest
+import torch
+
+from gossip.state_transfer import StateServer, StateSnapshot, download_state
+from protocol.errors import SchemaError
+from tests.helpers.fuzz import _frames, _stream
+from tests.helpers.memory_transport import Network
+
+SHAPES = [(64, 32), (32,), (7, 3)]
+
+
+async def _serving(states: dict[str, dict[str, list[torch.Tensor]]], fingerprints: dict[str, str], round_no: int) -> Network:
+    """A network where each peer of ``states`` serves a snapshot of its state."""
+    network = Network()
+    for peer, state in states.items():
+        server = StateServer(network.transport(peer), "run", progress=lambda: 3)  # type: ignore[arg-type]
+        await server.start()
+        server.publish(StateSnapshot(round=round_no, tensors=state, fingerprint=fingerprints[peer], meta={}))
+    return network
+
+
+def _state(seed: int) -> dict[str, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return {"params": [torch.randn(s, generator=g) for s in SHAPES], "outer_momentum": [torch.zeros(s) for s in SHAPES]}
+
+
+def _layout(tensors: dict[str, list[torch.Tensor]]) -> dict[str, list[tuple[tuple[int, ...], torch.dtype]]]:
+    return {name: [(tuple(t.shape), t.dtype) for t in ts] for name, ts in tensors.items()}
+
+
+def _download(served: dict[str, list[torch.Tensor]], held: dict[str, list[torch.Tensor]] | None):
+    async def go():
+        network = await _serving({"server": served}, {"server": "fp"}, 4)
+        got = await download_state(network.transport("joiner"), "server", "run", _layout(served), have=held)  # type: ignore[arg-type]
+        await asyncio.gather(*network.tasks)
+        return got, network.sent["server"]
+
+    return asyncio.run(go())
+
+
+def _full_bytes(tensors: dict[str, list[torch.Tensor]], name: str) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors[name])
+
+
+@pytest.mark.parametrize("held_seed, expect_reused", [(0, ["outer_momentum", "params"]), (1, ["outer_momentum"]), (None, [])])
+def test_a_joiner_downloads_only_the_groups_it_does_not_hold(held_seed, expect_reused):
+    served = _state(0)
+    held = _state(held_seed) if held_seed is not None else None
+    got, sent = _download(served, held)
+    assert got.reused == expect_reused
+    for name, ts in served.items():
+        assert all(torch.equal(a, b) for a, b in zip(got.snapshot.tensors[name], ts)), name
+    payload = sum(_full_bytes(served, n) for n in served if n not in expect_reused)
+    assert payload <= sent < payload + 4096, "identical groups are not sent, the others are sent once"
+
+
+def test_a_joiner_never_shares_tensors_with_what_it_held():
+    served = _state(0)
+    held = _state(0)
+    got, _ = _download(served, held)
+    got.snapshot.tensors["params"][0].add_(1.0)
+    assert torch.equal(held["params"][0], served["params"][0])
+
+
+def test_a_peer_that_claims_a_group_the_joiner_never_offered_is_refused():
+    served = _state(0)
+    head = {"round": 4, "inner_step": 0, "fingerprint": "fp", "meta": {}, "same": ["params"],
+            "layout": {n: [[list(t.shape), "float32"] for t in ts] for n, ts in served.items()}}
+
+    class Liar:
+        peer_id = "joiner"
+
+        async def open(self, peer, protocol):
+            return _stream(_frames(("state", head), ("end", {})))[0]
+
+        def account(self, protocol, stream):
+            pass
+
+    with pytest.raises(SchemaError, match="identical"):
+        asyncio.run(download_state(Liar(), "server", "run", _layout(served)))  # type: ignore[arg-type]
+
+
+def test_have_must_be_a_map():
+    server = StateServer(None, "run", progress=lambda: 0)  # type: ignore[arg-type]
+    server.publish(StateSnapshot(round=0, tensors=_state(0), fingerprint="fp", meta={}))
+
+    async def ask() -> None:
+        stream, _ = _stream(_frames(("get_state", {"run_id": "run", "have": [1, 2]})))
+        await server._handle(stream)
+
+    with pytest.raises(SchemaError, match="have"):
+        asyncio.run(ask())
+
+
+BIG = [(512, 1024), (1024,), (700, 600), (3, 5)]  # several 1 MiB chunks per tensor
+
+
+def _big_state(seed: int) -> dict[str, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return {"params": [torch.randn(s, generator=g) for s in BIG], "outer_momentum": [torch.randn(s, generator=g) for s in BIG]}
+
+
+def _striped(states: dict[str, dict[str, list[torch.Tensor]]], down: set[str] = frozenset()):
+    async def go():
+        distinct = len(set(map(id, states.values()))) > 1
+        network = await _serving(states, {p: f"fp{id(state)}" if distinct else "fp" for p, state in states.items()}, 7)
+        network.down = set(down)
+        first = next(iter(states.values()))
+        try:
+            return await download_state(network.transport("joiner"), list(states), "run", _layout(first)), network  # type: ignore[arg-type]
+        finally:
+            await asyncio.gather(*network.tasks, return_exceptions=True)
+
+    return asyncio.run(go())
+
+
+def test_a_striped_download_takes_an_even_share_from_each_peer():
+    state = _big_state(0)
+    got, transport = _striped({"a": state, "b": state, "c": state})
+    for name, ts in state.items():
+        assert all(torch.equal(x, y) for x, y in zip(got.snapshot.tensors[name], ts)), name
+    total = sum(_full_bytes(state, n) for n in state)
+    shares = [transport.sent[p] for p in "abc"]
+    assert sum(shares) < total + 8192
+    assert max(shares) <= total / 3 + (1 << 20) + 4096, "no peer sends more than its share and one chunk"
+
+
+def test_a_stripe_whose_peer_is_gone_comes_from_another():
+    state = _big_state(1)
+    got, transport = _striped({"a": state, "b": state, "c": state}, down={"b"})
+    assert all(torch.equal(x, y) for x, y in zip(got.snapshot.tensors["params"], state["params"]))
+    assert "b" not in transport.sent
+
+
+def test_peers_with_different_states_are_not_mixed():
+    with pytest.raises(SchemaError, match="different states"):
+        _striped({"a": _big_state(0), "b": _big_state(2)})
+
+
+def test_a_stripe_request_out_of_range_is_refused():
+    server = StateServer(None, "run", progress=lambda: 0)  # type: ignore[arg-type]
+    server.publish(StateSnapshot(round=0, tensors=_state(0), fingerprint="fp", meta={}))
+
+    async def ask(stripe) -> None:
+        stream, _ = _stream(_frames(("get_state", {"run_id": "run", "stripe": stripe})))
+        await server._handle(stream)
+
+    for bad in ([2, 2], [0, 99], "0/2", [True, 2]):
+        with pytest.raises(SchemaError, match="stripe"):
+            asyncio.run(ask(bad))
