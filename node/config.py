@@ -16,13 +16,51 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from node.errors import UserError
 
 ENV_PREFIX = "LOCOMESH_"
-FLAG_OF = {"model_config_file": "model_config"}  # fields whose flag differs (pydantic reserves model_config)
 LOSSLESS_CODECS = ("none", "fp16", "bf16")  # no error feedback, and the outer step of dense DiLoCo
 
 
 # H by algorithm: sparse rounds are cheap, so SparseLoCo syncs more often (tiny, 4 nodes × 600 steps:
 # H = 20 came within 5.4 % of dense DiLoCo at H = 30, H = 30 within 8.3 %)
 DEFAULT_INNER_STEPS = {"diloco": 50, "noloco": 30, "sparseloco": 30, "zo": 50}
+
+
+SPARSE_CODEC = "topk:64/4096+q2"  # SparseLoCo's default codec
+LOSSY_FEEDBACK_DECAY = 0.95  # error-feedback β of lossy codecs
+LOSSY_WARMUP_ROUNDS = 5  # outer-lr warm-up of DiLoCo with a lossy codec (see NodeConfig.outer_warmup)
+# (outer lr, outer momentum) by algorithm, and DiLoCo's with a lossy codec or a shared-seed projection
+# (the measurements behind them: NodeConfig.outer_hyper)
+OUTER_DEFAULTS = {"diloco": (0.7, 0.9), "noloco": (1.0, 0.5), "sparseloco": (2.0, 0.0), "zo": (1.0, 0.0)}
+LOSSY_DILOCO_OUTER = (1.0, 0.5)
+SEED_DILOCO_OUTER = (1.0, 0.0)
+
+SWARM, TRAIN, AVG, PIPE, OPS = "Swarm", "Training", "Averaging", "Pipeline", "Operations"  # option groups
+
+
+def option(default: Any, help: str, group: str, *, default_text: str | None = None, flag: str | None = None, **limits: Any) -> Any:
+    """Declare one setting: its default, the help a user reads (``node join --help``, README's table), its group, and
+    how its flag is spelled when it differs from the field name; ``default_text`` says a default that depends on
+    other settings. ``limits`` are pydantic's (``ge``, ``le``, ``pattern``…). A callable default is a factory."""
+    extra = {"group": group, **({"default_text": default_text} if default_text else {}), **({"flag": flag} if flag else {})}
+    if callable(default):
+        return Field(default_factory=default, description=help, json_schema_extra=extra, **limits)
+    return Field(default, description=help, json_schema_extra=extra, **limits)
+
+
+def _by_algorithm(values: dict[str, Any]) -> str:
+    """``50; 30 for noloco and sparseloco`` from a table of defaults by algorithm (DiLoCo's first)."""
+    others: dict[Any, list[str]] = {}
+    for algorithm, value in values.items():
+        if algorithm != "diloco" and value != values["diloco"]:
+            others.setdefault(value, []).append(algorithm)
+    return "; ".join([str(values["diloco"])] + [f"{v} for {' and '.join(sorted(a))}" for v, a in others.items()])
+
+
+def _outer_default_text(i: int) -> str:
+    """The default outer lr (``i`` = 0) or momentum (1) for each algorithm and codec, from ``OUTER_DEFAULTS``."""
+    table = {"diloco": OUTER_DEFAULTS["diloco"][i], "noloco": OUTER_DEFAULTS["noloco"][i],
+             "sparseloco": OUTER_DEFAULTS["sparseloco"][i]}
+    return (f"{table['diloco']}; {LOSSY_DILOCO_OUTER[i]} for diloco with a lossy codec ({SEED_DILOCO_OUTER[i]} with seed:); "
+            f"{table['noloco']} for noloco; {table['sparseloco']} for sparseloco")
 
 
 class ConfigError(UserError, ValueError):
@@ -34,82 +72,138 @@ class NodeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
-    # swarm
-    run_id: str = Field("locomesh-demo", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="name of the training run")
-    initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of peers already in the swarm")
-    listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="multiaddrs to listen on")
-    announce: list[str] = Field(default_factory=list, description="public multiaddrs to announce")
-    identity: Path | None = Field(None, description="private key file (created if missing) for a stable peer id")
-    swarm_key: Path | None = Field(None, description="shared secret file of a private swarm")
-    reachability: Literal["auto", "public", "private"] = Field("auto", description="whether others can dial this node; auto: an initial peer dials it back")
-    relay: Literal["on", "off"] = Field("on", description="a public node relays circuits for private peers")
-    # training
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    model: str = "tiny"
-    model_config_file: Path | None = Field(None, description="--model-config: a Hugging Face LlamaConfig-style config.json: the architecture instead of --model")
-    context: int | None = Field(None, ge=8, le=131072, description="tokens per training sequence (default: the model's)")
-    data: Path | None = None
-    algorithm: Literal["diloco", "noloco", "sparseloco", "zo"] = "diloco"
-    compression: str | None = Field(None, description="pseudo-gradient codec; default none, topk:64/4096+q2 for sparseloco")
-    error_feedback_decay: float | None = Field(None, ge=0, le=1, description="β of error feedback; default 0.95 for lossy codecs, 0 for none/fp16/bf16")
-    inner_steps: int | Literal["auto"] = Field(50, description="local steps per round, or auto: sized from this peer's speed; default by algorithm (DEFAULT_INNER_STEPS)")
-    round_steps: int = Field(50, ge=1, le=1_000_000, description="with --inner-steps auto: steps the swarm's median peer takes per round; default by algorithm")
-    batch_size: int = Field(16, ge=1, le=65536)
-    lr: float = Field(1e-3, gt=0, le=10)
-    warmup_steps: int = Field(50, ge=0)
-    weight_decay: float = Field(0.1, ge=0)
-    micro_batch_size: int | None = Field(None, ge=1, le=65536, description="sequences per forward/backward pass; a batch runs as ceil(batch_size/m) passes with gradients accumulated (same update, less memory); default: the whole batch")
-    activation_checkpointing: bool = Field(False, description="recompute each transformer block's activations in the backward pass instead of storing them")
-    compile: bool = Field(False, description="torch.compile the model; falls back to eager with one warning if compilation fails")
-    outer_device: Literal["cpu", "same"] = Field("cpu", description="where φ and the outer momentum live and the outer step runs: cpu (pinned host memory when training on CUDA) or same (the model's device)")
-    peak_tflops: float | None = Field(None, gt=0, le=100_000, description="peak dense bf16 TFLOPS of this device for MFU; default: looked up from the GPU's name (none on CPU)")
-    outer_lr: float | None = Field(None, gt=0, le=10, description="η (β for noloco); default 0.7, 1.0 for noloco, 2.0 for sparseloco")
-    outer_momentum: float | None = Field(None, ge=0, lt=1, description="μ (α for noloco); default 0.9, 0.5 for noloco, 0 for sparseloco")
-    outer_warmup_rounds: int | None = Field(None, ge=0, le=10_000, description="W: round r steps at η·min(1, (r+1)/W); default 5 for diloco with a lossy codec other than seed:, else 0")
-    noloco_pull: float | None = Field(None, ge=0, le=10, description="γ of noloco: pull toward the group's mean weights; default = outer lr")
-    group_size: int = Field(2, ge=2, le=64, description="members per noloco group")
-    max_group_size: int = Field(32, ge=2, le=4096, description="diloco/sparseloco: a swarm with more live trainers averages in random groups of about this many")
-    fragments: int = Field(1, ge=1, le=64, description="streaming: parameter fragments synchronised in rotation")
-    overlap: bool = Field(False, description="keep training while a round's exchange runs")
-    overlap_mode: Literal["asap", "delayed", "eager"] = Field("asap", description="apply a round's result as soon as it arrives, at the next round (one-step delay), or eagerly estimate it from the previous round")
-    fragment_alpha: float = Field(0.0, ge=0, le=1, description="θ_f ← (1−α)·φ_f + α·θ_f when a round's result is applied")
-    aggregate: Literal["mean", "sparse-mean", "median-clip", "trimmed-mean"] | None = Field(
-        None, description="how a round's updates are combined; default sparse-mean for sparseloco, mean otherwise")
-    zo_eps: float = Field(1e-3, gt=0, le=1, description="zo: ε of the central difference (L(θ+εz) − L(θ−εz))/(2ε)")
-    zo_lr: float = Field(1e-4, gt=0, le=1, description="zo: learning rate of each one-byte step θ ← θ − lr·ĝ·z")
-    zo_seed_pool: int = Field(0, ge=0, le=1 << 20, description="zo: draw directions from a fixed pool of K seeds (FedKSeed); 0: a fresh seed per step")
-    init_from: Path | None = Field(None, description="start a new run from the weights of a locomesh checkpoint (checkpoint.pt or its folder) or a Hugging Face model folder")
-    min_peers: int = Field(1, ge=1, le=1024, description="zo: wait until this many peers (self included) are in the run before the first step, up to --join-timeout")
-    join_timeout: float = Field(60.0, gt=0, description="how long a joiner keeps trying to download the swarm's state")
-    stream_timeout: float = Field(30.0, gt=0, description="a peer that stalls mid-request this long is refused, seconds")
-    averaging_timeout: float = Field(30.0, gt=0, description="longest wait for late peers at a round, seconds")
-    # pipeline (SWARM)
-    stages: int = Field(1, ge=1, le=64, description="pipeline stages the model is cut into (1 = whole-model replicas)")
-    role: Literal["auto", "stage", "trainer", "spare"] = Field("auto", description="pipeline role")
-    stage: int | None = Field(None, ge=0, description="with --role stage: which stage to serve (default: the one the swarm needs)")
-    activation_compression: str = Field("none", description="codec for activations and their gradients between stages")
-    microbatches: int = Field(4, ge=1, le=256, description="pipeline trainer: microbatches in flight at once")
-    stage_queue: int = Field(8, ge=1, le=1024, description="requests a stage server lets wait before answering busy")
-    sync_every: float = Field(30.0, gt=0, description="seconds between averaging rounds of a stage's replicas")
-    rebalance_period: float = Field(300.0, ge=0, description="seconds between rebalancing checks of a stage server (0 = never)")
-    rebalance_margin: float = Field(0.1, ge=0, description="move only when pipeline throughput rises by more than this fraction")
-    checkfree_plus: bool = Field(False, description="CheckFree+: out-of-order microbatches and embedding/head replicas on neighbours")
-    recovery_grace: float = Field(10.0, gt=0, description="seconds a stage may have no server before it is declared lost")
-    recovery_lr_scale: float = Field(1.1, gt=0, le=10, description="learning-rate factor of a rebuilt stage's fresh optimizer")
-    # operations
-    metrics_port: int = Field(0, ge=0, le=65535)
-    checkpoint_dir: Path | None = None
-    fresh: bool = Field(False, description="start over: move an existing checkpoint in --checkpoint-dir aside instead of resuming it")
-    max_steps: int | None = Field(None, ge=1)
-    duration: float | None = Field(None, gt=0)
-    threads: int | None = Field(None, ge=1, le=1024)
-    slowdown: float = Field(1.0, ge=1, le=100, description="experiments: make every inner step this many times slower (emulates slower hardware)")
-    seed: int = Field(0, description="seed of this node's data order (and of the model's initialisation unless --init-seed)")
-    init_seed: int | None = Field(None, description="seed of the model's initialisation (default: --seed); node swarm gives every node the same one")
-    eval_batches: int = Field(16, ge=1)
-    eval_every: int = Field(5, ge=0, description="evaluate on the held-out split every N outer rounds (0 = only at exit)")
-    info_file: Path | None = None
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # ---- swarm ---------------------------------------------------------------------------------------
+    run_id: str = option("locomesh-demo", "Name of the training run; peers of other runs never mix", SWARM,
+                         pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    initial_peers: list[str] = option(list, "Multiaddr of a peer already in the swarm (repeatable)", SWARM,
+                                      default_text="none: start a new swarm")
+    listen: list[str] = option(lambda: ["/ip4/0.0.0.0/tcp/0"], "Multiaddr to listen on (repeatable)", SWARM)
+    announce: list[str] = option(list, "Public multiaddr to announce, e.g. behind port forwarding (repeatable)", SWARM)
+    identity: Path | None = option(None, "Private key file for a stable peer id (created if missing)", SWARM)
+    swarm_key: Path | None = option(None, "Secret file of a private swarm (at least 16 bytes; hex text is decoded): peers without it are refused", SWARM)
+    reachability: Literal["auto", "public", "private"] = option(
+        "auto", "auto | public | private: whether others can dial this node; auto asks an initial peer to dial back, and a "
+        "private node is reached through relays on public peers", SWARM)
+    relay: Literal["on", "off"] = option(
+        "on", "on | off: a public node relays circuits for peers behind NAT, capped at 16 circuits per peer and 1 GiB or "
+        "30 min per circuit", SWARM)
+    # ---- training ------------------------------------------------------------------------------------
+    device: Literal["auto", "cpu", "cuda"] = option("auto", "auto | cpu | cuda; auto uses CUDA when present (bf16 autocast)", TRAIN)
+    model: str = option("tiny", "Model preset: byte GPTs nano, micro, tiny, small, medium; Llama llama-tiny, llama-20m, "
+                        "llama-150m, llama-1b (the vocabulary comes from --data)", TRAIN)
+    model_config_file: Path | None = option(None, "A Hugging Face config.json (LlamaConfig fields) to train instead of a --model preset",
+                                            TRAIN, flag="model_config")
+    context: int | None = option(None, "Tokens per training sequence", TRAIN, default_text="the model's", ge=8, le=131072)
+    data: Path | None = option(None, "Text file or folder to train on as bytes, or a folder of token shards from `node data prepare`",
+                               TRAIN, default_text="the embedded Shakespeare corpus")
+    algorithm: Literal["diloco", "noloco", "sparseloco", "zo"] = option(
+        "diloco", "diloco (whole-group rounds, Nesterov outer step) | noloco (random groups of --group-size, no global barrier) | "
+        "sparseloco (top-k + 2-bit pseudo-gradients, error feedback, SGD outer step) | zo (zeroth-order fine-tuning: forward "
+        "passes only, one byte per step on the wire)", AVG)
+    compression: str | None = option(
+        None, "Codec for pseudo-gradients: none, fp16, bf16, q8, q4, q2, int8-block, topk:64/4096+q2, dct:32/4096, rot2, "
+        "topk:64/4096+rot2, seed:r=16", AVG, default_text=f"none; {SPARSE_CODEC} for sparseloco")
+    error_feedback_decay: float | None = option(None, "β of error feedback for lossy codecs", AVG,
+                                                default_text=f"{LOSSY_FEEDBACK_DECAY}; 0 for {'/'.join(LOSSLESS_CODECS)}", ge=0, le=1)
+    inner_steps: int | Literal["auto"] = option(
+        None, "Local steps between outer rounds (H), or auto: sized from this peer's measured speed so that fast and slow peers "
+        "finish a round together", TRAIN, default_text=_by_algorithm(DEFAULT_INNER_STEPS))
+    round_steps: int = option(None, "With --inner-steps auto: steps the swarm's median-speed peer takes per round", TRAIN,
+                              default_text=_by_algorithm(DEFAULT_INNER_STEPS), ge=1, le=1_000_000)
+    batch_size: int = option(16, "Sequences per inner step", TRAIN, ge=1, le=65536)
+    lr: float = option(1e-3, "Inner AdamW learning rate", TRAIN, gt=0, le=10)
+    warmup_steps: int = option(50, "Linear warmup of the inner lr, steps", TRAIN, ge=0)
+    weight_decay: float = option(0.1, "Inner AdamW weight decay", TRAIN, ge=0)
+    micro_batch_size: int | None = option(
+        None, "Sequences per forward/backward pass: each batch runs in pieces of at most this many, gradients accumulated, so "
+        "the update is the whole batch's with less memory", TRAIN, default_text="the whole batch", ge=1, le=65536)
+    activation_checkpointing: bool = option(
+        False, "Recompute each transformer block's activations in the backward pass instead of storing them: less memory, about "
+        "one more forward pass of compute", TRAIN)
+    compile: bool = option(False, "torch.compile the model: faster steps after a slow first one; falls back to eager with a "
+                           "warning if compilation fails", TRAIN)
+    outer_device: Literal["cpu", "same"] = option(
+        "cpu", "Where the agreed weights and outer momentum live and the outer step runs: cpu (pinned host memory, leaves GPU "
+        "memory to the model) | same (the model's device)", TRAIN)
+    peak_tflops: float | None = option(None, "Peak dense bf16 TFLOPS of this device, for MFU (node/runtime/mfu.py holds the table)",
+                                       TRAIN, default_text="looked up from the GPU's name; none on CPU", gt=0, le=100_000)
+    outer_lr: float | None = option(None, "Outer learning rate η (β for noloco)", AVG, default_text=_outer_default_text(0), gt=0, le=10)
+    outer_momentum: float | None = option(None, "Outer momentum μ, Nesterov (α for noloco)", AVG,
+                                          default_text=_outer_default_text(1), ge=0, lt=1)
+    outer_warmup_rounds: int | None = option(
+        None, "Outer lr warm-up: round r of the run steps at η·min(1, (r+1)/W)", AVG,
+        default_text=f"{LOSSY_WARMUP_ROUNDS} for diloco with a lossy codec other than seed:, else 0", ge=0, le=10_000)
+    noloco_pull: float | None = option(None, "noloco: γ, pull toward the group's mean weights", AVG, default_text="the outer lr",
+                                       ge=0, le=10)
+    group_size: int = option(2, "noloco: members per averaging group", AVG, ge=2, le=64)
+    max_group_size: int = option(
+        32, "diloco/sparseloco: a swarm with more live trainers averages each round in random groups of about this many, new "
+        "every round (Moshpit); such rounds average each member's stepped weights", AVG, ge=2, le=4096)
+    fragments: int = option(1, "Streaming: split the model into P fragments synchronised in rotation, one every H/P steps", AVG,
+                            ge=1, le=64)
+    overlap: bool = option(False, "Keep training while a round's exchange runs", AVG)
+    overlap_mode: Literal["asap", "delayed", "eager"] = option(
+        "asap", "With --overlap: asap (apply a round's result when it arrives) | delayed (at the next round: one-step delay) | "
+        "eager (apply an estimate from this node's Δ and the others' previous Δ at once, correct it when the result arrives)", AVG)
+    fragment_alpha: float = option(0.0, "α in θ ← (1−α)·φ + α·θ when a round's result is applied; 0 replaces local weights", AVG,
+                                   ge=0, le=1)
+    aggregate: Literal["mean", "sparse-mean", "median-clip", "trimmed-mean"] | None = option(
+        None, "mean | sparse-mean | median-clip | trimmed-mean: how updates are combined; the last two are robust against "
+        "broken or malicious peers", AVG, default_text="sparse-mean for sparseloco, else mean")
+    zo_eps: float = option(1e-3, "zo: perturbation size ε of each step's two loss evaluations at θ ± εz", AVG, gt=0, le=1)
+    zo_lr: float = option(1e-4, "zo: learning rate of every one-byte step (θ moves by −lr·g·z); each peer's steps are applied, "
+                          "so lower it for many peers", AVG, gt=0, le=1)
+    zo_seed_pool: int = option(0, "zo: draw every step's direction from a fixed pool of K seeds (FedKSeed), so the fine-tune is "
+                               "K accumulated scalars; 0: a fresh seed per step", AVG, ge=0, le=1 << 20)
+    init_from: Path | None = option(
+        None, "Start a new run from existing weights: a locomesh checkpoint (a checkpoint.pt a node wrote, or its "
+        "--checkpoint-dir) or a Hugging Face Llama folder (config.json, model.safetensors, tokenizer.json; node export writes "
+        "one). Joiners still take the swarm's state", TRAIN)
+    min_peers: int = option(1, "zo: wait until this many peers (this one included) are in the run before the first step, at "
+                            "most --join-timeout seconds", SWARM, ge=1, le=1024)
+    join_timeout: float = option(60.0, "How long a joiner keeps trying to download the swarm's state, seconds", SWARM, gt=0)
+    stream_timeout: float = option(30.0, "Refuse a peer that stalls mid-request this long, seconds", OPS, gt=0)
+    averaging_timeout: float = option(30.0, "Longest wait for late peers in a round, seconds; the deadline adapts below it to "
+                                      "recent rounds", AVG, gt=0)
+    # ---- pipeline (SWARM) ----------------------------------------------------------------------------
+    stages: int = option(1, "Pipeline: cut the model into S stages served by different peers (1 = whole-model replicas)", PIPE,
+                         ge=1, le=64)
+    role: Literal["auto", "stage", "trainer", "spare"] = option(
+        "auto", "Pipeline: auto | stage | trainer | spare; auto takes what the swarm needs; a spare waits to rebuild a lost "
+        "stage", PIPE)
+    stage: int | None = option(None, "Pipeline: with --role stage, the stage to serve", PIPE,
+                               default_text="the one the swarm needs", ge=0)
+    activation_compression: str = option("none", "Pipeline: codec for activations and their gradients: none, fp16, bf16, "
+                                         "int8-block, q8", PIPE)
+    microbatches: int = option(4, "Pipeline trainer: microbatches in flight at once, so all stages stay busy", PIPE, ge=1, le=256)
+    stage_queue: int = option(8, "Pipeline: requests a stage server lets wait before answering busy", PIPE, ge=1, le=1024)
+    sync_every: float = option(30.0, "Pipeline: seconds between averaging rounds of a stage's replicas", PIPE, gt=0)
+    rebalance_period: float = option(300.0, "Pipeline: seconds between rebalancing checks, 0 = never", PIPE, ge=0)
+    rebalance_margin: float = option(0.1, "Pipeline: move only if pipeline throughput rises by more than this fraction", PIPE,
+                                     ge=0)
+    checkfree_plus: bool = option(False, "Pipeline: CheckFree+ (out-of-order microbatches, embedding/head replicas on "
+                                  "neighbours) so a lost first or last stage can be restored", PIPE)
+    recovery_grace: float = option(10.0, "Pipeline: seconds a stage may have no server before it is declared lost and rebuilt",
+                                   PIPE, gt=0)
+    recovery_lr_scale: float = option(1.1, "Pipeline: learning-rate factor of a rebuilt stage's fresh optimizer", PIPE, gt=0, le=10)
+    # ---- operations ----------------------------------------------------------------------------------
+    metrics_port: int = option(0, "Prometheus /metrics port, 0 = off", OPS, ge=0, le=65535)
+    checkpoint_dir: Path | None = option(None, "Directory for the (atomic) checkpoint, written every round and at exit; resumed "
+                                         "from on restart when it was written with the same run settings", OPS)
+    fresh: bool = option(False, "Start over: move an existing checkpoint in --checkpoint-dir aside instead of resuming it", OPS)
+    max_steps: int | None = option(None, "Stop cleanly after this many inner steps", OPS, ge=1)
+    duration: float | None = option(None, "Stop cleanly after this many seconds", OPS, gt=0)
+    threads: int | None = option(None, "torch CPU threads", TRAIN, default_text="torch's choice", ge=1, le=1024)
+    slowdown: float = option(1.0, "Experiments: make every inner step this many times slower, to emulate slower hardware", OPS,
+                             ge=1, le=100)
+    seed: int = option(0, "Seed of this node's data order, and of the model's initialisation unless --init-seed; node swarm "
+                       "gives node i the seed S + i", TRAIN)
+    init_seed: int | None = option(None, "Seed of the model's initialisation; node swarm gives every node the same one", TRAIN,
+                                   default_text="--seed")
+    eval_batches: int = option(16, "Validation batches per evaluation", OPS, ge=1)
+    eval_every: int = option(5, "Evaluate on the held-out split every N outer rounds, 0 = only at exit", OPS, ge=0)
+    info_file: Path | None = option(None, "Write a JSON summary here when up, after every round, and on exit", OPS)
+    log_level: Literal["debug", "info", "warning", "error"] = option("info", "debug | info | warning | error", OPS)
 
     @field_validator("initial_peers", "listen", "announce")
     @classmethod
@@ -229,7 +323,7 @@ class NodeConfig(BaseModel):
         """The pseudo-gradient codec in force."""
         if self.compression is not None:
             return self.compression
-        return "topk:64/4096+q2" if self.algorithm == "sparseloco" else "none"
+        return SPARSE_CODEC if self.algorithm == "sparseloco" else "none"
 
     @property
     def aggregation(self) -> str:
@@ -259,12 +353,11 @@ class NodeConfig(BaseModel):
         2.270 at η 1.0, 2.200 at 1.5, 2.167 at 2.0 and 2.265 at 3.0, against dense DiLoCo's 2.137).
         NoLoCo steps with β = γ = 1 (α 0.5, inside its stability region α < γ < √(2 + α²)): 2.128 against
         2.196 with the paper's 0.7, both at H = 30."""
-        lr_default, momentum_default = {"diloco": (0.7, 0.9), "noloco": (1.0, 0.5), "sparseloco": (2.0, 0.0),
-                                        "zo": (1.0, 0.0)}[self.algorithm]
+        lr_default, momentum_default = OUTER_DEFAULTS[self.algorithm]
         if self.algorithm == "diloco" and self.codec.startswith("seed:"):
-            lr_default, momentum_default = 1.0, 0.0
+            lr_default, momentum_default = SEED_DILOCO_OUTER
         elif self.algorithm == "diloco" and self.codec not in LOSSLESS_CODECS:
-            lr_default, momentum_default = 1.0, 0.5
+            lr_default, momentum_default = LOSSY_DILOCO_OUTER
         return (
             self.outer_lr if self.outer_lr is not None else lr_default,
             self.outer_momentum if self.outer_momentum is not None else momentum_default,
@@ -283,7 +376,7 @@ class NodeConfig(BaseModel):
         if self.outer_warmup_rounds is not None:
             return self.outer_warmup_rounds
         lossy = self.codec not in LOSSLESS_CODECS and not self.codec.startswith("seed:")
-        return 5 if self.algorithm == "diloco" and lossy else 0
+        return LOSSY_WARMUP_ROUNDS if self.algorithm == "diloco" and lossy else 0
 
     @property
     def model_seed(self) -> int:
@@ -294,7 +387,7 @@ class NodeConfig(BaseModel):
         """The error-feedback β in force: explicit, else 0.95 for lossy codecs and 0 for (near-)lossless ones."""
         if self.error_feedback_decay is not None:
             return self.error_feedback_decay
-        return 0.0 if self.codec in LOSSLESS_CODECS else 0.95
+        return 0.0 if self.codec in LOSSLESS_CODECS else LOSSY_FEEDBACK_DECAY
 
     @field_validator("activation_compression")
     @classmethod
@@ -361,3 +454,11 @@ def load_config(flags: dict[str, Any], config_file: Path | None = None) -> NodeC
             for err in e.errors()
         )
         raise ConfigError(f"invalid configuration: {problems}") from None
+
+
+def _declared_flags() -> dict[str, str]:
+    extra = {name: (f.json_schema_extra or {}) for name, f in NodeConfig.model_fields.items()}
+    return {name: e["flag"] for name, e in extra.items() if isinstance(e, dict) and "flag" in e}
+
+
+FLAG_OF = _declared_flags()  # fields whose flag differs from their name (pydantic reserves model_config)

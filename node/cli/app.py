@@ -4,6 +4,7 @@ Every ``join`` option can also come from a ``LOCOMESH_<NAME>`` environment varia
 TOML file; flags win over env over file over defaults.
 """
 
+import inspect
 import json
 import os
 import sys
@@ -12,7 +13,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from node.config import ConfigError, NodeConfig, load_config
+from node.cli.options import join_parameters
+from node.config import OPS, ConfigError, NodeConfig, load_config
 from node.errors import UserError
 
 app = typer.Typer(
@@ -24,93 +26,22 @@ app = typer.Typer(
     rich_markup_mode=None,  # plain click help: wraps text and never cuts a flag or variable name at 80 columns
 )
 
-SWARM, TRAIN, AVG, PIPE, OPS = "Swarm", "Training", "Averaging", "Pipeline", "Operations"
-
-
 def _env(name: str) -> str:
     return "LOCOMESH_" + name.upper()
 
 
-def opt(help: str, panel: str, name: str, **kw: Any) -> Any:
-    return typer.Option(help=help, rich_help_panel=panel, envvar=_env(name), show_envvar=True, **kw)
-
-
-def join_flags(
-    config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with options (flag names as keys)", rich_help_panel=OPS, envvar=_env("config"), show_envvar=True)] = None,
-    run_id: Annotated[Optional[str], opt("Name of the training run; peers of other runs never mix (default: locomesh-demo)", SWARM, "run_id")] = None,
-    initial_peers: Annotated[Optional[list[str]], opt("Multiaddr of a peer already in the swarm (repeatable); none = start a new swarm", SWARM, "initial_peers")] = None,
-    listen: Annotated[Optional[list[str]], opt("Multiaddr to listen on (repeatable) (default: /ip4/0.0.0.0/tcp/0)", SWARM, "listen")] = None,
-    announce: Annotated[Optional[list[str]], opt("Public multiaddr to announce, e.g. behind port forwarding (repeatable)", SWARM, "announce")] = None,
-    identity: Annotated[Optional[Path], opt("Private key file for a stable peer id (created if missing)", SWARM, "identity")] = None,
-    swarm_key: Annotated[Optional[Path], opt("Secret file of a private swarm: peers without it are refused", SWARM, "swarm_key")] = None,
-    reachability: Annotated[Optional[str], opt("auto | public | private: whether others can dial this node; auto asks an initial peer to dial back, and a private node is reached through relays on public peers (default: auto)", SWARM, "reachability")] = None,
-    relay: Annotated[Optional[str], opt("on | off: a public node relays circuits for peers behind NAT, capped at 16 circuits per peer and 1 GiB or 30 min per circuit (default: on)", SWARM, "relay")] = None,
-    device: Annotated[Optional[str], opt("auto | cpu | cuda (default: auto)", TRAIN, "device")] = None,
-    model: Annotated[Optional[str], opt("Model preset: byte GPTs nano, micro, tiny, small, medium; Llama llama-tiny, llama-20m, llama-150m, llama-1b (the vocabulary comes from --data) (default: tiny)", TRAIN, "model")] = None,
-    model_config_file: Annotated[Optional[Path], typer.Option("--model-config", help="A Hugging Face config.json (LlamaConfig fields) to train instead of a --model preset", rich_help_panel=TRAIN, envvar=_env("model_config"), show_envvar=True)] = None,
-    context: Annotated[Optional[int], opt("Tokens per training sequence (default: the model's)", TRAIN, "context")] = None,
-    data: Annotated[Optional[Path], opt("Text file or folder to train on as bytes, or a folder of token shards from `node data prepare` (default: the embedded Shakespeare corpus)", TRAIN, "data")] = None,
-    inner_steps: Annotated[Optional[str], opt("Local steps between outer rounds (H), or auto: sized from this peer's measured speed so that fast and slow peers finish a round together (default: 50; 30 for sparseloco)", TRAIN, "inner_steps")] = None,
-    round_steps: Annotated[Optional[int], opt("With --inner-steps auto: steps the swarm's median-speed peer takes per round (default: 50; 30 for sparseloco)", TRAIN, "round_steps")] = None,
-    batch_size: Annotated[Optional[int], opt("Sequences per inner step (default: 16)", TRAIN, "batch_size")] = None,
-    lr: Annotated[Optional[float], opt("Inner AdamW learning rate (default: 1e-3)", TRAIN, "lr")] = None,
-    warmup_steps: Annotated[Optional[int], opt("Linear warmup of the inner lr (default: 50)", TRAIN, "warmup_steps")] = None,
-    micro_batch_size: Annotated[Optional[int], opt("Sequences per forward/backward pass: each batch runs in pieces of at most this many, gradients accumulated, so the update is the whole batch's with less memory (default: the whole batch)", TRAIN, "micro_batch_size")] = None,
-    activation_checkpointing: Annotated[Optional[bool], opt("Recompute each transformer block's activations in the backward pass instead of storing them: less memory, about one more forward pass of compute (default: off)", TRAIN, "activation_checkpointing")] = None,
-    compile: Annotated[Optional[bool], opt("torch.compile the model: faster steps after a slow first one; falls back to eager with a warning if compilation fails (default: off)", TRAIN, "compile")] = None,
-    outer_device: Annotated[Optional[str], opt("Where the agreed weights and outer momentum live and the outer step runs: cpu (pinned host memory, leaves GPU memory to the model) | same (the model's device) (default: cpu)", TRAIN, "outer_device")] = None,
-    peak_tflops: Annotated[Optional[float], opt("Peak dense bf16 TFLOPS of this device, for MFU (default: looked up from the GPU's name; none on CPU)", TRAIN, "peak_tflops")] = None,
-    threads: Annotated[Optional[int], opt("torch CPU threads (default: torch's choice)", TRAIN, "threads")] = None,
-    slowdown: Annotated[Optional[float], opt("Experiments: make every inner step this many times slower, to emulate slower hardware (default: 1)", OPS, "slowdown")] = None,
-    seed: Annotated[Optional[int], opt("Seed of this node's data order, and of the model's initialisation unless --init-seed; node swarm gives node i the seed S + i (default: 0)", TRAIN, "seed")] = None,
-    init_seed: Annotated[Optional[int], opt("Seed of the model's initialisation (default: --seed)", TRAIN, "init_seed")] = None,
-    algorithm: Annotated[Optional[str], opt("diloco (whole-group rounds, Nesterov outer step) | noloco (random groups of --group-size, no global barrier) | sparseloco (top-k + 2-bit pseudo-gradients, error feedback, SGD outer step) | zo (zeroth-order fine-tuning: forward passes only, one byte per step on the wire) (default: diloco)", AVG, "algorithm")] = None,
-    zo_eps: Annotated[Optional[float], opt("zo: perturbation size ε of each step's two loss evaluations at θ ± εz (default: 1e-3)", AVG, "zo_eps")] = None,
-    zo_lr: Annotated[Optional[float], opt("zo: learning rate lr of every one-byte step (θ moves by −lr·g·z); each peer's steps are applied, so lower it for many peers (default: 1e-4)", AVG, "zo_lr")] = None,
-    zo_seed_pool: Annotated[Optional[int], opt("zo: draw every step's direction from a fixed pool of K seeds (FedKSeed), so the fine-tune is K accumulated scalars; 0: a fresh seed per step (default: 0)", AVG, "zo_seed_pool")] = None,
-    min_peers: Annotated[Optional[int], opt("zo: wait until this many peers (this one included) are in the run before the first step, at most --join-timeout seconds (default: 1)", SWARM, "min_peers")] = None,
-    init_from: Annotated[Optional[Path], opt("Start a new run from existing weights: a locomesh checkpoint (a checkpoint.pt a node wrote, or its --checkpoint-dir) or a Hugging Face Llama folder (config.json, model.safetensors, tokenizer.json; node export writes one). Joiners still take the swarm's state", TRAIN, "init_from")] = None,
-    compression: Annotated[Optional[str], opt("Codec for pseudo-gradients: none, fp16, bf16, q8, q4, q2, int8-block, topk:64/4096+q2, dct:32/4096, rot2, topk:64/4096+rot2, seed:r=16 (default: none; topk:64/4096+q2 for sparseloco)", AVG, "compression")] = None,
-    group_size: Annotated[Optional[int], opt("noloco: members per averaging group (default: 2)", AVG, "group_size")] = None,
-    max_group_size: Annotated[Optional[int], opt("diloco/sparseloco: a swarm with more live trainers averages each round in random groups of about this many, new every round (Moshpit); such rounds average each member's stepped weights (default: 32)", AVG, "max_group_size")] = None,
-    noloco_pull: Annotated[Optional[float], opt("noloco: γ, pull toward the group's mean weights (default: the outer lr)", AVG, "noloco_pull")] = None,
-    fragments: Annotated[Optional[int], opt("Streaming: split the model into P fragments synchronised in rotation, one every H/P steps (default: 1)", AVG, "fragments")] = None,
-    overlap: Annotated[Optional[bool], opt("Keep training while a round's exchange runs (default: off)", AVG, "overlap")] = None,
-    overlap_mode: Annotated[Optional[str], opt("With --overlap: asap (apply a round's result when it arrives) | delayed (at the next round: one-step delay) | eager (apply an estimate from this node's Δ and the others' previous Δ at once, correct it when the result arrives) (default: asap)", AVG, "overlap_mode")] = None,
-    fragment_alpha: Annotated[Optional[float], opt("α in θ ← (1−α)·φ + α·θ when a round's result is applied; 0 replaces local weights (default: 0)", AVG, "fragment_alpha")] = None,
-    error_feedback_decay: Annotated[Optional[float], opt("β of error feedback for lossy codecs (default: 0.95; 0 for none/fp16/bf16)", AVG, "error_feedback_decay")] = None,
-    outer_lr: Annotated[Optional[float], opt("Outer learning rate η (β for noloco) (default: 0.7; 2.0 for sparseloco; 1.0 for noloco and for diloco with a lossy codec)", AVG, "outer_lr")] = None,
-    outer_momentum: Annotated[Optional[float], opt("Outer momentum μ (α for noloco) (default: 0.9 Nesterov; 0.5 for noloco and for diloco with a lossy codec; 0 for sparseloco and seed:)", AVG, "outer_momentum")] = None,
-    outer_warmup_rounds: Annotated[Optional[int], opt("Outer lr warm-up: round r of the run steps at η·min(1, (r+1)/W) (default: 5 for diloco with a lossy codec other than seed:, else 0)", AVG, "outer_warmup_rounds")] = None,
-    aggregate: Annotated[Optional[str], opt("mean | sparse-mean | median-clip | trimmed-mean: how updates are combined; the last two are robust against broken or malicious peers (default: sparse-mean for sparseloco, else mean)", AVG, "aggregate")] = None,
-    stages: Annotated[Optional[int], opt("Pipeline: cut the model into S stages served by different peers (1 = whole-model replicas) (default: 1)", PIPE, "stages")] = None,
-    role: Annotated[Optional[str], opt("Pipeline: auto | stage | trainer | spare; auto takes what the swarm needs; a spare waits to rebuild a lost stage (default: auto)", PIPE, "role")] = None,
-    stage: Annotated[Optional[int], opt("Pipeline: with --role stage, the stage to serve (default: the one the swarm needs)", PIPE, "stage")] = None,
-    activation_compression: Annotated[Optional[str], opt("Pipeline: codec for activations and their gradients: none, fp16, bf16, int8-block, q8 (default: none)", PIPE, "activation_compression")] = None,
-    microbatches: Annotated[Optional[int], opt("Pipeline trainer: microbatches in flight at once, so all stages stay busy (default: 4)", PIPE, "microbatches")] = None,
-    stage_queue: Annotated[Optional[int], opt("Pipeline: requests a stage server lets wait before answering busy (default: 8)", PIPE, "stage_queue")] = None,
-    sync_every: Annotated[Optional[float], opt("Pipeline: seconds between averaging rounds of a stage's replicas (default: 30)", PIPE, "sync_every")] = None,
-    rebalance_period: Annotated[Optional[float], opt("Pipeline: seconds between rebalancing checks, 0 = never (default: 300)", PIPE, "rebalance_period")] = None,
-    rebalance_margin: Annotated[Optional[float], opt("Pipeline: move only if pipeline throughput rises by more than this fraction (default: 0.1)", PIPE, "rebalance_margin")] = None,
-    checkfree_plus: Annotated[Optional[bool], opt("Pipeline: CheckFree+ (out-of-order microbatches, embedding/head replicas on neighbours) so a lost first or last stage can be restored (default: off)", PIPE, "checkfree_plus")] = None,
-    recovery_grace: Annotated[Optional[float], opt("Pipeline: seconds a stage may have no server before it is declared lost and rebuilt (default: 10)", PIPE, "recovery_grace")] = None,
-    recovery_lr_scale: Annotated[Optional[float], opt("Pipeline: learning-rate factor of a rebuilt stage's fresh optimizer (default: 1.1)", PIPE, "recovery_lr_scale")] = None,
-    join_timeout: Annotated[Optional[float], opt("How long a joiner keeps trying to download the swarm's state, seconds (default: 60)", SWARM, "join_timeout")] = None,
-    stream_timeout: Annotated[Optional[float], opt("Refuse a peer that stalls mid-request this long, seconds (default: 30)", OPS, "stream_timeout")] = None,
-    averaging_timeout: Annotated[Optional[float], opt("Longest wait for late peers in a round, seconds; the deadline adapts below it to recent rounds (default: 30)", AVG, "averaging_timeout")] = None,
-    metrics_port: Annotated[Optional[int], opt("Prometheus /metrics port, 0 = off (default: 0)", OPS, "metrics_port")] = None,
-    checkpoint_dir: Annotated[Optional[Path], opt("Directory for the (atomic) checkpoint; resumed from on restart when it was written with the same run settings", OPS, "checkpoint_dir")] = None,
-    fresh: Annotated[Optional[bool], opt("Start over: move an existing checkpoint in --checkpoint-dir aside instead of resuming it", OPS, "fresh")] = None,
-    max_steps: Annotated[Optional[int], opt("Stop cleanly after this many inner steps", OPS, "max_steps")] = None,
-    duration: Annotated[Optional[float], opt("Stop cleanly after this many seconds", OPS, "duration")] = None,
-    eval_batches: Annotated[Optional[int], opt("Validation batches per evaluation (default: 16)", OPS, "eval_batches")] = None,
-    eval_every: Annotated[Optional[int], opt("Evaluate on the held-out split every N outer rounds, 0 = only at exit (default: 5)", OPS, "eval_every")] = None,
-    info_file: Annotated[Optional[Path], opt("Write a JSON summary here when up and again on exit", OPS, "info_file")] = None,
-    log_level: Annotated[Optional[str], opt("debug | info | warning | error (default: info)", OPS, "log_level")] = None,
-) -> tuple[dict[str, Any], Optional[Path]]:
+def join_flags(config: Optional[Path] = None, **flags: Any) -> tuple[dict[str, Any], Optional[Path]]:
     """The join options that were set (flags or env), and the config file."""
-    flags = {k: v for k, v in locals().items() if k != "config"}
     return flags, config
+
+
+# `node join`'s options are generated from NodeConfig (node.cli.options): each setting is declared once
+_CONFIG_PARAM = inspect.Parameter(
+    "config", inspect.Parameter.KEYWORD_ONLY, default=None,
+    annotation=Annotated[Optional[Path], typer.Option("--config", help="TOML file with options (flag names as keys)",
+                                                      rich_help_panel=OPS, envvar=_env("config"), show_envvar=True)])
+join_flags.__signature__ = inspect.Signature([_CONFIG_PARAM, *join_parameters()])  # type: ignore[attr-defined]
+join_flags.__annotations__ = {p.name: p.annotation for p in join_flags.__signature__.parameters.values()}  # type: ignore[attr-defined]
 
 
 def _config_or_exit(flags: dict[str, Any], config: Optional[Path]) -> NodeConfig:
