@@ -78,7 +78,8 @@ def tail_rate(series: list[tuple[float, float]], fraction: float = 0.4) -> float
 
 
 def single_process_loss(steps: int, seed: int = 0) -> float:
-    from node.data.bytes import ByteBatches, load_corpus, validation_batches
+    from node.data.byte_corpus import load_corpus
+    from node.data.bytes import ByteBatches, validation_batches
     from swarm.models.presets import preset
     from node.runtime.local_training import LocalTrainer
 

@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from node.data.bytes import ByteBatches, load_corpus, validation_batches
+from node.data.byte_corpus import load_corpus
+from node.data.bytes import ByteBatches, validation_batches
 from swarm.models.presets import preset
 from swarm.checkfree import rebuild_stage, restore_from_replica, swap_order
 from swarm.stages import Stage

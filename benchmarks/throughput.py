@@ -66,7 +66,8 @@ def _options(args: argparse.Namespace) -> list[str]:
 
 # ---- the bare loop (runs in a process of its own) ----------------------------------------------------
 def bare(args: argparse.Namespace) -> dict[str, Any]:
-    from node.data.bytes import ByteBatches, load_corpus
+    from node.data.byte_corpus import load_corpus
+    from node.data.bytes import ByteBatches
     from node.runtime.mfu import flops_per_token, mfu, peak_flops, peak_memory_mb
     from node.runtime.local_training import LocalTrainer, pick_device
     from swarm.models.presets import preset

@@ -28,7 +28,7 @@ def main() -> None:
 
     import node.cli.app  # the point: pay for the imports and the corpus before the release
     import node.replica.node  # noqa: F401
-    from node.data.bytes import load_corpus
+    from node.data.byte_corpus import load_corpus
 
     load_corpus(None)  # decoded once per process; the daemon's own load then only checks the digest
     parts = args.bootstrap.split("/")

@@ -5,7 +5,7 @@
 1. Pretrain ``nano`` with a short DiLoCo run (one ``node join``, ``--max-steps``) on the embedded
    corpus's training plays.
 2. The "other text" is the corpus's held-out plays (never seen in pretraining), written one file per
-   play; ``node.data.bytes.load_text_corpus`` fine-tunes on all but one and holds the last one out.
+   play; ``node.data.byte_corpus.load_text_corpus`` fine-tunes on all but one and holds the last one out.
 3. For N = 1, 2, 4: N real ``node join --algorithm zo`` daemons on loopback start from the pretrained
    checkpoint (``--init-from``), wait for each other (``--min-peers N``) and take the same number of
    steps each (``--max-steps``, ``--inner-steps H``). Every node reports the held-out loss at exit.
@@ -93,7 +93,7 @@ def pretrain(s: Settings, run_dir: Path) -> Path:
 
 def write_text(run_dir: Path) -> Path:
     """The embedded corpus's held-out plays, one file each (the last one is the fine-tuning's held-out split)."""
-    from node.data.bytes import load_embedded_corpus
+    from node.data.byte_corpus import load_embedded_corpus
 
     folder = run_dir / "text"
     folder.mkdir(parents=True, exist_ok=True)
@@ -105,7 +105,8 @@ def write_text(run_dir: Path) -> Path:
 def held_out_loss(checkpoint: Path, text: Path, s: Settings) -> float:
     """The loss the nodes report at exit, for the pretrained weights (same windows, same batches)."""
     from node.checkpoints.checkpoint import load
-    from node.data.bytes import load_text_corpus, validation_batches
+    from node.data.byte_corpus import load_text_corpus
+    from node.data.bytes import validation_batches
     from node.runtime.local_training import LocalTrainer
     from swarm.models.presets import preset
 

@@ -81,6 +81,33 @@ class RoundResult:
     group_tag: str = ""  # which of them this member averaged in (e.g. g1of2)
 
 
+@dataclass
+class _Round:
+    """One outer round on this member, filled in step by step by :meth:`DiLoCoAverager.run_round`."""
+
+    number: int
+    phi: Sequence[torch.Tensor]
+    samples: int
+    indices: Sequence[int] | None
+    started: float  # time.monotonic() when the round began
+    shapes: list[tuple[int, ...]]  # of the round's parameters
+    fingerprint: str  # of φ as this member holds it
+    members: set[str] | None = None  # the live members read to decide the grouping (None: not read)
+    grouping: tuple[int, int] | None = None  # (this member's group, group count) in a grouped round
+    wire: str = ""  # the round's wire settings
+    blobs: list[bytes] = field(default_factory=list)  # this member's encoded wire parts...
+    decoded: list[torch.Tensor] = field(default_factory=list)  # ...and what its peers decode from them
+    owners: dict[str, list[int]] | None = None  # {member: the parts it reduces} when the round reduce-scatters
+    deadline_s: float = 0.0  # the rendezvous deadline this round waited under
+    gathered: float = 0.0  # time.monotonic() when the rendezvous ended
+    exchanged: float = 0.0  # time.monotonic() when the contributions were fetched
+
+    @property
+    def tag(self) -> str:
+        """The group's tag (e.g. g1of2) in a grouped round, else empty."""
+        return "" if self.grouping is None else group_tag(*self.grouping)
+
+
 def _majority(contributions: dict[str, Contribution]) -> str:
     """The member holding the φ most members hold (by fingerprint); ties go to the fingerprint held by
     the smallest peer id, so every member picks the same one."""
@@ -186,98 +213,146 @@ class DiLoCoAverager(GroupAverager):
         :param indices: which model parameters ``phi``/``theta`` hold (streaming: one fragment)
         :param feedback: error-feedback buffers of the round's wire parts, if the codec is lossy
         """
-        started = time.monotonic()
-        shapes = [tuple(p.shape) for p in phi]
-        my_fp = fingerprint(phi)
+        rnd = _Round(round_no, phi, samples, indices, time.monotonic(), [tuple(p.shape) for p in phi], fingerprint(phi))
         delta = to_host(pseudo_gradient(phi, theta))  # codecs and the wire work on the CPU
-        members, grouping = None, None
-        if self.max_group_size is not None:
-            members = await self.expected_members(round_no)
-            count = group_count(len(members | {self.peer_id}), self.max_group_size)
-            if count > 1:  # more live members than one group holds (gossip.groups)
-                grouping = (group_of(self.run_id, round_no, self.peer_id, count), count)
-        tag = ""
-        if grouping is None:
-            sent = self.partition.split(delta)
-        else:
-            tag = group_tag(*grouping)
-            await asyncio.to_thread(self.outer.step, phi, delta, indices, round_no)
-            sent, feedback = self.partition.split(to_host([p.detach().float() for p in phi])), None
-            self.exchange.regroup(round_no, [PartSpec(tuple(p.shape), self.weight_codec) for p in sent], tag)
-        blobs, my_decoded = await asyncio.to_thread(self.exchange.encode, round_no, sent, feedback)
-        wire = self.exchange.wire_of(round_no)
-        self.exchange.publish(Contribution(round_no, samples, my_fp, wire, blobs, self.peer_id, my_decoded))
+        await self._choose_group(rnd)
+        await self._publish(rnd, delta, feedback)
         if before_gather is not None:
             await before_gather()
+        group = await self._rendezvous(rnd)
+        contributions, failures = await self._exchange(rnd, group)
+        result = self._vote(rnd, group, contributions, failures)
+        if rnd.owners is not None:
+            await self._apply_reduce_scatter(rnd, contributions, result)
+        else:
+            await self._apply_aggregate(rnd, contributions, result)
+        result.duration_s = time.monotonic() - rnd.started
+        return result
 
-        entry = RoundEntry(peer_id=self.peer_id, samples=samples, codec=wire)
-        deadline, registered = self.deadline.value, time.monotonic()
-        group, complete = await gather_group(self.dht, self.validator, self.run_id, round_no, entry,
-                                             self._rendezvous_view(round_no, members, grouping), deadline, group=tag)
-        gathered = time.monotonic()
-        self.deadline.observe(gathered - registered, complete)
-        others = [e.peer_id for e in group if e.peer_id != self.peer_id]
-        specs = self.exchange.specs(round_no)
-        scatter = use_reduce_scatter(all(is_dense(s.codec) for s in specs), len(group), self.aggregation,
-                                     self.keep_others and grouping is None)
-        owners = assign_owners([torch.Size(s.shape).numel() for s in specs], [e.peer_id for e in group]) if scatter else {}
-        if not scatter:
+    async def _choose_group(self, rnd: _Round) -> None:
+        """With a bounded group size, read the live members and, when more of them than one group holds
+        (``gossip.groups``), set ``rnd.grouping`` to this member's group of the round."""
+        if self.max_group_size is None:
+            return
+        rnd.members = await self.expected_members(rnd.number)
+        count = group_count(len(rnd.members | {self.peer_id}), self.max_group_size)
+        if count > 1:
+            rnd.grouping = (group_of(self.run_id, rnd.number, self.peer_id, count), count)
+
+    async def _publish(self, rnd: _Round, delta: list[torch.Tensor], feedback: Sequence[ErrorFeedback | None] | None) -> None:
+        """Encode this member's contribution and serve it: its Δ cut into wire parts (with error feedback),
+        or in a grouped round its weights after stepping φ with its own Δ (at the weight codec, no feedback).
+        Keeps the encoded parts and their decoded values in ``rnd``."""
+        if rnd.grouping is None:
+            sent = self.partition.split(delta)
+        else:
+            await asyncio.to_thread(self.outer.step, rnd.phi, delta, rnd.indices, rnd.number)
+            sent, feedback = self.partition.split(to_host([p.detach().float() for p in rnd.phi])), None
+            self.exchange.regroup(rnd.number, [PartSpec(tuple(p.shape), self.weight_codec) for p in sent], rnd.tag)
+        rnd.blobs, rnd.decoded = await asyncio.to_thread(self.exchange.encode, rnd.number, sent, feedback)
+        rnd.wire = self.exchange.wire_of(rnd.number)
+        self.exchange.publish(Contribution(rnd.number, rnd.samples, rnd.fingerprint, rnd.wire, rnd.blobs, self.peer_id, rnd.decoded))
+
+    async def _rendezvous(self, rnd: _Round) -> list[RoundEntry]:
+        """Register in the round's DHT rendezvous (this member's group's, if grouped) and wait for the
+        group, up to the adaptive deadline (which learns from this wait). Returns the group, self included."""
+        entry = RoundEntry(peer_id=self.peer_id, samples=rnd.samples, codec=rnd.wire)
+        rnd.deadline_s, registered = self.deadline.value, time.monotonic()
+        group, complete = await gather_group(self.dht, self.validator, self.run_id, rnd.number, entry,
+                                             self._rendezvous_view(rnd.number, rnd.members, rnd.grouping),
+                                             rnd.deadline_s, group=rnd.tag)
+        rnd.gathered = time.monotonic()
+        self.deadline.observe(rnd.gathered - registered, complete)
+        return group
+
+    def _plan_reduce_scatter(self, rnd: _Round, group: list[RoundEntry], specs: Sequence[PartSpec]) -> None:
+        """Decide whether the group reduce-scatters (``gossip.reduce_scatter``): if so, set ``rnd.owners``
+        to the parts each member reduces; if not, refuse requests for reduced parts."""
+        if use_reduce_scatter(all(is_dense(s.codec) for s in specs), len(group), self.aggregation,
+                              self.keep_others and rnd.grouping is None):
+            rnd.owners = assign_owners([torch.Size(s.shape).numel() for s in specs], [e.peer_id for e in group])
+        else:
             # a late member may count more members than this one did and ask it for reduced parts: refuse at
             # once (it falls back to the contributions) instead of leaving it waiting for the serve timeout
-            self.exchange.publish_reduced(round_no, None)
-        got, failures = await self.exchange.gather(others, round_no, self.fetch_timeout, parts=owners.get(self.peer_id))
-        exchanged = time.monotonic()
-        mine = owners.get(self.peer_id, range(len(specs)))  # my own contribution, cut to the parts this member reduces
-        contributions = {self.peer_id: Contribution(round_no, samples, my_fp, "", [blobs[i] for i in mine], self.peer_id,
-                                                    [my_decoded[i] for i in mine]), **got}
-        # a bounded group's φ differ by design (it averages them): its members do not vote
-        majority = self.peer_id if grouping is not None else _majority(contributions)
+            self.exchange.publish_reduced(rnd.number, None)
+
+    async def _exchange(self, rnd: _Round, group: list[RoundEntry]) -> tuple[dict[str, Contribution], dict[str, str]]:
+        """Fetch every other member's contribution (in a reduce-scattering round, only the parts this
+        member owns). Returns the contributions by peer, this member's own first (cut to the same parts),
+        and the members that failed, with the reason."""
+        specs = self.exchange.specs(rnd.number)
+        self._plan_reduce_scatter(rnd, group, specs)
+        owners = rnd.owners or {}
+        others = [e.peer_id for e in group if e.peer_id != self.peer_id]
+        got, failures = await self.exchange.gather(others, rnd.number, self.fetch_timeout, parts=owners.get(self.peer_id))
+        rnd.exchanged = time.monotonic()
+        mine = owners.get(self.peer_id, range(len(specs)))
+        contributions = {self.peer_id: Contribution(rnd.number, rnd.samples, rnd.fingerprint, "", [rnd.blobs[i] for i in mine],
+                                                    self.peer_id, [rnd.decoded[i] for i in mine]), **got}
+        return contributions, failures  # type: ignore[return-value]
+
+    def _vote(self, rnd: _Round, group: list[RoundEntry], contributions: dict[str, Contribution], failures: dict[str, str]) -> RoundResult:
+        """Keep the contributions holding the majority's φ (by fingerprint; the others fail as
+        ``out_of_sync``) and start the round's result: whether this member is in sync, and with whom if not.
+        A bounded group's φ differ by design (it averages them): its members do not vote."""
+        majority = self.peer_id if rnd.grouping is not None else _majority(contributions)
         majority_fp = contributions[majority].fingerprint
-        used = sorted(p for p, c in contributions.items() if grouping is not None or c.fingerprint == majority_fp)
+        used = sorted(p for p, c in contributions.items() if rnd.grouping is not None or c.fingerprint == majority_fp)
         failures.update({p: "out_of_sync" for p in contributions if p not in used and p != self.peer_id})
-        result = RoundResult(
-            round=round_no,
+        return RoundResult(
+            round=rnd.number,
             group=[e.peer_id for e in group],
             contributors=used,
             failures=failures,
-            in_sync=my_fp == majority_fp,
-            sync_peer=None if my_fp == majority_fp else majority,
-            gather_s=gathered - started,
-            deadline_s=deadline,
-            exchange_s=exchanged - gathered,
+            in_sync=rnd.fingerprint == majority_fp,
+            sync_peer=None if rnd.fingerprint == majority_fp else majority,
+            gather_s=rnd.gathered - rnd.started,
+            deadline_s=rnd.deadline_s,
+            exchange_s=rnd.exchanged - rnd.gathered,
             samples=sum(contributions[p].samples for p in used),
-            groups=1 if grouping is None else grouping[1],
-            group_tag=tag,
+            groups=1 if rnd.grouping is None else rnd.grouping[1],
+            group_tag=rnd.tag,
         )
-        apply = self.outer.step if grouping is None else _assign
-        if scatter:
-            result.reduce_scatter = True
-            if result.in_sync:
-                update = await self._reduce_scatter(round_no, owners, contributions, my_decoded, used, majority_fp, result)  # type: ignore[arg-type]
-                result.exchange_s = time.monotonic() - gathered
-                result.update_norm = sum(float(t.pow(2).sum()) for t in update) ** 0.5
-                await asyncio.to_thread(apply, phi, self.partition.join(update, shapes), indices, round_no)
-            else:
-                self.exchange.publish_reduced(round_no, None)
-            result.duration_s = time.monotonic() - started
-            return result
-        if result.in_sync:
-            agg = await asyncio.to_thread(
-                aggregate, used, [contributions[p].decoded for p in used], [contributions[p].samples for p in used], self.aggregation
-            )
-            failures.update(agg.dropped)
-            result.contributors, result.norms = agg.used, agg.norms
-            result.samples = sum(contributions[p].samples for p in agg.used)
-            result.update_norm = sum(float(t.pow(2).sum()) for t in agg.update) ** 0.5
-            averaged = self.partition.join(agg.update, shapes)
-            others = [p for p in agg.used if p != self.peer_id]
-            if self.keep_others and others and grouping is None:
-                summed = [sum(contributions[p].samples * contributions[p].decoded[i] for p in others) for i in range(len(agg.update))]
-                result.others_sum = self.partition.join(summed, shapes)  # type: ignore[arg-type]
-                result.others_samples = sum(contributions[p].samples for p in others)
-            await asyncio.to_thread(apply, phi, averaged, indices, round_no)
-        result.duration_s = time.monotonic() - started
-        return result
+
+    async def _apply(self, rnd: _Round, update: list[torch.Tensor]) -> None:
+        """Step φ with the round's averaged update, joined back into the parameters' shapes: the outer
+        optimizer's step or, in a grouped round, φ becomes the group's mean weights."""
+        apply = self.outer.step if rnd.grouping is None else _assign
+        await asyncio.to_thread(apply, rnd.phi, self.partition.join(update, rnd.shapes), rnd.indices, rnd.number)
+
+    async def _apply_reduce_scatter(self, rnd: _Round, contributions: dict[str, Contribution], result: RoundResult) -> None:
+        """A reduce-scattering round's end: when in sync, reduce and serve this member's parts, collect
+        the other owners' and step φ; when not, refuse requests for reduced parts."""
+        result.reduce_scatter = True
+        if not result.in_sync:
+            self.exchange.publish_reduced(rnd.number, None)
+            return
+        update = await self._reduce_scatter(rnd.number, rnd.owners, contributions, rnd.decoded,  # type: ignore[arg-type]
+                                            result.contributors, rnd.fingerprint, result)  # in sync: my φ is the majority's
+        result.exchange_s = time.monotonic() - rnd.gathered
+        result.update_norm = sum(float(t.pow(2).sum()) for t in update) ** 0.5
+        await self._apply(rnd, update)
+
+    async def _apply_aggregate(self, rnd: _Round, contributions: dict[str, Contribution], result: RoundResult) -> None:
+        """A round without reduce-scatter, when in sync: aggregate the majority's contributions
+        (``gossip.aggregate``, which may drop some), keep the others' sum if asked (eager updates) and
+        step φ. Does nothing when out of sync."""
+        if not result.in_sync:
+            return
+        used = result.contributors
+        agg = await asyncio.to_thread(
+            aggregate, used, [contributions[p].decoded for p in used], [contributions[p].samples for p in used], self.aggregation
+        )
+        result.failures.update(agg.dropped)
+        result.contributors, result.norms = agg.used, agg.norms
+        result.samples = sum(contributions[p].samples for p in agg.used)
+        result.update_norm = sum(float(t.pow(2).sum()) for t in agg.update) ** 0.5
+        others = [p for p in agg.used if p != self.peer_id]
+        if self.keep_others and others and rnd.grouping is None:
+            summed = [sum(contributions[p].samples * contributions[p].decoded[i] for p in others) for i in range(len(agg.update))]
+            result.others_sum = self.partition.join(summed, rnd.shapes)  # type: ignore[arg-type]
+            result.others_samples = sum(contributions[p].samples for p in others)
+        await self._apply(rnd, agg.update)
 
     async def _reduce_scatter(self, round_no: int, owners: dict[str, list[int]], contributions: dict[str, Contribution],
                               my_decoded: list[torch.Tensor], used: list[str], majority_fp: str, result: RoundResult) -> list[torch.Tensor]:

@@ -80,7 +80,7 @@ def corpus_cmd(
     val/ holds the plays the byte-level demo holds out, so `node eval --data OUT/val` scores a
     tokenized model on the same text as the byte GPT (compare bits per byte).
     """
-    from node.data.bytes import load_embedded_corpus
+    from node.data.byte_corpus import load_embedded_corpus
     from node.errors import UserError
     from node.data.tokenizer import atomic_write_bytes
 

@@ -10,7 +10,7 @@ Interrupted runs resume: every shard is written to a temporary file and renamed 
 then recorded with its sha256 in ``prepare-state.json``; ``manifest.json`` is written last.
 A re-run with the same inputs (names, sizes, mtimes), tokenizer and settings verifies the
 shards already finished and skips them (and their documents' tokenization); anything else
-starts the folder over.
+starts the folder over (the writing and resuming side is :mod:`node.data.shard_writer`).
 
 Reading side: :func:`open_shards` → :class:`TokenDataset`; :class:`TokenBatches` draws
 training windows and :func:`token_validation_batches` gives fixed validation windows (both in
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -38,9 +37,10 @@ import numpy as np
 from node.data.documents import InputFile, collect_inputs, read_file
 from node.errors import UserError
 from node.data.shard_format import (
-    FORMAT, MANIFEST, SHARD_RE, SPLITS, STATE, TOKENIZER_FILE, VERSION, Manifest, ShardInfo, TokenDataset, dtype_for,
-    file_sha256, is_shard_dir, open_shards, read_manifest, shard_name,
+    FORMAT, MANIFEST, SPLITS, STATE, TOKENIZER_FILE, VERSION, Manifest, ShardInfo, TokenDataset, dtype_for,
+    is_shard_dir, open_shards, read_manifest,
 )
+from node.data.shard_writer import LOCK_FILE, ShardWriter, lock_folder, previous_run, run_key, write_json
 from node.data.tokenizer import (
     atomic_write_bytes, encode_chunk, encode_documents, eos_id, init_worker, load_tokenizer, tokenizer_hash, vocab_size,
 )
@@ -60,7 +60,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_SHARD_TOKENS = 50_000_000  # 100 MB of uint16 per shard
 _CHUNK_DOCS = 256  # documents per task sent to a worker...
 _CHUNK_CHARS = 500_000  # ...or fewer, when they are long
-_LOCK = ".prepare.lock"
 
 
 def __getattr__(name: str) -> Any:  # the reading side needs torch: imported when first asked for
@@ -110,50 +109,6 @@ class _Router:
         return [("val" if self.n_val == 0 and self.n >= 2 else "train", self.reserve[1])]
 
 
-class _ShardWriter:
-    """Appends documents' tokens to ``<split>-NNNNN.bin.tmp`` and renames it when the shard is done."""
-
-    def __init__(self, out: Path, split: str, index: int, dtype: str) -> None:
-        self.out, self.split, self.index = out, split, index
-        self.dtype = np.dtype(dtype).newbyteorder("<")
-        self._f = None
-        self.tokens = self.docs = self.max_token = 0
-
-    @property
-    def tmp(self) -> Path:
-        return self.out / (shard_name(self.split, self.index) + ".tmp")
-
-    def append(self, ids: np.ndarray) -> None:
-        if self._f is None:
-            self._f = open(self.tmp, "wb")
-            self._sha = hashlib.sha256()
-        raw = ids.astype(self.dtype, copy=False).tobytes()
-        self._f.write(raw)
-        self._sha.update(raw)
-        self.tokens += len(ids)
-        self.docs += 1
-        self.max_token = max(self.max_token, int(ids.max()))
-
-    def finish(self) -> ShardInfo:
-        assert self._f is not None
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        self._f = None
-        name = shard_name(self.split, self.index)
-        os.replace(self.tmp, self.out / name)
-        info = ShardInfo(name, self.split, self.tokens, self.docs, self._sha.hexdigest(), self.max_token)
-        self.index += 1
-        self.tokens = self.docs = self.max_token = 0
-        return info
-
-    def abort(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-            self.tmp.unlink(missing_ok=True)
-
-
 def _encoded(chunks: Iterator[tuple[list[str], list[str]]], tok: Any, tok_json: str, eos: int, dtype: str,
              workers: int) -> Iterator[tuple[list[str], list[np.ndarray]]]:
     """``(splits, token arrays)`` of each chunk, in order; at most ``2 × workers`` chunks in flight."""
@@ -176,66 +131,6 @@ def _encoded(chunks: Iterator[tuple[list[str], list[str]]], tok: Any, tok_json: 
             yield s, fut.result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _run_key(thash: str, dtype: str, val_fraction: float, shard_tokens: int, files: list[InputFile]) -> str:
-    spec = {"version": VERSION, "tokenizer": thash, "dtype": dtype, "val_fraction": val_fraction,
-            "shard_tokens": shard_tokens, "files": [f.fingerprint() for f in files]}
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _lock(out: Path) -> int:
-    """An exclusive ``flock`` on ``out/.prepare.lock`` (released by the kernel if this process dies)."""
-    fd = os.open(out / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise UserError(f"--out {out} is in use by another `node data prepare` (pid {owner}); "
-                        "wait for it to finish or choose another folder") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode("utf-8"))
-
-
-def _previous(out: Path, key: str, itemsize: int) -> tuple[dict[str, list[ShardInfo]], bool]:
-    """Shards of an earlier run with this ``key`` that are still whole (a verified prefix per split),
-    and whether that run had finished. Leaves nothing else of ours in ``out``: a manifest that no
-    longer holds is removed first, then stale shard and temporary files."""
-    kept: dict[str, list[ShardInfo]] = {s: [] for s in SPLITS}
-    complete, recorded = False, []
-    mpath, spath = out / MANIFEST, out / STATE
-    for path, done in ((mpath, True), (spath, False)):
-        if path.is_file():
-            try:
-                obj = json.loads(path.read_text(encoding="utf-8"))
-                if obj.get("key") == key and obj.get("version") == VERSION:
-                    recorded, complete = [ShardInfo.from_json(s) for s in obj["shards"]], done
-                    break
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
-    broken: set[str] = set()  # splits whose run of whole shards has ended
-    for s in recorded:
-        prefix, p = kept[s.split], out / s.name
-        if (s.split not in broken and s.name == shard_name(s.split, len(prefix)) and p.is_file()
-                and p.stat().st_size == s.tokens * itemsize and file_sha256(p) == s.sha256):
-            prefix.append(s)
-        else:
-            broken.add(s.split)
-            complete = False
-    if complete:
-        return kept, True
-    mpath.unlink(missing_ok=True)  # first: from here on nothing looks finished
-    names = {s.name for v in kept.values() for s in v}
-    for p in out.iterdir():
-        if SHARD_RE.match(p.name) and p.name not in names:
-            p.unlink(missing_ok=True)
-    return kept, False
 
 
 def prepare(inputs: list[str | Path], tokenizer_path: str | Path, out_dir: str | Path, val_fraction: float = 0.01,
@@ -278,14 +173,14 @@ def prepare(inputs: list[str | Path], tokenizer_path: str | Path, out_dir: str |
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--out {out}: cannot create it ({e.strerror or e}); choose a folder you can write to") from None
-    key = _run_key(thash, dtype, float(val_fraction), shard_tokens, files)
+    key = run_key(thash, dtype, float(val_fraction), shard_tokens, files)
     manifest = Manifest(tokenizer_hash=thash, vocab_size=vocab, dtype=dtype, eos_id=eos, shards=[],
                         val_fraction=float(val_fraction), shard_tokens=shard_tokens,
                         inputs=[str(p) for p in inputs], files=[f.fingerprint() for f in files], key=key)
-    lock = _lock(out)
+    lock = lock_folder(out)
     finished: list[ShardInfo] = []
     try:
-        kept, complete = _previous(out, key, np.dtype(dtype).itemsize)
+        kept, complete = previous_run(out, key, np.dtype(dtype).itemsize)
         tok_file = out / TOKENIZER_FILE
         if not tok_file.is_file() or tokenizer_hash(tok_file) != thash:
             atomic_write_bytes(tok_file, tok_text.encode("utf-8"))
@@ -297,13 +192,13 @@ def prepare(inputs: list[str | Path], tokenizer_path: str | Path, out_dir: str |
             finished.extend(kept["train"] + kept["val"])
             _write_shards(out, files, manifest, kept, finished, tok, tok_text, workers, progress)
             manifest.shards = sorted(finished, key=lambda s: (SPLITS.index(s.split), s.name))
-            _write_json(out / MANIFEST, manifest.to_json())  # last: from now on the folder is finished
+            write_json(out / MANIFEST, manifest.to_json())  # last: from now on the folder is finished
             (out / STATE).unlink(missing_ok=True)
     except BaseException:
         if not finished:  # nothing worth resuming: leave nothing behind
             (out / STATE).unlink(missing_ok=True)
             if created:
-                for name in (TOKENIZER_FILE, _LOCK):
+                for name in (TOKENIZER_FILE, LOCK_FILE):
                     (out / name).unlink(missing_ok=True)
                 try:
                     out.rmdir()
@@ -326,11 +221,11 @@ def _write_shards(out: Path, files: list[InputFile], m: Manifest, kept: dict[str
 
     def save_state() -> None:
         state["shards"] = [s.to_json() for s in finished]
-        _write_json(out / STATE, state)
+        write_json(out / STATE, state)
 
     save_state()
     to_skip = {s: sum(x.docs for x in kept[s]) for s in SPLITS}
-    writers = {s: _ShardWriter(out, s, len(kept[s]), m.dtype) for s in SPLITS}
+    writers = {s: ShardWriter(out, s, len(kept[s]), m.dtype) for s in SPLITS}
     bar = _Bar(len(files), progress and sys.stderr.isatty())
 
     def routed() -> Iterator[tuple[str, str]]:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from node.checkpoints.checkpoint import load
-from node.data.bytes import load_corpus, load_text_corpus, validation_batches
+from node.data.byte_corpus import load_corpus, load_text_corpus
+from node.data.bytes import validation_batches
 from node.errors import UserError
 from node.runtime.local_training import LocalTrainer, pick_device
 from swarm.models.presets import config_from_dict

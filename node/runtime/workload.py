@@ -180,7 +180,8 @@ def load_workload(cfg: Any, batch_size: int | None = None, max_batches: int | No
         val_bytes = sum(len(tok.decode(row.tolist()).encode("utf-8")) for _, y in val for row in y)
         return _with_checkpoint_init(cfg, Workload(model_cfg, f"{cfg.data} ({dataset.tokens('train'):,} training tokens)",
                                                    val, val_bytes, tokenizer_json, weights, dataset, None))
-    from node.data.bytes import load_corpus, validation_batches
+    from node.data.byte_corpus import load_corpus
+    from node.data.bytes import validation_batches
 
     if is_hf_folder(cfg.init_from):
         raise UserError(f"--init-from {cfg.init_from} is a tokenized model: give --data a folder prepared with its "

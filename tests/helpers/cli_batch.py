@@ -1,6 +1,11 @@
-"""Run many ``node`` command lines in one process (the imports are paid once) and report each one's
-exit code, stdout and stderr: ``python -m tests.helpers.cli_batch JSON`` with a JSON list of argument lists;
-prints a JSON list of ``{"code", "stdout", "stderr"}``. Used by ``tests/integration/test_user_errors.py``."""
+"""Run ``node`` command lines inside this process (the imports are paid once) and report each one's exit
+code, stdout and stderr.
+
+``python -m tests.helpers.cli_batch JSON`` with a JSON list of argument lists prints a JSON list of
+``{"code", "stdout", "stderr"}``. Used by ``tests/integration/test_user_errors.py``; the light client's
+checks (``tests.helpers.lite_checks``) run their commands through :func:`call` and :func:`run` too.
+Nothing heavy is imported here: ``node.cli.app`` is imported when the first command runs.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +15,28 @@ import json
 import sys
 
 
-def run(args: list[str]) -> dict:
+def call(args: list[str]) -> int | str | None:
+    """Run ``node ARGS``; its exit code: 0 when it returns, ``SystemExit``'s code when it exits, or
+    ``"uncaught <type>"`` when it raises (the traceback goes to stderr)."""
     from node.cli.app import main
 
-    out, err = io.StringIO(), io.StringIO()
-    code: int | str | None = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(args)
-        except SystemExit as e:
-            code = e.code
-        except BaseException as e:  # what would have been a traceback
-            import traceback
+    try:
+        main(args)
+    except SystemExit as e:
+        return e.code
+    except BaseException as e:  # what would have been a traceback
+        import traceback
 
-            traceback.print_exc(file=err)
-            code = f"uncaught {type(e).__name__}"
+        traceback.print_exc(file=sys.stderr)
+        return f"uncaught {type(e).__name__}"
+    return 0
+
+
+def run(args: list[str]) -> dict:
+    """Run ``node ARGS`` with stdout and stderr captured: ``{"code", "stdout", "stderr"}``."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = call(args)
     return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 

@@ -29,57 +29,13 @@ from compression import Payload, get_codec
 from gossip.exchange import Contribution, RoundExchange
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from node.runtime.status_service import StatusService
-from protocol import ProtocolError, decode_message, encode_frame, encode_message, read_frame, tensor_from_wire, tensor_to_wire
-from protocol.frames import FramedStream
+from protocol import ProtocolError, decode_message, encode_message, read_frame, tensor_from_wire, tensor_to_wire
 from protocol.records import PeerRecord, RoundEntry
+from tests.helpers.memory_transport import MemoryTransport, canned_stream, frames
 
 TIME_BOUND_S = 5.0
 CODECS = ["none", "fp16", "q8", "q4", "q2", "int8-block", "topk:64/4096+q2", "topk:8/64", "dct:8/64", "seed:r=16"]
 PART_SHAPES = [(8, 8), (5,), (3, 70)]
-
-
-class _Sink:
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    def write(self, b: bytes) -> None:
-        self.data += b
-
-    async def drain(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    async def wait_closed(self) -> None:
-        pass
-
-
-def _stream(data: bytes, max_frame: int = 1 << 20) -> tuple[FramedStream, _Sink]:
-    reader = asyncio.StreamReader()
-    reader.feed_data(data)
-    reader.feed_eof()
-    sink = _Sink()
-    return FramedStream(reader, sink, peer="fuzzer", max_frame=max_frame), sink  # type: ignore[arg-type]
-
-
-class _FakeTransport:
-    """Stands in for the p2pd transport: ``open`` returns a stream whose peer replies with ``reply``."""
-
-    peer_id = "fuzzer-self"
-
-    def __init__(self) -> None:
-        self.reply = b""
-
-    async def open(self, peer: str, protocol: str) -> FramedStream:
-        return _stream(self.reply)[0]
-
-    def account(self, protocol: str, stream: FramedStream) -> None:
-        pass
-
-
-def _frames(*messages: tuple[str, dict]) -> bytes:
-    return b"".join(encode_frame(encode_message(k, b)) for k, b in messages)
 
 
 @dataclass
@@ -107,7 +63,7 @@ def build_targets() -> list[Target]:
         decode_message(data, max_size=1 << 20)
 
     async def frame(data: bytes) -> None:
-        stream, _ = _stream(data)
+        stream, _ = canned_stream(data)
         while True:
             try:
                 await read_frame(stream.reader, 1 << 20)
@@ -115,7 +71,7 @@ def build_targets() -> list[Target]:
                 return
 
     targets.append(Target("envelope", envelope, [encode_message("fetch", {"run_id": "r", "round": 3, "codec": "none"})]))
-    targets.append(Target("frames", frame, [_frames(("a", {"x": b"123"}), ("b", {}))]))
+    targets.append(Target("frames", frame, [frames(("a", {"x": b"123"}), ("b", {}))]))
 
     async def tensor(data: bytes) -> None:
         msg = decode_message(data, max_size=1 << 20)
@@ -144,44 +100,44 @@ def build_targets() -> list[Target]:
     targets.append(Target("records", records, [encode_message("r", {"peer": rec, "entry": {"peer_id": "p", "samples": 8, "codec": "none"}})]))
 
     # --- protocol handlers, server side: the bytes are what a client sends ------------------------
-    transport = _FakeTransport()
+    transport = MemoryTransport(peer_id="fuzzer-self", reply=b"")
     exchange = RoundExchange(transport, "run", "topk:8/64+q2", PART_SHAPES, serve_timeout=0.05)  # type: ignore[arg-type]
     parts = [torch.randn(s, generator=g) for s in PART_SHAPES]
     blobs, decoded = exchange.encode(5, parts)
     exchange.publish(Contribution(5, 32, "fp", exchange.wire, blobs, "me", decoded))
 
     async def average_server(data: bytes) -> None:
-        stream, _ = _stream(data)
+        stream, _ = canned_stream(data)
         await exchange._handle(stream)
 
-    targets.append(Target("handler:average", average_server, [_frames(("fetch", {"run_id": "run", "round": 5, "codec": exchange.wire}))]))
+    targets.append(Target("handler:average", average_server, [frames(("fetch", {"run_id": "run", "round": 5, "codec": exchange.wire}))]))
 
     state = StateServer(transport, "run", progress=lambda: 3)  # type: ignore[arg-type]
     tensors = {"params": [torch.randn(s, generator=g) for s in PART_SHAPES], "outer_momentum": [torch.zeros(s) for s in PART_SHAPES]}
     state.publish(StateSnapshot(round=5, tensors=tensors, fingerprint="fp", meta={"model": "x"}))
 
     async def state_server(data: bytes) -> None:
-        stream, _ = _stream(data)
+        stream, _ = canned_stream(data)
         await state._handle(stream)
 
-    targets.append(Target("handler:state", state_server, [_frames(("get_state", {"run_id": "run"}))]))
+    targets.append(Target("handler:state", state_server, [frames(("get_state", {"run_id": "run"}))]))
 
     status = StatusService(transport, lambda: {"round": 1})  # type: ignore[arg-type]
 
     async def status_server(data: bytes) -> None:
-        stream, _ = _stream(data)
+        stream, _ = canned_stream(data)
         await status._handle(stream)
 
-    targets.append(Target("handler:status", status_server, [_frames(("get_status", {}))]))
+    targets.append(Target("handler:status", status_server, [frames(("get_status", {}))]))
 
     # --- protocol handlers, client side: the bytes are what a (hostile) server replies -----------
     async def served(handler, request: bytes) -> bytes:
-        stream, sink = _stream(request)
+        stream, sink = canned_stream(request)
         await handler(stream)
         return bytes(sink.data)
 
-    good_contribution = asyncio.run(served(exchange._handle, _frames(("fetch", {"run_id": "run", "round": 5, "codec": exchange.wire}))))
-    good_state = asyncio.run(served(state._handle, _frames(("get_state", {"run_id": "run"}))))
+    good_contribution = asyncio.run(served(exchange._handle, frames(("fetch", {"run_id": "run", "round": 5, "codec": exchange.wire}))))
+    good_state = asyncio.run(served(state._handle, frames(("get_state", {"run_id": "run"}))))
 
     async def average_client(data: bytes) -> None:
         transport.reply = data

@@ -6,7 +6,7 @@ imported together, and pytest's process has imported hivemind). ``tests/integrat
 modules it loaded as ``LOADED [...]`` on stderr, and exit with the command's code.
 ``python -m tests.helpers.lite_checks batch JSON``: run ``node ARGS`` for each list of arguments in the JSON
 list, one after the other in this process (the imports are paid once), and print a JSON list of
-``{"code", "stdout", "stderr"}``.
+``{"code", "stdout", "stderr"}`` (``tests.helpers.cli_batch`` runs the commands in both modes).
 """
 
 from __future__ import annotations
@@ -120,36 +120,19 @@ def check_stream() -> None:
     print("stream checks passed")
 
 
-def _main(args: list[str]) -> int:
-    from node.cli.app import main
-
-    sys.argv = ["node", *args]
-    code: object = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code
-    return code if isinstance(code, int) else 1
-
-
 def run_batch(runs: list[list[str]]) -> None:
-    import contextlib
-    import io
+    from tests.helpers.cli_batch import run
 
-    results = []
-    for args in runs:
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = _main(args)
-        results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
-    print(json.dumps(results))
+    print(json.dumps([run(args) for args in runs]))
 
 
 def run_cli(args: list[str]) -> int:
-    code = _main(args)
+    from tests.helpers.cli_batch import call
+
+    code = call(args)
     loaded = sorted(m for m in ("torch", "hivemind", "libp2p", "trio") if m in sys.modules)
     print("LOADED " + json.dumps(loaded), file=sys.stderr)
-    return code
+    return code if isinstance(code, int) else 1
 
 
 if __name__ == "__main__":

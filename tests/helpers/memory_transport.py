@@ -1,6 +1,11 @@
-"""An in-memory stand-in for the p2pd transport, for unit tests of protocol logic among several members
-in one process: ``open`` runs the target member's handler on the other end of a pipe of real
-FramedStreams, refusals travel as error frames, and every byte is counted per member."""
+"""In-memory stand-ins for the p2pd transport and its streams, for unit tests of protocol logic in one process.
+
+:class:`MemoryTransport` on a :class:`Network` connects several members: ``open`` runs the target
+member's handler on the other end of a pipe of real FramedStreams, refusals travel as error frames, and
+every byte is counted per member. A ``MemoryTransport`` given ``reply`` instead answers every stream with
+those bytes (a scripted or hostile peer: fuzzing, refusals). :func:`canned_stream` is one such stream on
+its own (e.g. the request a handler reads), :func:`frames` encodes the messages such bytes hold.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,47 @@ from collections import defaultdict
 from typing import Awaitable, Callable
 
 from protocol.errors import ProtocolError
-from protocol.frames import FramedStream
+from protocol.frames import FramedStream, encode_frame, encode_message
 
 Handler = Callable[[FramedStream], Awaitable[None]]
+
+
+def frames(*messages: tuple[str, dict]) -> bytes:
+    """The wire bytes of ``(kind, body)`` messages, one frame each."""
+    return b"".join(encode_frame(encode_message(k, b)) for k, b in messages)
+
+
+def ended_reader(data: bytes) -> asyncio.StreamReader:
+    """A reader holding ``data`` and then the end of the stream."""
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return reader
+
+
+class Sink:
+    """The write end of a canned stream: keeps what was written in ``data``."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, b: bytes) -> None:
+        self.data += b
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    async def wait_closed(self) -> None:
+        pass
+
+
+def canned_stream(data: bytes, max_frame: int = 1 << 20, peer: str = "remote") -> tuple[FramedStream, Sink]:
+    """A stream whose other end sent ``data`` and then closed, and the sink that collects what is written to it."""
+    sink = Sink()
+    return FramedStream(ended_reader(data), sink, peer=peer, max_frame=max_frame), sink  # type: ignore[arg-type]
 
 
 class PipeWriter:
@@ -49,10 +92,15 @@ class Network:
 
 
 class MemoryTransport:
-    """One member's transport on a :class:`Network`."""
+    """One member's transport on a :class:`Network` (a network of its own if none is given).
 
-    def __init__(self, network: Network, peer_id: str) -> None:
-        self.network, self.peer_id = network, peer_id
+    :param reply: when set (it may be changed between streams), every stream ``open`` returns is answered
+        with these bytes and then ends, whoever it is opened to; no handler runs
+    """
+
+    def __init__(self, network: Network | None = None, peer_id: str = "self", reply: bytes | None = None) -> None:
+        self.network = Network() if network is None else network
+        self.peer_id, self.reply = peer_id, reply
         self.protocols: list[str] = []
 
     async def serve(self, protocol: str, handler: Handler) -> None:
@@ -60,6 +108,8 @@ class MemoryTransport:
         self.protocols.append(protocol)
 
     async def open(self, peer: str, protocol: str) -> FramedStream:
+        if self.reply is not None:
+            return canned_stream(self.reply)[0]
         if peer in self.network.down:
             raise ConnectionError(f"{peer} is down")
         handler = self.network.handlers.get((peer, protocol))

@@ -66,6 +66,13 @@ def events(node: NodeHandle, kind: str) -> list[dict[str, Any]]:
     return [e for e in node.info().get("events", []) if e["event"] == kind]
 
 
+def full_rounds(info: dict[str, Any], members: int, after: float | None = None) -> list[dict[str, Any]]:
+    """The rounds in a node's info that ``members`` contributors averaged in sync (those reported after
+    time ``after`` only, if given)."""
+    return [r for r in info.get("rounds", []) if r.get("contributors") == members and r.get("in_sync")
+            and (after is None or r["t"] > after)]
+
+
 def start_node(directory: Path, name: str, args: list[str], initial_peers: list[str] | None = None) -> NodeHandle:
     directory = Path(directory) / name
     directory.mkdir(parents=True, exist_ok=True)

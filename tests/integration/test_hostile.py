@@ -23,7 +23,7 @@ from protocol import RemoteError, encode_frame, encode_message, ids
 from protocol.errors import SchemaError
 from protocol.hivemind_transport import Transport
 from protocol.records import PeerRecord, RoundEntry
-from tests.helpers.fuzz import _FakeTransport, _frames
+from tests.helpers.memory_transport import MemoryTransport, frames
 from tests.helpers.swarm_utils import FAST_ARGS, start_node
 
 
@@ -64,10 +64,10 @@ def test_malformed_streams_are_refused_and_the_node_keeps_serving(tmp_path, node
         (ids.STATUS, b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1", "malformed"),
         (ids.STATE, struct.pack(">I", 2**31) + b"x" * 64, "frame_too_large"),
         (ids.STATE, encode_frame(encode_message("get_state", {"run_id": "locomesh-demo"}, version=(9, 0))), "version"),
-        (ids.STATE, _frames(("get_state", {"run_id": "someone-elses-run"})), "schema"),
-        (ids.AVERAGE, _frames(("fetch", {"run_id": "locomesh-demo", "round": 0, "codec": "q2"})), "schema"),
-        (ids.AVERAGE, _frames(("fetch", {"run_id": "locomesh-demo", "round": "zero", "codec": "none"})), "schema"),
-        (ids.AVERAGE, _frames(("get_state", {})), "schema"),
+        (ids.STATE, frames(("get_state", {"run_id": "someone-elses-run"})), "schema"),
+        (ids.AVERAGE, frames(("fetch", {"run_id": "locomesh-demo", "round": 0, "codec": "q2"})), "schema"),
+        (ids.AVERAGE, frames(("fetch", {"run_id": "locomesh-demo", "round": "zero", "codec": "none"})), "schema"),
+        (ids.AVERAGE, frames(("get_state", {})), "schema"),
         (ids.STATUS, b"\x00\x00\x00\x10abc", "timeout"),  # stalls mid-frame (slow loris)
     ]
 
@@ -142,7 +142,7 @@ def test_private_swarm_refuses_peers_without_the_key(tmp_path, nodes):
 
 
 def test_nan_contributions_are_rejected_before_they_touch_the_model():
-    transport = _FakeTransport()
+    transport = MemoryTransport(peer_id="fuzzer-self", reply=b"")
     shapes = [(4, 4)]
     exchange = RoundExchange(transport, "run", "none", shapes)
     blobs, decoded = exchange.encode(0, [torch.full((4, 4), 1.5)])
@@ -151,7 +151,7 @@ def test_nan_contributions_are_rejected_before_they_touch_the_model():
     exchange.publish(Contribution(0, 8, "fp", "none", [poisoned], "me", decoded))
 
     async def go():
-        stream_reply = _frames(("contribution", {"round": 0, "samples": 8, "fingerprint": "fp", "codec": "none", "parts": 1}),
+        stream_reply = frames(("contribution", {"round": 0, "samples": 8, "fingerprint": "fp", "codec": "none", "parts": 1}),
                                ("part", {"i": 0, "payload": poisoned}))
         transport.reply = stream_reply
         await exchange.fetch("evil", 0)

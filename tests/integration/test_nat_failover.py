@@ -14,6 +14,7 @@ from typing import Iterator
 import pytest
 
 from benchmarks.nat_topology import NatTopology, NsNode, missing_tools
+from tests.helpers.swarm_utils import full_rounds
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(missing_tools() is not None, reason=f"NAT tests: {missing_tools()}")]
@@ -30,10 +31,6 @@ def net() -> Iterator[tuple[NatTopology, list[NsNode]]]:
         finally:
             for node in started:
                 node.kill()
-
-
-def full_rounds(info: dict, members: int, after: float = 0.0) -> list[dict]:
-    return [r for r in info.get("rounds", []) if r.get("contributors") == members and r.get("in_sync") and r["t"] > after]
 
 
 def test_homes_keep_averaging_through_the_second_relay_when_the_first_dies(tmp_path, net) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import pytest
 
 from benchmarks.nat_topology import Host, NatTopology, NsNode, missing_tools
+from tests.helpers.swarm_utils import full_rounds
 
 pytestmark = pytest.mark.skipif(missing_tools() is not None, reason=f"NAT tests: {missing_tools()}")
 
@@ -36,10 +37,6 @@ def nat(request) -> Iterator[tuple[NatTopology, list[NsNode]]]:
 
 def public_address(info: dict[str, Any], host: Host) -> str:
     return next(a for a in info["multiaddrs"] if f"/ip4/{host.address}/" in a)
-
-
-def full_rounds(info: dict[str, Any], members: int) -> list[dict[str, Any]]:
-    return [r for r in info.get("rounds", []) if r.get("contributors") == members and r.get("in_sync")]
 
 
 def test_topology_homes_dial_out_but_nobody_dials_in() -> None:

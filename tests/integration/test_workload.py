@@ -85,7 +85,7 @@ def test_an_architecture_file_replaces_the_preset_and_must_fit_the_tokenizer(sha
 
 
 def test_the_embedded_corpus_is_written_as_text_with_the_demo_held_out_plays(tmp_path: Path) -> None:
-    from node.data.bytes import load_embedded_corpus
+    from node.data.byte_corpus import load_embedded_corpus
 
     out = subprocess.run([sys.executable, "-m", "node", "data", "corpus", "--out", str(tmp_path / "plays")],
                          capture_output=True, text=True, timeout=120)

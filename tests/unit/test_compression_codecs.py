@@ -24,19 +24,14 @@ from compression.chunking import ChunkLayout
 from compression.dct import dct_matrix, dct_rows, idct_rows
 from compression.quantize import bin_width, outlier_count
 from compression.wire import read_tensor
+from tests.helpers.codec_checks import decode_corrupted, tensor_field, wire_roundtrip, with_fields
 
 SPECS = ["none", "fp16", "bf16", "q8", "q4", "q2", "int8-block", "int8-block:5", "topk:64/4096", "topk:64/4096+q2",
          "topk:4/9", "topk:16/16", "dct:8/16+q4", "dct:16/16", "seed:r=2"]
 
 
 def decode(spec: str, x: torch.Tensor) -> torch.Tensor:
-    codec = get_codec(spec)
-    payload = codec.encode(x)
-    data = payload.to_bytes()
-    assert payload.nbytes == len(data)
-    parsed = Payload.from_bytes(data)
-    assert parsed == payload
-    return codec.decode(parsed)
+    return wire_roundtrip(get_codec(spec), x)[2]
 
 
 def quantizer_bound_holds(x: torch.Tensor, out: torch.Tensor, payload: Payload, bits: int) -> None:
@@ -180,8 +175,7 @@ def test_topk_q2_bits_per_parameter() -> None:
 
 
 def _with_field_bytes(payload: Payload, name: str, data: bytes) -> Payload:
-    field = dict(payload.fields[name], data=data)
-    return Payload(payload.codec, payload.version, payload.shape, {**payload.fields, name: field})
+    return with_fields(payload, **{name: tensor_field(payload, name, data=data)})
 
 
 def test_topk_refuses_out_of_range_and_repeated_indices() -> None:
@@ -297,13 +291,7 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(x=tensors(), spec=st.sampled_from(SPECS))
 def test_property_roundtrip(x: torch.Tensor, spec: str) -> None:
-    codec = get_codec(spec)
-    payload = codec.encode(x)
-    data = payload.to_bytes()
-    assert payload.nbytes == len(data)
-    parsed = Payload.from_bytes(data)
-    assert parsed == payload
-    out = codec.decode(parsed)
+    payload, _, out = wire_roundtrip(get_codec(spec), x)
     assert out.dtype == torch.float32 and out.shape == x.shape and bool(torch.isfinite(out).all())
     ref = x.float()
     if spec in ("none", "topk:16/16") or (spec == "topk:4/9" and x.numel() <= 4):
@@ -322,18 +310,8 @@ def test_property_roundtrip(x: torch.Tensor, spec: str) -> None:
 @settings(max_examples=80, deadline=None)
 @given(spec=st.sampled_from(SPECS), position=st.integers(0, 10**6), value=st.integers(0, 255), cut=st.booleans())
 def test_property_corrupted_bytes_raise_codec_error_or_decode(spec: str, position: int, value: int, cut: bool) -> None:
-    codec = get_codec(spec)
-    data = bytearray(codec.encode(torch.randn(40, 3)).to_bytes())
-    position %= len(data)
-    if cut:
-        del data[position:]
-    else:
-        data[position] = value
-    try:
-        out = codec.decode(Payload.from_bytes(bytes(data)))
-    except CodecError:
-        return
-    assert out.dtype == torch.float32
+    out = decode_corrupted(get_codec(spec), torch.randn(40, 3), position, value, cut)
+    assert out is None or out.dtype == torch.float32
 
 
 @settings(max_examples=60, deadline=None)

@@ -8,13 +8,7 @@ normalized squared error ‖x̂ − x‖²/‖x‖² ≤ 0.40 (1 bit), 0.13 (2),
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -26,8 +20,10 @@ from compression import SPEC_FORMS, CodecError, ErrorFeedback, Payload, get_code
 from compression.bitpack import pack_bits, unpack_bits
 from compression.hadamard import BLOCK, block_size, hadamard, padded_length, random_signs, walsh_hadamard
 from compression.rotation import CHUNK, RotationQuantization, _Buffers, _pack_codes, lloyd_max_levels
+from tests.helpers.codec_checks import (
+    assert_encode_leaves_input_alone, decode_corrupted, run_child, sha, tensor_field, wire_roundtrip, with_fields, without_field,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 BITS = (1, 2, 4, 8)
 NSE_TARGET = {1: 0.40, 2: 0.13, 4: 0.012}
 N = 1 << 20
@@ -54,11 +50,7 @@ INPUTS = _inputs()
 
 def _roundtrip(spec: str, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     codec = get_codec(spec)
-    payload = codec.encode(x)
-    data = payload.to_bytes()
-    parsed = Payload.from_bytes(data)
-    assert parsed == payload
-    out = codec.decode(parsed)
+    payload, data, out = wire_roundtrip(codec, x)
     assert torch.equal(out, codec.decode(payload))
     return out, len(data)
 
@@ -169,13 +161,7 @@ def test_other_dtypes_and_layouts(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("spec", ["rot1", "rot8", "topk:64/4096+rot2"])
 def test_inputs_are_not_modified_and_payloads_do_not_alias_them(spec: str) -> None:
-    x = torch.randn(300, 70)
-    before = x.clone()
-    payload = get_codec(spec).encode(x)
-    data = payload.to_bytes()
-    assert torch.equal(x, before)
-    x.add_(1.0)
-    assert Payload.from_bytes(data) == payload
+    assert_encode_leaves_input_alone(get_codec(spec), torch.randn(300, 70))
 
 
 def test_encoding_is_deterministic_and_seeds_differ_between_tensors() -> None:
@@ -215,19 +201,6 @@ def test_huge_and_tiny_values(bits: int) -> None:
         get_codec(f"rot{bits}").encode(torch.full((100,), 3e38))
 
 
-def _with(payload: Payload, **fields: object) -> Payload:
-    return Payload(payload.codec, payload.version, payload.shape, {**payload.fields, **fields})
-
-
-def _without(payload: Payload, name: str) -> Payload:
-    fields = {k: v for k, v in payload.fields.items() if k != name}
-    return Payload(payload.codec, payload.version, payload.shape, fields)
-
-
-def _tensor_field(payload: Payload, name: str, **changes: object) -> dict:
-    return {**payload.fields[name], **changes}
-
-
 @pytest.mark.parametrize("spec", ["rot1", "rot2", "rot4", "rot8", "topk:16/256+rot2"])
 def test_corrupted_fields_are_refused(spec: str) -> None:
     codec = get_codec(spec)
@@ -241,17 +214,17 @@ def test_corrupted_fields_are_refused(spec: str) -> None:
         torch.full((n_scales,), 1e38),  # the inverse rotation would overflow float32
     ]
     cases = [
-        _with(payload, seed=-1),
-        _with(payload, seed=1 << 63),
-        _with(payload, seed="7"),
-        _with(payload, seed=1.5),
-        _with(payload, seed=True),
-        *[_with(payload, scales=_tensor_field(payload, "scales", data=t.numpy().tobytes())) for t in bad_scales],
-        _with(payload, scales=_tensor_field(payload, "scales", shape=[n_scales + 1], data=bytes(4 * (n_scales + 1)))),
-        _with(payload, scales=_tensor_field(payload, "scales", dtype="float16", data=b"\x00" * 2 * n_scales)),
-        _with(payload, codes=_tensor_field(payload, "codes", shape=[1], data=b"\x00")),
+        with_fields(payload, seed=-1),
+        with_fields(payload, seed=1 << 63),
+        with_fields(payload, seed="7"),
+        with_fields(payload, seed=1.5),
+        with_fields(payload, seed=True),
+        *[with_fields(payload, scales=tensor_field(payload, "scales", data=t.numpy().tobytes())) for t in bad_scales],
+        with_fields(payload, scales=tensor_field(payload, "scales", shape=[n_scales + 1], data=bytes(4 * (n_scales + 1)))),
+        with_fields(payload, scales=tensor_field(payload, "scales", dtype="float16", data=b"\x00" * 2 * n_scales)),
+        with_fields(payload, codes=tensor_field(payload, "codes", shape=[1], data=b"\x00")),
         Payload(payload.codec, payload.version, (6000,), payload.fields),
-        *[_without(payload, name) for name in ("seed", "scales", "codes")],
+        *[without_field(payload, name) for name in ("seed", "scales", "codes")],
     ]
     for bad in cases:
         with pytest.raises(CodecError):
@@ -262,18 +235,8 @@ def test_corrupted_fields_are_refused(spec: str) -> None:
 @given(spec=st.sampled_from(["rot1", "rot2", "rot8", "topk:8/64+rot4"]), position=st.integers(0, 10**6),
        value=st.integers(0, 255), cut=st.booleans())
 def test_property_corrupted_bytes_raise_codec_error_or_decode(spec: str, position: int, value: int, cut: bool) -> None:
-    codec = get_codec(spec)
-    data = bytearray(codec.encode(torch.randn(40, 30)).to_bytes())
-    position %= len(data)
-    if cut:
-        del data[position:]
-    else:
-        data[position] = value
-    try:
-        out = codec.decode(Payload.from_bytes(bytes(data)))
-    except CodecError:
-        return
-    assert out.dtype == torch.float32 and bool(torch.isfinite(out).all())
+    out = decode_corrupted(get_codec(spec), torch.randn(40, 30), position, value, cut)
+    assert out is None or (out.dtype == torch.float32 and bool(torch.isfinite(out).all()))
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -363,10 +326,6 @@ print(json.dumps(out))
 """
 
 
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
-
-
 def test_signs_and_decodes_are_bit_identical_in_another_process() -> None:
     signs = random_signs(987654321, 3, 100003)
     assert set(signs.unique().tolist()) == {-1.0, 1.0}
@@ -375,20 +334,9 @@ def test_signs_and_decodes_are_bit_identical_in_another_process() -> None:
     assert not torch.equal(random_signs(987654321, 4, 1000), signs[:1000])  # runs draw independent signs
     codec = get_codec("rot2")
     payload = codec.encode(torch.randn(3, CHUNK // 2 + 77))  # two runs, the second one padded
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
-    child = subprocess.run(
-        [sys.executable, "-c", _CHILD],
-        input=payload.to_bytes().hex(),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=120,
-        check=True,
-    )
-    theirs = json.loads(child.stdout)
-    assert theirs["signs"] == _sha(signs)
-    assert theirs["decoded"] == _sha(codec.decode(payload))
+    theirs = run_child(_CHILD, payload.to_bytes().hex())
+    assert theirs["signs"] == sha(signs)
+    assert theirs["decoded"] == sha(codec.decode(payload))
 
 
 def test_wire_is_plain_msgpack() -> None:

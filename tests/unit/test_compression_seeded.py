@@ -3,13 +3,8 @@ norm, bounds its cost and is reproducible across processes; the subspace codec i
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -18,8 +13,7 @@ import torch
 from compression import SPEC_FORMS, CodecError, ErrorFeedback, Payload, get_codec
 from compression.activations import SubspaceProjection, subspace_basis
 from compression.seeded import BLOCK, MAX_DIRECTIONS, SeedProjection, allocate, block_directions
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.codec_checks import run_child, sha
 
 
 def _fixed(seed: int) -> random.Random:
@@ -146,29 +140,14 @@ print(json.dumps(out))
 """
 
 
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
-
-
 def test_same_seed_regenerates_bit_identical_directions_in_another_process() -> None:
     x = torch.randn(3, 70000, generator=torch.Generator().manual_seed(6))
     payloads = [SeedProjection(6, dist, seed_source=lambda: 987654321).encode(x) for dist in ("rademacher", "gaussian")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
-    child = subprocess.run(
-        [sys.executable, "-c", _CHILD],
-        input=json.dumps([p.to_bytes().hex() for p in payloads]),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=120,
-        check=True,
-    )
-    theirs = json.loads(child.stdout)
+    theirs = run_child(_CHILD, json.dumps([p.to_bytes().hex() for p in payloads]))
     for name in ("rademacher", "gaussian"):
-        assert theirs[name] == _sha(block_directions(123456789, 7, 4000, 70, name))
-    assert theirs["decoded"] == [_sha(get_codec(p.codec).decode(p)) for p in payloads]
-    assert theirs["basis"] == _sha(subspace_basis(64, 8, 5))
+        assert theirs[name] == sha(block_directions(123456789, 7, 4000, 70, name))
+    assert theirs["decoded"] == [sha(get_codec(p.codec).decode(p)) for p in payloads]
+    assert theirs["basis"] == sha(subspace_basis(64, 8, 5))
 
 
 def _tampered(payload: Payload, edit) -> bytes:

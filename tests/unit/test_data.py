@@ -1,4 +1,5 @@
-"""Tests for node.data.bytes: the embedded corpus, text corpora, byte batching and validation windows."""
+"""Tests for node.data.byte_corpus (the embedded corpus, text corpora) and node.data.bytes (byte batching,
+validation windows)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from node.data import byte_corpus as C
 from node.data import bytes as D
 
 
 @pytest.fixture(scope="module")
-def corpus() -> D.Corpus:
-    return D.load_embedded_corpus()
+def corpus() -> C.Corpus:
+    return C.load_embedded_corpus()
 
 
 def _resources() -> tuple[bytes, str]:
@@ -31,7 +33,7 @@ def test_sha256_file_matches_packaged_corpus() -> None:
     blob, expected = _resources()
     assert len(expected) == 64
     assert hashlib.sha256(blob).hexdigest() == expected
-    plays = D._parse_corpus_blob(blob, expected)
+    plays = C._parse_corpus_blob(blob, expected)
     assert len(plays) == 38
 
 
@@ -40,19 +42,19 @@ def test_corrupted_blob_is_detected() -> None:
     corrupted = bytearray(blob)
     corrupted[len(corrupted) // 2] ^= 0x01
     with pytest.raises(RuntimeError, match=r"corpus file corrupted: expected .*, got .*; reinstall locomesh"):
-        D._parse_corpus_blob(bytes(corrupted), expected)
+        C._parse_corpus_blob(bytes(corrupted), expected)
     with pytest.raises(RuntimeError, match="corrupted"):
-        D._parse_corpus_blob(blob[:-1], expected)
+        C._parse_corpus_blob(blob[:-1], expected)
 
 
 def test_load_embedded_corpus_rejects_corrupted_resource(monkeypatch: pytest.MonkeyPatch) -> None:
     blob, expected = _resources()
-    monkeypatch.setattr(D, "_read_embedded_resources", lambda: (blob[:100] + b"x" + blob[101:], expected))
+    monkeypatch.setattr(C, "_read_embedded_resources", lambda: (blob[:100] + b"x" + blob[101:], expected))
     with pytest.raises(RuntimeError, match="reinstall locomesh"):
-        D.load_embedded_corpus()
+        C.load_embedded_corpus()
 
 
-def test_embedded_corpus_shape(corpus: D.Corpus) -> None:
+def test_embedded_corpus_shape(corpus: C.Corpus) -> None:
     assert len(corpus.train_docs) + len(corpus.val_docs) == 38
     assert len(corpus.val_docs) == 3
     assert corpus.train.dtype == torch.uint8 and corpus.train.dim() == 1
@@ -66,9 +68,9 @@ def test_embedded_corpus_shape(corpus: D.Corpus) -> None:
         assert marker not in text, marker
 
 
-def test_embedded_split_is_disjoint_whole_plays(corpus: D.Corpus) -> None:
+def test_embedded_split_is_disjoint_whole_plays(corpus: C.Corpus) -> None:
     blob, expected = _resources()
-    plays = dict(D._parse_corpus_blob(blob, expected))
+    plays = dict(C._parse_corpus_blob(blob, expected))
     by_text = {text: title for title, text in plays.items()}
     assert all(doc in by_text for doc in corpus.train_docs + corpus.val_docs)
     train_titles = {by_text[d] for d in corpus.train_docs}
@@ -76,24 +78,24 @@ def test_embedded_split_is_disjoint_whole_plays(corpus: D.Corpus) -> None:
     assert not train_titles & val_titles
     assert len(train_titles | val_titles) == 38
     # The tensors are exactly the documents joined by the separator.
-    assert D.decode(corpus.train) == D.DOC_SEPARATOR.join(corpus.train_docs)
-    assert D.decode(corpus.val) == D.DOC_SEPARATOR.join(corpus.val_docs)
+    assert D.decode(corpus.train) == C.DOC_SEPARATOR.join(corpus.train_docs)
+    assert D.decode(corpus.val) == C.DOC_SEPARATOR.join(corpus.val_docs)
     # Deterministic: a second load holds out the same plays.
-    again = D.load_embedded_corpus()
+    again = C.load_embedded_corpus()
     assert again.val_docs == corpus.val_docs
     assert torch.equal(again.train, corpus.train)
 
 
 def test_embedded_val_docs_argument() -> None:
-    assert len(D.load_embedded_corpus(val_docs=5).val_docs) == 5
+    assert len(C.load_embedded_corpus(val_docs=5).val_docs) == 5
     with pytest.raises(ValueError):
-        D.load_embedded_corpus(val_docs=0)
+        C.load_embedded_corpus(val_docs=0)
     with pytest.raises(ValueError):
-        D.load_embedded_corpus(val_docs=38)
+        C.load_embedded_corpus(val_docs=38)
 
 
-def test_load_corpus_none_is_embedded(corpus: D.Corpus) -> None:
-    assert D.load_corpus(None).source == corpus.source
+def test_load_corpus_none_is_embedded(corpus: C.Corpus) -> None:
+    assert C.load_corpus(None).source == corpus.source
 
 
 # ----------------------------------------------------------------- encode / decode
@@ -249,14 +251,14 @@ def test_load_text_corpus_folder(tmp_path: Path) -> None:
     (tmp_path / "ignored.csv").write_text("a,b\n" * 100)
     (tmp_path / ".hidden.txt").write_text("hidden " * 100)
     (tmp_path / "empty.txt").write_text("")
-    c = D.load_text_corpus(tmp_path, val_fraction=0.2, context=16)
+    c = C.load_text_corpus(tmp_path, val_fraction=0.2, context=16)
     docs = c.train_docs + c.val_docs
     assert len(docs) == 7 and len(c.val_docs) >= 1
     assert set(docs) == set(texts.values()) | {(tmp_path / "notes.md").read_text()}
     assert not set(c.train_docs) & set(c.val_docs)
-    assert D.decode(c.train) == D.DOC_SEPARATOR.join(c.train_docs)
-    assert D.decode(c.val) == D.DOC_SEPARATOR.join(c.val_docs)
-    again = D.load_text_corpus(str(tmp_path), 0.2, context=16)
+    assert D.decode(c.train) == C.DOC_SEPARATOR.join(c.train_docs)
+    assert D.decode(c.val) == C.DOC_SEPARATOR.join(c.val_docs)
+    again = C.load_text_corpus(str(tmp_path), 0.2, context=16)
     assert again.val_docs == c.val_docs
 
 
@@ -264,7 +266,7 @@ def test_load_text_corpus_single_file(tmp_path: Path) -> None:
     text = "".join(f"line {i}: the quick brown fox\n" for i in range(400))
     f = tmp_path / "book.txt"
     f.write_text(text)
-    c = D.load_corpus(f, context=32)
+    c = C.load_corpus(f, context=32)
     raw = text.encode()
     assert torch.equal(torch.cat([c.train, c.val]), D.encode(text))
     n_val = c.val.numel()
@@ -273,41 +275,41 @@ def test_load_text_corpus_single_file(tmp_path: Path) -> None:
     # A short file still gets one full window in each split.
     short = tmp_path / "short.txt"
     short.write_text("x" * 100)
-    s = D.load_text_corpus(short, context=40)
+    s = C.load_text_corpus(short, context=40)
     assert s.val.numel() == 41 and s.train.numel() == 59
 
 
 def test_load_text_corpus_two_files_holds_out_one(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("alpha " * 50)
     (tmp_path / "b.txt").write_text("beta " * 50)
-    c = D.load_text_corpus(tmp_path, context=16)
+    c = C.load_text_corpus(tmp_path, context=16)
     assert len(c.train_docs) == 1 and len(c.val_docs) == 1
     # A file too small to be the validation split is not picked: another one is held out.
     (tmp_path / "c.txt").write_text("z")
-    c3 = D.load_text_corpus(tmp_path, context=16)
+    c3 = C.load_text_corpus(tmp_path, context=16)
     assert c3.val_docs == ["beta " * 50]
 
 
 def test_load_text_corpus_errors(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(ValueError, match=r"does not exist.*embedded"):
-        D.load_text_corpus(missing)
+        C.load_text_corpus(missing)
     with pytest.raises(ValueError, match=r"does not exist"):
-        D.load_corpus(str(missing))
+        C.load_corpus(str(missing))
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(ValueError, match=r"no \*\.txt or \*\.md files"):
-        D.load_text_corpus(tmp_path / "empty_dir")
+        C.load_text_corpus(tmp_path / "empty_dir")
     (tmp_path / "blank.txt").write_text("  \n\n ")
     with pytest.raises(ValueError, match="is empty"):
-        D.load_text_corpus(tmp_path / "blank.txt")
+        C.load_text_corpus(tmp_path / "blank.txt")
     (tmp_path / "tiny.txt").write_text("to be or not to be")
     with pytest.raises(ValueError, match=r"holds 18 bytes but needs at least 258"):
-        D.load_text_corpus(tmp_path / "tiny.txt", context=128)
+        C.load_text_corpus(tmp_path / "tiny.txt", context=128)
     with pytest.raises(ValueError, match="val_fraction"):
-        D.load_text_corpus(tmp_path / "tiny.txt", val_fraction=1.5)
+        C.load_text_corpus(tmp_path / "tiny.txt", val_fraction=1.5)
     uneven = tmp_path / "uneven"
     uneven.mkdir()
     (uneven / "a.txt").write_text("x" * 500)
     (uneven / "b.txt").write_text("y" * 5)
     with pytest.raises(ValueError, match="too unevenly sized"):
-        D.load_text_corpus(uneven, context=64)
+        C.load_text_corpus(uneven, context=64)

@@ -14,12 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gossip.diloco as diloco_module
-from gossip.diloco import DiLoCoAverager
-from gossip.exchange import Contribution, RoundExchange
+from gossip.exchange import Contribution
 from gossip.groups import group_count, group_of, split_into_groups
-from gossip.outer import NesterovOuter
 from gossip.partition import Partition
 from protocol.records import RoundEntry, round_key
+from tests.helpers.diloco_members import diloco_members, run_round_together
 from tests.helpers.memory_transport import Network
 
 SHAPES = [(96, 64), (64,), (120, 32), (5,)]
@@ -60,21 +59,6 @@ def test_groups_change_between_rounds_and_stay_near_their_expected_size():
     assert round_key("run", 3, "g1of4") != round_key("run", 3) == "locomesh.run.round.3"
 
 
-def _members(n: int, network: Network, max_group_size: int, lr: float = 1.0, seed: int = 0, samples=None):
-    g = torch.Generator().manual_seed(seed)
-    phi = [torch.randn(s, generator=g) for s in SHAPES]
-    members = []
-    for k in range(n):
-        peer = f"peer{k:02d}"
-        exchange = RoundExchange(network.transport(peer), "run", "none", Partition(PART_NUMEL).shapes(SHAPES), serve_timeout=5)
-        averager = DiLoCoAverager(None, None, exchange, "run", peer, NesterovOuter(lr=lr, momentum=0.0),  # type: ignore[arg-type]
-                                  gather_timeout=3, fetch_timeout=3, partition=Partition(PART_NUMEL), max_group_size=max_group_size)
-        delta = [torch.randn(s, generator=g) for s in SHAPES]
-        members.append({"peer": peer, "exchange": exchange, "averager": averager, "phi": [p.clone() for p in phi],
-                        "theta": [p - d for p, d in zip(phi, delta)], "samples": samples[k] if samples else 8 * (k + 1)})
-    return phi, members
-
-
 def _run_grouped_round(members, monkeypatch, round_no: int = 0):
     everyone = {m["peer"] for m in members}
     samples = {m["peer"]: m["samples"] for m in members}
@@ -89,18 +73,13 @@ def _run_grouped_round(members, monkeypatch, round_no: int = 0):
     monkeypatch.setattr(diloco_module, "round_members", live)
     monkeypatch.setattr(diloco_module, "gather_group", group_view)
 
-    async def go():
-        for m in members:
-            await m["exchange"].start()
-        return await asyncio.gather(*(m["averager"].run_round(round_no, m["phi"], m["theta"], m["samples"]) for m in members))
-
-    return asyncio.run(go())
+    return asyncio.run(run_round_together(members, round_no))
 
 
 @pytest.mark.parametrize("n, bound", [(8, 3), (12, 4)])
 def test_each_group_ends_bit_identical_at_the_weighted_mean_of_its_stepped_weights(n, bound, monkeypatch):
     network = Network()
-    _, members = _members(n, network, bound)
+    _, members = diloco_members(n, network, SHAPES, "none", PART_NUMEL, max_group_size=bound)
     results = _run_grouped_round(members, monkeypatch)
     count = group_count(n, bound)
     assert all(r.groups == count and r.in_sync and not r.failures for r in results)
@@ -123,7 +102,7 @@ def test_each_group_ends_bit_identical_at_the_weighted_mean_of_its_stepped_weigh
 
 def test_the_swarm_mean_moves_as_one_outer_step_on_the_mean_update(monkeypatch):
     network = Network()
-    phi, members = _members(9, network, 3, lr=0.7, seed=4, samples=[16] * 9)
+    phi, members = diloco_members(9, network, SHAPES, "none", PART_NUMEL, seed=4, lr=0.7, max_group_size=3, samples=[16] * 9)
     mean_delta = [torch.stack([p - m["theta"][i] for m in members]).mean(0) for i, p in enumerate(phi)]
     _run_grouped_round(members, monkeypatch, round_no=5)
     for i, p in enumerate(phi):
@@ -135,7 +114,7 @@ def test_the_swarm_mean_moves_as_one_outer_step_on_the_mean_update(monkeypatch):
 
 def test_members_that_count_a_different_number_of_groups_do_not_mix(monkeypatch):
     network = Network()
-    _, members = _members(2, network, 4)
+    _, members = diloco_members(2, network, SHAPES, "none", PART_NUMEL, max_group_size=4)
     a, b = members
     a["exchange"].regroup(0, a["exchange"].specs(0), "g0of2")
     b["exchange"].regroup(0, b["exchange"].specs(0), "g0of4")

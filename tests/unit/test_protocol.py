@@ -25,6 +25,7 @@ from protocol import (
     tensor_to_wire,
 )
 from protocol.records import PeerRecord, RoundEntry
+from tests.helpers.memory_transport import Sink, ended_reader
 
 bodies = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=20) | st.binary(max_size=64),
@@ -80,48 +81,30 @@ def test_arbitrary_bytes_never_crash_the_decoder(raw):
         pass
 
 
-def _reader(data: bytes) -> asyncio.StreamReader:
-    reader = asyncio.StreamReader()
-    reader.feed_data(data)
-    reader.feed_eof()
-    return reader
-
-
 def test_frame_length_checked_before_reading_body():
     async def go():
         # announces 4 GiB - 1 but carries nothing: refused from the header alone
         with pytest.raises(FrameTooLarge, match="4294967295"):
-            await read_frame(_reader(struct.pack(">I", 2**32 - 1)), max_size=1 << 20)
+            await read_frame(ended_reader(struct.pack(">I", 2**32 - 1)), max_size=1 << 20)
         with pytest.raises(MalformedFrame, match="ended after 3 of 10"):
-            await read_frame(_reader(struct.pack(">I", 10) + b"abc"))
+            await read_frame(ended_reader(struct.pack(">I", 10) + b"abc"))
         with pytest.raises(MalformedFrame, match="header"):
-            await read_frame(_reader(b"\x00\x00"))
+            await read_frame(ended_reader(b"\x00\x00"))
         with pytest.raises(EOFError):
-            await read_frame(_reader(b""))
-        assert await read_frame(_reader(encode_frame(b"hello"))) == b"hello"
+            await read_frame(ended_reader(b""))
+        assert await read_frame(ended_reader(encode_frame(b"hello"))) == b"hello"
 
     asyncio.run(go())
 
 
-class _Writer:
-    def __init__(self):
-        self.data = bytearray()
-
-    def write(self, b):
-        self.data += b
-
-    async def drain(self):
-        pass
-
-
 def test_framed_stream_round_trip_and_error_frames():
     async def go():
-        w = _Writer()
-        out = FramedStream(_reader(b""), w)
+        w = Sink()
+        out = FramedStream(ended_reader(b""), w)
         n = await out.send("fetch", {"round": 3})
         assert n == len(w.data) == out.bytes_sent
         await out.send_error(SchemaError("bad round"))
-        inp = FramedStream(_reader(bytes(w.data)), _Writer())
+        inp = FramedStream(ended_reader(bytes(w.data)), Sink())
         msg = await inp.recv(expect="fetch")
         assert msg.body == {"round": 3}
         with pytest.raises(RemoteError, match="bad round") as e:
@@ -129,10 +112,10 @@ def test_framed_stream_round_trip_and_error_frames():
         assert e.value.remote_code == "schema"
         assert inp.bytes_received == len(w.data)
 
-        w2 = _Writer()
-        await FramedStream(_reader(b""), w2).send("other", {})
+        w2 = Sink()
+        await FramedStream(ended_reader(b""), w2).send("other", {})
         with pytest.raises(SchemaError, match="expected a fetch"):
-            await FramedStream(_reader(bytes(w2.data)), _Writer()).recv(expect="fetch")
+            await FramedStream(ended_reader(bytes(w2.data)), Sink()).recv(expect="fetch")
 
     asyncio.run(go())
 

@@ -11,12 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gossip.diloco as diloco_module
-from gossip.diloco import DiLoCoAverager
-from gossip.exchange import RoundExchange
-from gossip.outer import NesterovOuter, weighted_mean
-from gossip.partition import Partition
+from gossip.outer import weighted_mean
 from gossip.reduce_scatter import assign_owners, fine_part_numel, is_dense, round_bytes, use_reduce_scatter
 from protocol.records import RoundEntry
+from tests.helpers.diloco_members import diloco_members, run_round_together
 from tests.helpers.memory_transport import Network
 
 SHAPES = [(96, 64), (64,), (120, 32), (256, 16), (5,)]
@@ -47,44 +45,20 @@ def test_dense_codecs_reduce_scatter_from_three_members():
     assert fine_part_numel(842_496) == 16384 and fine_part_numel(1 << 30) == 1 << 20
 
 
-def _members(n: int, codec: str, network: Network, seed: int = 0, fetch_timeout: float = 3, serve_timeout: float = 5):
-    g = torch.Generator().manual_seed(seed)
-    phi = [torch.randn(s, generator=g) for s in SHAPES]
-    members = []
-    for k in range(n):
-        peer = f"peer{k:02d}"
-        exchange = RoundExchange(network.transport(peer), "run", codec, Partition(PART_NUMEL).shapes(SHAPES), serve_timeout=serve_timeout)
-        outer = NesterovOuter(lr=1.0, momentum=0.0)
-        averager = DiLoCoAverager(None, None, exchange, "run", peer, outer, gather_timeout=3, fetch_timeout=fetch_timeout,  # type: ignore[arg-type]
-                                  partition=Partition(PART_NUMEL))
-        delta = [torch.randn(s, generator=g) for s in SHAPES]
-        members.append({"peer": peer, "exchange": exchange, "averager": averager, "phi": [p.clone() for p in phi],
-                        "theta": [p - d for p, d in zip(phi, delta)], "delta": delta, "samples": 8 * (k + 1)})
-    return phi, members
-
-
-def _run_round(members, monkeypatch, before=None):
+def _run_round(members, monkeypatch):
     entries = sorted((RoundEntry(peer_id=m["peer"], samples=m["samples"], codec="none") for m in members), key=lambda e: e.peer_id)
 
     async def fixed_group(*args, **kwargs):
         return entries, True
 
     monkeypatch.setattr(diloco_module, "gather_group", fixed_group)
-
-    async def go():
-        for m in members:
-            await m["exchange"].start()
-        if before is not None:
-            before()
-        return await asyncio.gather(*(m["averager"].run_round(0, m["phi"], m["theta"], m["samples"]) for m in members))
-
-    return asyncio.run(go())
+    return asyncio.run(run_round_together(members))
 
 
 @pytest.mark.parametrize("n", [3, 4, 8])
 def test_members_end_bit_identical_at_the_weighted_mean_sending_about_twice_the_payload(n, monkeypatch):
     network = Network()
-    phi, members = _members(n, "none", network)
+    phi, members = diloco_members(n, network, SHAPES, "none", PART_NUMEL)
     results = _run_round(members, monkeypatch)
     assert all(r.reduce_scatter and r.in_sync and not r.failures for r in results)
     expected = weighted_mean([m["delta"] for m in members], [m["samples"] for m in members])
@@ -99,7 +73,7 @@ def test_members_end_bit_identical_at_the_weighted_mean_sending_about_twice_the_
 
 def test_lossy_codec_rounds_agree_bit_for_bit(monkeypatch):
     network = Network()
-    _, members = _members(5, "q8", network, seed=3)
+    _, members = diloco_members(5, network, SHAPES, "q8", PART_NUMEL, seed=3)
     results = _run_round(members, monkeypatch)
     assert all(r.reduce_scatter and r.in_sync for r in results)
     for m in members[1:]:
@@ -109,7 +83,7 @@ def test_lossy_codec_rounds_agree_bit_for_bit(monkeypatch):
 @pytest.mark.parametrize("n, dying", [(4, [1]), (6, [1, 4])])
 def test_owners_that_die_after_sending_their_parts_leave_a_complete_round(n, dying, monkeypatch):
     network = Network()
-    _, members = _members(n, "none", network, seed=5)
+    _, members = diloco_members(n, network, SHAPES, "none", PART_NUMEL, seed=5)
     dead = [members[i] for i in dying]
     for member in dead:
         # the member serves its contribution, then is gone before it can serve what it reduced
@@ -132,7 +106,7 @@ def test_a_late_member_that_counts_more_members_than_the_others_is_refused_at_on
     reduce-scatters. The owners it asks refuse at once, so it falls back to their contributions well
     before the 60 s timeouts (it waited that long in a NAT swarm, round after round)."""
     network = Network()
-    _, members = _members(3, "none", network, seed=7, fetch_timeout=60, serve_timeout=60)
+    _, members = diloco_members(3, network, SHAPES, "none", PART_NUMEL, seed=7, fetch_timeout=60, serve_timeout=60)
     entries = sorted((RoundEntry(peer_id=m["peer"], samples=m["samples"], codec="none") for m in members), key=lambda e: e.peer_id)
     late = members[2]["peer"]
 
@@ -141,13 +115,7 @@ def test_a_late_member_that_counts_more_members_than_the_others_is_refused_at_on
 
     monkeypatch.setattr(diloco_module, "gather_group", views)
 
-    async def go():
-        for m in members:
-            await m["exchange"].start()
-        rounds = (m["averager"].run_round(0, m["phi"], m["theta"], m["samples"]) for m in members)
-        return await asyncio.wait_for(asyncio.gather(*rounds), timeout=30)
-
-    early0, early1, third = asyncio.run(go())
+    early0, early1, third = asyncio.run(asyncio.wait_for(run_round_together(members), timeout=30))
     assert not early0.reduce_scatter and not early1.reduce_scatter and early0.contributors == early1.contributors == sorted(
         m["peer"] for m in members[:2])
     assert third.reduce_scatter and all(third.failures[m["peer"]].startswith("reduce_") for m in members[:2]), third.failures

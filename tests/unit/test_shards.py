@@ -1,5 +1,6 @@
 """Tokenizer training and prepared token shards: node.data.documents, node.data.tokenizer, node.data.shards,
-node.data.shard_format, node.data.token_batches and the ``node data`` commands (all on tiny generated data)."""
+node.data.shard_writer, node.data.shard_format, node.data.token_batches and the ``node data`` commands (all on
+tiny generated data)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from node.data import shard_writer as W
 from node.data import shards as S
 from node.data.documents import iter_documents
 from node.errors import UserError
@@ -180,15 +182,15 @@ def test_rerun_skips_finished_shards(corpus: Path, tok_path: Path, tmp_path: Pat
 def test_interrupted_run_leaves_no_manifest_and_resumes(corpus: Path, tok_path: Path, prepared: Path,
                                                          tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "out"
-    real_finish, calls = S._ShardWriter.finish, []
+    real_finish, calls = W.ShardWriter.finish, []
 
-    def finish_then_die(self: S._ShardWriter) -> ShardInfo:
+    def finish_then_die(self: W.ShardWriter) -> ShardInfo:
         if len(calls) == 2:
             raise KeyboardInterrupt
         calls.append(1)
         return real_finish(self)
 
-    monkeypatch.setattr(S._ShardWriter, "finish", finish_then_die)
+    monkeypatch.setattr(W.ShardWriter, "finish", finish_then_die)
     with pytest.raises(KeyboardInterrupt):
         S.prepare([corpus], tok_path, out, val_fraction=0.2, shard_tokens=600, workers=1, progress=False)
     assert not (out / MANIFEST).exists() and (out / STATE).exists()
@@ -197,7 +199,7 @@ def test_interrupted_run_leaves_no_manifest_and_resumes(corpus: Path, tok_path: 
         open_shards(out)
     assert S.is_shard_dir(out)
     done = {p.name: p.stat().st_mtime_ns for p in out.glob("*.bin")}
-    monkeypatch.setattr(S._ShardWriter, "finish", real_finish)
+    monkeypatch.setattr(W.ShardWriter, "finish", real_finish)
     m = S.prepare([corpus], tok_path, out, val_fraction=0.2, shard_tokens=600, workers=1, progress=False)
     assert sorted(m.skipped) == sorted(done) and not (out / STATE).exists()
     assert all((out / n).stat().st_mtime_ns == t for n, t in done.items())

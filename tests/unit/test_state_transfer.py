@@ -8,8 +8,7 @@ import torch
 
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from protocol.errors import SchemaError
-from tests.helpers.fuzz import _frames, _stream
-from tests.helpers.memory_transport import Network
+from tests.helpers.memory_transport import MemoryTransport, Network, canned_stream, frames
 
 SHAPES = [(64, 32), (32,), (7, 3)]
 
@@ -72,17 +71,9 @@ def test_a_peer_that_claims_a_group_the_joiner_never_offered_is_refused():
     head = {"round": 4, "inner_step": 0, "fingerprint": "fp", "meta": {}, "same": ["params"],
             "layout": {n: [[list(t.shape), "float32"] for t in ts] for n, ts in served.items()}}
 
-    class Liar:
-        peer_id = "joiner"
-
-        async def open(self, peer, protocol):
-            return _stream(_frames(("state", head), ("end", {})))[0]
-
-        def account(self, protocol, stream):
-            pass
-
+    liar = MemoryTransport(peer_id="joiner", reply=frames(("state", head), ("end", {})))
     with pytest.raises(SchemaError, match="identical"):
-        asyncio.run(download_state(Liar(), "server", "run", _layout(served)))  # type: ignore[arg-type]
+        asyncio.run(download_state(liar, "server", "run", _layout(served)))  # type: ignore[arg-type]
 
 
 def test_have_must_be_a_map():
@@ -90,7 +81,7 @@ def test_have_must_be_a_map():
     server.publish(StateSnapshot(round=0, tensors=_state(0), fingerprint="fp", meta={}))
 
     async def ask() -> None:
-        stream, _ = _stream(_frames(("get_state", {"run_id": "run", "have": [1, 2]})))
+        stream, _ = canned_stream(frames(("get_state", {"run_id": "run", "have": [1, 2]})))
         await server._handle(stream)
 
     with pytest.raises(SchemaError, match="have"):
@@ -147,7 +138,7 @@ def test_a_stripe_request_out_of_range_is_refused():
     server.publish(StateSnapshot(round=0, tensors=_state(0), fingerprint="fp", meta={}))
 
     async def ask(stripe) -> None:
-        stream, _ = _stream(_frames(("get_state", {"run_id": "run", "stripe": stripe})))
+        stream, _ = canned_stream(frames(("get_state", {"run_id": "run", "stripe": stripe})))
         await server._handle(stream)
 
     for bad in ([2, 2], [0, 99], "0/2", [True, 2]):

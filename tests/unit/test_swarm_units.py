@@ -20,7 +20,7 @@ from swarm.router import NoPeerAvailable, Router
 from swarm.service import StageService, decode_activation, encode_activation
 from swarm.stages import Stage, block_range
 from swarm.stage_worker import StageWorker
-from tests.helpers.fuzz import _frames, _stream
+from tests.helpers.memory_transport import canned_stream, ended_reader, frames
 
 CFG = preset("nano")
 
@@ -70,15 +70,12 @@ def test_a_pipeline_of_workers_learns():
 
 # ---- the stage service's validation -------------------------------------------------------------
 async def _ask(service: StageService, kind: str, body: dict) -> tuple[str, dict]:
-    stream, sink = _stream(_frames((kind, {"run_id": "run", **body})))
+    stream, sink = canned_stream(frames((kind, {"run_id": "run", **body})))
     try:
         await service._handle(stream)
     except SchemaError as e:
         return "refused", {"message": str(e)}
-    reader = asyncio.StreamReader()
-    reader.feed_data(bytes(sink.data))
-    reader.feed_eof()
-    msg = decode_message(await read_frame(reader))
+    msg = decode_message(await read_frame(ended_reader(bytes(sink.data))))
     return msg.kind, msg.body
 
 
