@@ -1,10 +1,25 @@
 """Aggregation of a round's updates, plain or robust against broken and malicious peers.
 
 Every member runs the same function on the same inputs in the same (peer-id) order, so all members
-obtain bit-identical results. Norms are compared per sample (‖Δ‖ / samples), because an honest
-peer's update grows with the inner steps it took.
+obtain bit-identical results. A sample count is a peer's claim: it is capped at what the run allows
+a round (``max_samples``: the batch size × the most inner steps a round can hold) before it weighs
+or scales anything, so a peer that claims 10⁹ samples weighs as much as an honest one that did a
+full round, and its norm per sample is not made small by the lie. Norms are compared per (capped)
+sample (‖Δ‖ / samples), because an honest peer's update grows with the inner steps it took.
 
 - ``mean``: Σ wᵢΔᵢ / Σ wᵢ with wᵢ = samples.
+- ``centered-clip``: centered clipping (Karimireddy, He, Jaggi, ICML 2021): start at the
+  coordinate-wise median v of the updates and iterate v ← v + Σᵢ wᵢ(xᵢ − v)·min(1, τ/‖xᵢ − v‖) / Σ wᵢ
+  three times, with τ the lower median of the distances ‖xᵢ − v₀‖. An update far from the others
+  moves v by at most τ·wᵢ/Σw, whatever its size or direction; honest updates near the median are
+  barely touched. Starting from the median (not the previous round's aggregate, as the paper does)
+  keeps it a function of this round's inputs alone, so members that missed a round still agree.
+  With two updates the median is their midpoint and both are τ from it: the plain mean (no
+  majority exists to tell which of two is honest).
+- ``sparse-clip``: for sparse payloads (top-k): each update's norm is clipped to the lower-median
+  norm per sample × its samples, each of its values to the lower median over updates of their
+  largest magnitude (so a peer that piles its whole budget on a few coordinates is cut to an
+  honest peer's largest value there), then ``sparse-mean``.
 - ``median-clip``: each update is scaled down to at most the lower-median per-sample norm times its
   samples, and claimed sample counts are capped at 4 × the lower median, then the weighted mean.
   A peer sending a 1000× update moves the model no more than an honest peer.
@@ -31,7 +46,9 @@ import torch
 
 from gossip.outer import weighted_mean
 
-METHODS = ("mean", "sparse-mean", "median-clip", "trimmed-mean")
+METHODS = ("mean", "sparse-mean", "centered-clip", "sparse-clip", "median-clip", "trimmed-mean")
+ROBUST = ("centered-clip", "sparse-clip", "median-clip", "trimmed-mean")  # bounded influence of any one update
+CLIP_ITERATIONS = 3
 
 
 @dataclass
@@ -42,6 +59,8 @@ class Aggregate:
     used: list[str]
     dropped: dict[str, str] = field(default_factory=dict)
     norms: dict[str, float] = field(default_factory=dict)
+    capped: dict[str, int] = field(default_factory=dict)  # peers whose claimed samples were cut: their claim
+    clipped: dict[str, float] = field(default_factory=dict)  # robust methods: peers scaled down, by the factor kept
 
 
 def _norm(update: Sequence[torch.Tensor]) -> float:
@@ -60,12 +79,20 @@ def aggregate(
     method: str = "mean",
     reject_ratio: float = 100.0,
     trim: float = 0.2,
+    max_samples: int | None = None,
 ) -> Aggregate:
-    """Combine ``updates`` (one list of tensors per peer, all with the same shapes)."""
+    """Combine ``updates`` (one list of tensors per peer, all with the same shapes).
+
+    :param samples: the sample count each peer claims; capped at ``max_samples`` where given
+    :param max_samples: the most samples a round of this run can hold (batch size × inner steps)
+    """
     if method not in METHODS:
         raise ValueError(f"unknown aggregation {method!r}; choose one of {', '.join(METHODS)}")
     if not updates or not len(peers) == len(updates) == len(samples):
         raise ValueError("need one peer id, update and sample count per contribution")
+    capped = {p: s for p, s in zip(peers, samples) if max_samples is not None and s > max_samples}
+    if max_samples is not None:
+        samples = [min(s, max_samples) for s in samples]
     norms = {p: _norm(u) for p, u in zip(peers, updates)}
     per_sample = {p: norms[p] / max(1, s) for p, s in zip(peers, samples)}
     ref = _lower_median(list(per_sample.values()))
@@ -81,8 +108,16 @@ def aggregate(
     samples_k = [samples[i] for i in kept]
     if method == "trimmed-mean" and len(kept) < 3:
         method = "median-clip"
+    clip_factors: dict[str, float] = {}
     if method == "mean":
         out = weighted_mean(updates_k, samples_k)
+    elif method == "centered-clip":
+        out, factors = _centered_clip(updates_k, samples_k)
+        clip_factors = {p: f for p, f in zip(peers_k, factors) if f < 1.0}
+    elif method == "sparse-clip":
+        limited, factors = _clip_sparse(updates_k, samples_k, [norms[p] for p in peers_k], ref)
+        clip_factors = {p: f for p, f in zip(peers_k, factors) if f < 1.0}
+        out = _sparse_mean(limited, samples_k)
     elif method == "sparse-mean":
         out = _sparse_mean(updates_k, samples_k)
     elif method == "median-clip":
@@ -102,7 +137,55 @@ def aggregate(
             stacked = torch.stack([t.float() for t in tensors])  # (n, ...)
             ordered = stacked.sort(dim=0).values
             out.append(ordered[b : n - b].mean(dim=0))
-    return Aggregate(update=out, used=peers_k, dropped=dropped, norms=norms)
+    return Aggregate(update=out, used=peers_k, dropped=dropped, norms=norms, capped=capped, clipped=clip_factors)
+
+
+def _median_center(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The coordinate-wise median (the midpoint of the two middle values when their count is even)."""
+    ordered = torch.stack([t.to(torch.float32) for t in tensors]).sort(dim=0).values
+    n = len(tensors)
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+
+
+def _centered_clip(updates: Sequence[Sequence[torch.Tensor]], weights: Sequence[float],
+                   iterations: int = CLIP_ITERATIONS) -> tuple[list[torch.Tensor], list[float]]:
+    """Centered clipping around the coordinate-wise median; returns the aggregate and, per update, the
+    smallest factor its distance from the centre was scaled by (1.0: never clipped)."""
+    n = len(updates)
+    if n <= 2:  # no majority: both are equally far from their midpoint
+        return weighted_mean(updates, weights), [1.0] * n
+    center = [_median_center(tensors) for tensors in zip(*updates)]
+    total = float(sum(weights))
+
+    def distances(v: list[torch.Tensor]) -> list[float]:
+        return [math.sqrt(sum(float((t.to(torch.float32) - c).pow(2).sum()) for t, c in zip(u, v))) for u in updates]
+
+    tau = _lower_median(distances(center))
+    factors = [1.0] * n
+    for _ in range(iterations):
+        dist = distances(center)
+        scales = [min(1.0, tau / d) if d > 0 else 1.0 for d in dist]
+        factors = [min(f, s) for f, s in zip(factors, scales)]
+        step = [torch.zeros_like(c) for c in center]
+        for u, w, s in zip(updates, weights, scales):
+            for acc, t, c in zip(step, u, center):
+                acc.add_(t.to(torch.float32) - c, alpha=float(w) * s / total)
+        center = [c + d for c, d in zip(center, step)]
+    return center, factors
+
+
+def _clip_sparse(updates: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], norms: Sequence[float],
+                 per_sample_ref: float) -> tuple[list[list[torch.Tensor]], list[float]]:
+    """Each update's norm cut to the reference norm per sample × its weight, and each value to the lower
+    median over updates of their largest magnitude; returns the updates and the norm factors."""
+    peak = _lower_median([max(float(t.abs().max()) if t.numel() else 0.0 for t in u) for u in updates])
+    out, factors = [], []
+    for u, w, norm in zip(updates, weights, norms):
+        limit = per_sample_ref * float(w)
+        scale = min(1.0, limit / norm) if norm > 0 and limit > 0 else 1.0
+        factors.append(scale)
+        out.append([(t.to(torch.float32) * scale).clamp(-peak, peak) for t in u])
+    return out, factors
 
 
 def _sparse_mean(updates: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:

@@ -1,0 +1,131 @@
+"""Attacks on averaging, for experiments: what a hostile peer sends instead of its honest update.
+
+``node swarm --byzantine 'I:ATTACK[,ATTACK]'`` makes node I an attacker (never a default; the node
+says so in its log), and ``benchmarks.byzantine`` runs every attack against every aggregator. An
+attack rewrites one contribution: the update Δ a peer sends and the sample count it claims.
+
+- ``samples``: claims 10⁹ samples with its honest update.
+- ``scale:K``: sends K·Δ (default K = 50).
+- ``sign``: sends −Δ.
+- ``noise``: Gaussian noise with the norm of its honest update.
+- ``alie``: "A little is enough" (Baruch, Baruch, Goldberg, NeurIPS 2019): μ − z·σ per coordinate,
+  μ and σ the mean and spread of the honest updates (the exchange is open, so an attacker can read
+  them); z = 1 by default (``alie:Z``).
+- ``ipm``: inner-product manipulation (Xie, Koyejo, Gupta, UAI 2020): −ε·μ (ε = 0.5, ``ipm:E``).
+- ``stale``: replays the update it sent ``lag`` rounds ago (5 by default, ``stale:L``).
+- ``concentrate``: for sparse payloads: the whole norm of its update on a few coordinates (the
+  first 1 % of each tensor) pushed the wrong way.
+
+Where the honest updates are not known (a live attacker that has not read the round yet), ``alie``
+and ``ipm`` take the attacker's own honest update for μ and the spread of its own last updates for σ.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+ATTACKS = ("samples", "scale", "sign", "noise", "alie", "ipm", "stale", "concentrate")
+DEFAULT_PARAM = {"scale": 50.0, "alie": 1.0, "ipm": 0.5, "stale": 5.0}
+LYING_SAMPLES = 10**9
+
+
+def parse_attacks(spec: str) -> list[tuple[str, float | None]]:
+    """``"scale:20,samples"`` → ``[("scale", 20.0), ("samples", None)]``; a clear error for anything else."""
+    out = []
+    for part in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, value = part.partition(":")
+        if name not in ATTACKS:
+            raise ValueError(f"unknown attack {name!r}; choose from {', '.join(ATTACKS)}")
+        if value and name not in DEFAULT_PARAM:
+            raise ValueError(f"attack {name!r} takes no parameter (got {part!r})")
+        try:
+            param = float(value) if value else DEFAULT_PARAM.get(name)
+        except ValueError:
+            raise ValueError(f"attack {part!r}: {value!r} is not a number") from None
+        if param is not None and not math.isfinite(param):
+            raise ValueError(f"attack {part!r}: the parameter must be finite")
+        out.append((name, param))
+    if not out:
+        raise ValueError("no attack given; e.g. scale:50 or sign,samples")
+    return out
+
+
+def _norm(update: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.float().pow(2).sum()) for t in update))
+
+
+@dataclass
+class Attacker:
+    """One hostile peer: rewrites each of its contributions by its attacks, in the order given.
+
+    :param attacks: from :func:`parse_attacks`
+    :param seed: seed of its noise
+    """
+
+    attacks: list[tuple[str, float | None]]
+    seed: int = 0
+    history: deque = field(default_factory=lambda: deque(maxlen=16))
+
+    def __post_init__(self) -> None:
+        self._gen = torch.Generator().manual_seed(self.seed)
+
+    def describe(self) -> str:
+        return ",".join(name if p is None else f"{name}:{p:g}" for name, p in self.attacks)
+
+    def contribution(self, delta: Sequence[torch.Tensor], samples: int,
+                     honest: Sequence[Sequence[torch.Tensor]] | None = None) -> tuple[list[torch.Tensor], int]:
+        """What this attacker sends instead of ``delta`` and ``samples``.
+
+        :param honest: the honest updates of the round, where the attacker could read them
+        """
+        own = [t.detach().to(torch.float32).clone() for t in delta]
+        self.history.append([t.clone() for t in own])
+        out = own
+        for name, param in self.attacks:
+            if name == "samples":
+                samples = LYING_SAMPLES
+            elif name == "scale":
+                out = [t * float(param) for t in out]
+            elif name == "sign":
+                out = [-t for t in out]
+            elif name == "noise":
+                norm = _norm(out)
+                noise = [torch.randn(t.shape, generator=self._gen) for t in out]
+                scale = norm / max(_norm(noise), 1e-30)
+                out = [z * scale for z in noise]
+            elif name in ("alie", "ipm"):
+                mean, std = self._honest_stats(honest)
+                out = ([m - float(param) * s for m, s in zip(mean, std)] if name == "alie"
+                       else [-float(param) * m for m in mean])
+            elif name == "stale":
+                lag = int(param)
+                out = [t.clone() for t in self.history[0]] if len(self.history) > lag else [-t for t in out]
+            elif name == "concentrate":
+                out = [_concentrate(t) for t in out]
+        return out, samples
+
+    def _honest_stats(self, honest: Sequence[Sequence[torch.Tensor]] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Coordinate mean and spread of the honest updates, or of this attacker's own recent ones."""
+        pool = [list(u) for u in honest] if honest else [list(u) for u in self.history]
+        stacked = [torch.stack([u[i].to(torch.float32) for u in pool]) for i in range(len(pool[0]))]
+        mean = [s.mean(dim=0) for s in stacked]
+        std = [s.std(dim=0, unbiased=False) if len(pool) > 1 else s[0].abs() for s in stacked]
+        return mean, std
+
+
+def _concentrate(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's whole norm on its first 1 % of coordinates (at least one), against their sign."""
+    flat = t.flatten()
+    k = max(1, flat.numel() // 100)
+    out = torch.zeros_like(flat)
+    norm = float(flat.norm())
+    head = flat[:k]
+    direction = -torch.sign(head)
+    direction[direction == 0] = -1.0
+    out[:k] = direction * (norm / math.sqrt(k))
+    return out.view_as(t)
