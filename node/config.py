@@ -24,6 +24,7 @@ LOSSLESS_CODECS = ("none", "fp16", "bf16")  # no error feedback, and the outer s
 DEFAULT_INNER_STEPS = {"diloco": 50, "noloco": 30, "sparseloco": 30, "zo": 50}
 
 
+AUTO_STEPS_MAX_FACTOR = 20  # --inner-steps auto never goes past this × --round-steps
 SPARSE_CODEC = "topk:64/4096+q2"  # SparseLoCo's default codec
 LOSSY_FEEDBACK_DECAY = 0.95  # error-feedback β of lossy codecs
 LOSSY_WARMUP_ROUNDS = 5  # outer-lr warm-up of DiLoCo with a lossy codec (see NodeConfig.outer_warmup)
@@ -147,9 +148,10 @@ class NodeConfig(BaseModel):
         "eager (apply an estimate from this node's Δ and the others' previous Δ at once, correct it when the result arrives)", AVG)
     fragment_alpha: float = option(0.0, "α in θ ← (1−α)·φ + α·θ when a round's result is applied; 0 replaces local weights", AVG,
                                    ge=0, le=1)
-    aggregate: Literal["mean", "sparse-mean", "median-clip", "trimmed-mean"] | None = option(
-        None, "mean | sparse-mean | median-clip | trimmed-mean: how updates are combined; the last two are robust against "
-        "broken or malicious peers", AVG, default_text="sparse-mean for sparseloco, else mean")
+    aggregate: Literal["mean", "sparse-mean", "centered-clip", "sparse-clip", "median-clip", "trimmed-mean"] | None = option(
+        None, "mean | sparse-mean | centered-clip | sparse-clip | median-clip | trimmed-mean: how updates are combined; all "
+        "but the first two bound what any one peer can do to the model", AVG,
+        default_text="centered-clip (sparse-clip for sparseloco); with --swarm-key: mean (sparse-mean)")
     zo_eps: float = option(1e-3, "zo: perturbation size ε of each step's two loss evaluations at θ ± εz", AVG, gt=0, le=1)
     zo_lr: float = option(1e-4, "zo: learning rate of every one-byte step (θ moves by −lr·g·z); each peer's steps are applied, "
                           "so lower it for many peers", AVG, gt=0, le=1)
@@ -194,6 +196,9 @@ class NodeConfig(BaseModel):
     max_steps: int | None = option(None, "Stop cleanly after this many inner steps", OPS, ge=1)
     duration: float | None = option(None, "Stop cleanly after this many seconds", OPS, gt=0)
     threads: int | None = option(None, "torch CPU threads", TRAIN, default_text="torch's choice", ge=1, le=1024)
+    attack: str | None = option(
+        None, "Experiments only: this node attacks the swarm, sending ATTACK[,ATTACK] instead of its honest update: samples, "
+        "scale:K, sign, noise, alie, ipm, stale, concentrate (gossip/byzantine.py; node swarm --byzantine I:ATTACK)", OPS)
     slowdown: float = option(1.0, "Experiments: make every inner step this many times slower, to emulate slower hardware", OPS,
                              ge=1, le=100)
     seed: int = option(0, "Seed of this node's data order, and of the model's initialisation unless --init-seed; node swarm "
@@ -245,6 +250,15 @@ class NodeConfig(BaseModel):
             raise ValueError(f"must lie in [1, 1000000], got {steps}")
         return steps
 
+    @field_validator("attack")
+    @classmethod
+    def _attack(cls, value: str | None) -> str | None:
+        from gossip.byzantine import parse_attacks
+
+        if value is not None:
+            parse_attacks(value)  # raises ValueError naming the attacks there are
+        return value
+
     @field_validator("init_from")
     @classmethod
     def _init_from(cls, value: Path | None) -> Path | None:
@@ -286,6 +300,8 @@ class NodeConfig(BaseModel):
             raise ValueError("--overlap-mode eager estimates a group average: use it with diloco or sparseloco")
         if self.fragments > 1 and self.algorithm == "noloco":
             raise ValueError("--fragments works with diloco and sparseloco; noloco sends whole models (use --fragments 1)")
+        if self.attack is not None and (self.stages > 1 or self.algorithm == "zo"):
+            raise ValueError("--attack rewrites a replica's pseudo-gradient: use it with diloco, noloco or sparseloco and --stages 1")
         if self.stages > 1 and self.init_from is not None:
             raise ValueError("--init-from starts whole-model replicas (--stages 1); a pipeline's stages start from the run's seed")
         if self.model_config_file is not None and self.init_from is not None:
@@ -327,12 +343,26 @@ class NodeConfig(BaseModel):
 
     @property
     def aggregation(self) -> str:
-        """How a round's updates are combined: explicit, else ``sparse-mean`` for SparseLoCo (a top-k
-        coordinate one sender carried is applied undiluted; tiny, 4 nodes × 600 steps: held-out loss
-        2.461 → 2.258 against dense DiLoCo's 2.084) and ``mean`` for everything else."""
+        """How a round's updates are combined: explicit, else robust in an open swarm and plain in a
+        private one (``--swarm-key``: every peer holds the secret, so none is a stranger).
+
+        Open: ``centered-clip``, ``sparse-clip`` for SparseLoCo — one peer moves the model by at most
+        about one honest update, whatever it sends (``benchmarks.byzantine``). Private: the mean, or for
+        SparseLoCo ``sparse-mean`` (a top-k coordinate one sender carried is applied undiluted; tiny,
+        4 nodes × 600 steps: held-out loss 2.461 → 2.258 against dense DiLoCo's 2.084)."""
         if self.aggregate is not None:
             return self.aggregate
-        return "sparse-mean" if self.algorithm == "sparseloco" else "mean"
+        sparse = self.algorithm == "sparseloco"
+        if self.swarm_key is None:
+            return "sparse-clip" if sparse else "centered-clip"
+        return "sparse-mean" if sparse else "mean"
+
+    @property
+    def max_round_samples(self) -> int:
+        """The most samples one round can hold: what a peer's claimed sample count is capped at. With
+        ``--inner-steps auto`` a fast peer takes up to ``AUTO_STEPS_MAX_FACTOR`` × the median's steps."""
+        steps = self.round_steps * AUTO_STEPS_MAX_FACTOR if self.inner_steps == "auto" else int(self.inner_steps)
+        return self.batch_size * steps
 
     @property
     def outer_hyper(self) -> tuple[float, float]:
