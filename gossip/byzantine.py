@@ -104,7 +104,7 @@ class Attacker:
                        else [-float(param) * m for m in mean])
             elif name == "stale":
                 lag = int(param)
-                out = [t.clone() for t in self.history[0]] if len(self.history) > lag else [-t for t in out]
+                out = [t.clone() for t in self.history[-1 - lag]] if len(self.history) > lag else [-t for t in out]
             elif name == "concentrate":
                 out = [_concentrate(t) for t in out]
         return out, samples

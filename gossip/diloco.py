@@ -42,7 +42,8 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 
 from compression import ErrorFeedback
-from gossip.aggregate import aggregate
+from gossip.aggregate import Aggregate, aggregate
+from gossip.byzantine import Attacker
 from gossip.deadline import AdaptiveDeadline
 from gossip.exchange import Contribution, PartSpec, ReducedShare, RoundExchange
 from gossip.fingerprint import fingerprint
@@ -73,6 +74,8 @@ class RoundResult:
     duration_s: float = 0.0
     samples: int = 0
     norms: dict[str, float] = field(default_factory=dict)
+    clipped: dict[str, float] = field(default_factory=dict)  # robust aggregation: members scaled down, by the factor kept
+    capped: dict[str, int] = field(default_factory=dict)  # members whose claimed samples were cut: their claim
     update_norm: float = 0.0
     others_sum: list[torch.Tensor] | None = None  # Σ_{j≠self} samples_j·Δ_j of the members used (eager updates)
     others_samples: int = 0
@@ -130,11 +133,29 @@ class GroupAverager:
     back_off = False  # whether incomplete rounds in a row lengthen the rendezvous deadline (gossip.deadline)
 
     def __init__(self, dht: DHTNode, validator: RSASignatureValidator, exchange: RoundExchange, run_id: str, peer_id: str,
-                 outer: object, gather_timeout: float, fetch_timeout: float, partition: Partition, aggregation: str) -> None:
+                 outer: object, gather_timeout: float, fetch_timeout: float, partition: Partition, aggregation: str,
+                 max_samples: int | None = None, attacker: Attacker | None = None) -> None:
         self.dht, self.validator, self.exchange = dht, validator, exchange
         self.run_id, self.peer_id, self.outer = run_id, peer_id, outer
         self.fetch_timeout, self.partition, self.aggregation = fetch_timeout, partition, aggregation
+        self.max_samples, self.attacker = max_samples, attacker
         self.deadline = AdaptiveDeadline.for_timeout(gather_timeout, back_off=self.back_off)
+
+    def claimed(self, samples: int) -> int:
+        """A member's sample count as it may weigh: its claim, capped at what a round of the run can hold."""
+        return samples if self.max_samples is None else min(samples, self.max_samples)
+
+    def combine(self, peers: Sequence[str], updates: Sequence[Sequence[torch.Tensor]], samples: Sequence[int],
+                method: str | None = None) -> Aggregate:
+        """``gossip.aggregate`` with this run's aggregation (or ``method``) and sample cap."""
+        return aggregate(peers, updates, samples, method or self.aggregation, max_samples=self.max_samples)
+
+    def contribute(self, delta: list[torch.Tensor], samples: int) -> tuple[list[torch.Tensor], int]:
+        """What this member sends: its Δ and sample count, or, on a node told to attack (experiments
+        only, ``--attack``), the attacker's rewrite of them."""
+        if self.attacker is None:
+            return delta, samples
+        return self.attacker.contribution(delta, samples)
 
 
 class DiLoCoAverager(GroupAverager):
@@ -146,7 +167,10 @@ class DiLoCoAverager(GroupAverager):
     :param outer: the outer optimizer whose state this member keeps in sync with its group
     :param gather_timeout: longest wait for late members at the rendezvous (the adaptive deadline's ceiling)
     :param fetch_timeout: longest wait for one member's contribution
-    :param aggregation: ``mean``, ``sparse-mean``, ``median-clip`` or ``trimmed-mean`` (see ``gossip.aggregate``)
+    :param aggregation: ``mean``, ``sparse-mean``, ``centered-clip``, ``sparse-clip``, ``median-clip`` or
+        ``trimmed-mean`` (see ``gossip.aggregate``); with reduce-scatter, each owner applies it to its parts
+    :param max_samples: the most samples a round of the run holds: every claimed count is capped there
+    :param attacker: experiments only: this member sends the attacker's rewrite of its Δ (``gossip.byzantine``)
     :param max_group_size: a swarm with more live members averages in random groups of about this many
         (``gossip.groups``); None: one group, whatever the swarm's size
     :param weight_codec: how the weights travel in such groups (near-lossless: ``none`` or ``fp16``)
@@ -170,8 +194,11 @@ class DiLoCoAverager(GroupAverager):
         keep_others: bool = False,
         max_group_size: int | None = None,
         weight_codec: str = "none",
+        max_samples: int | None = None,
+        attacker: Attacker | None = None,
     ) -> None:
-        super().__init__(dht, validator, exchange, run_id, peer_id, outer, gather_timeout, fetch_timeout, partition, aggregation)
+        super().__init__(dht, validator, exchange, run_id, peer_id, outer, gather_timeout, fetch_timeout, partition, aggregation,
+                         max_samples, attacker)
         self.outer: NesterovOuter = outer
         self.member_role, self.keep_others = member_role, keep_others
         self.max_group_size, self.weight_codec = max_group_size, weight_codec
@@ -244,6 +271,7 @@ class DiLoCoAverager(GroupAverager):
         or in a grouped round its weights after stepping φ with its own Δ (at the weight codec, no feedback).
         Keeps the encoded parts and their decoded values in ``rnd``."""
         if rnd.grouping is None:
+            delta, rnd.samples = self.contribute(delta, rnd.samples)
             sent = self.partition.split(delta)
         else:
             await asyncio.to_thread(self.outer.step, rnd.phi, delta, rnd.indices, rnd.number)
@@ -340,18 +368,18 @@ class DiLoCoAverager(GroupAverager):
         if not result.in_sync:
             return
         used = result.contributors
-        agg = await asyncio.to_thread(
-            aggregate, used, [contributions[p].decoded for p in used], [contributions[p].samples for p in used], self.aggregation
-        )
+        agg = await asyncio.to_thread(self.combine, used, [contributions[p].decoded for p in used],
+                                      [contributions[p].samples for p in used])
         result.failures.update(agg.dropped)
-        result.contributors, result.norms = agg.used, agg.norms
-        result.samples = sum(contributions[p].samples for p in agg.used)
+        result.contributors, result.norms, result.clipped, result.capped = agg.used, agg.norms, agg.clipped, agg.capped
+        result.samples = sum(self.claimed(contributions[p].samples) for p in agg.used)
         result.update_norm = sum(float(t.pow(2).sum()) for t in agg.update) ** 0.5
         others = [p for p in agg.used if p != self.peer_id]
         if self.keep_others and others and rnd.grouping is None:
-            summed = [sum(contributions[p].samples * contributions[p].decoded[i] for p in others) for i in range(len(agg.update))]
+            weights = {p: self.claimed(contributions[p].samples) for p in others}
+            summed = [sum(weights[p] * contributions[p].decoded[i] for p in others) for i in range(len(agg.update))]
             result.others_sum = self.partition.join(summed, rnd.shapes)  # type: ignore[arg-type]
-            result.others_samples = sum(contributions[p].samples for p in others)
+            result.others_samples = sum(weights.values())
         await self._apply(rnd, agg.update)
 
     async def _reduce_scatter(self, round_no: int, owners: dict[str, list[int]], contributions: dict[str, Contribution],
@@ -363,14 +391,14 @@ class DiLoCoAverager(GroupAverager):
         update: dict[int, torch.Tensor] = {}
         share: ReducedShare | None = None
         if mine:
-            agg = await asyncio.to_thread(aggregate, used, [contributions[p].decoded for p in used],
-                                          [contributions[p].samples for p in used], "mean")
+            agg = await asyncio.to_thread(self.combine, used, [contributions[p].decoded for p in used],
+                                          [contributions[p].samples for p in used])
             result.failures.update(agg.dropped)
             blobs, decoded = await asyncio.to_thread(self.exchange.encode_parts, round_no, mine, agg.update)
-            share = ReducedShare(round_no, sum(contributions[p].samples for p in agg.used), agg.used, majority_fp,
+            share = ReducedShare(round_no, sum(self.claimed(contributions[p].samples) for p in agg.used), agg.used, majority_fp,
                                  dict(zip(mine, blobs)), dict(zip(mine, decoded)))
             update.update(share.decoded)
-            result.contributors, result.norms = agg.used, agg.norms
+            result.contributors, result.norms, result.clipped, result.capped = agg.used, agg.norms, agg.clipped, agg.capped
             result.samples = share.samples
         self.exchange.publish_reduced(round_no, share)
         sources = {o: parts for o, parts in owners.items() if o != self.peer_id and parts}
@@ -393,6 +421,6 @@ class DiLoCoAverager(GroupAverager):
                       **{p: c.decoded for p, c in got_parts.items() if isinstance(c, Contribution)}}
             senders = sorted(direct)
             samples = [contributions[p].samples for p in senders]
-            agg = await asyncio.to_thread(aggregate, senders, [direct[p] for p in senders], samples, "mean")
+            agg = await asyncio.to_thread(self.combine, senders, [direct[p] for p in senders], samples)
             update.update(dict(zip(parts, agg.update)))
         return [update[i] for i in range(len(specs))]

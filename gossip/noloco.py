@@ -30,7 +30,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 
 from compression import ErrorFeedback
-from gossip.aggregate import aggregate
+from gossip.byzantine import Attacker
 from gossip.diloco import GroupAverager, RoundResult
 from gossip.exchange import Contribution, RoundExchange
 from gossip.fingerprint import fingerprint
@@ -90,10 +90,13 @@ class NoLoCoAverager(GroupAverager):
         partition: Partition = Partition(),
         aggregation: str = "mean",
         poll_interval: float = 0.2,
+        max_samples: int | None = None,
+        attacker: Attacker | None = None,
     ) -> None:
         if group_size < 2:
             raise ValueError(f"a NoLoCo group needs at least 2 members, got {group_size}")
-        super().__init__(dht, validator, exchange, run_id, peer_id, outer, gather_timeout, fetch_timeout, partition, aggregation)
+        super().__init__(dht, validator, exchange, run_id, peer_id, outer, gather_timeout, fetch_timeout, partition, aggregation,
+                         max_samples, attacker)
         self.outer: NoLoCoOuter = outer
         self.group_size, self.poll_interval = group_size, poll_interval
 
@@ -127,7 +130,8 @@ class NoLoCoAverager(GroupAverager):
         for a partner (a member with no partner takes a local outer step)."""
         started = time.monotonic()
         shapes = [tuple(p.shape) for p in phi]
-        delta = self.partition.split(to_host(pseudo_gradient(phi, theta)))  # codecs and the wire work on the CPU
+        own, samples = self.contribute(to_host(pseudo_gradient(phi, theta)), samples)  # codecs and the wire work on the CPU
+        delta = self.partition.split(own)
         weights = self.partition.split(to_host([p.detach().float() for p in phi]))
         n_delta = len(delta)
         blobs, decoded = await asyncio.to_thread(
@@ -150,10 +154,8 @@ class NoLoCoAverager(GroupAverager):
 
         contributions = {self.peer_id: mine, **got}
         members = sorted(contributions)
-        agg = await asyncio.to_thread(
-            aggregate, members, [contributions[p].decoded[:n_delta] for p in members],
-            [contributions[p].samples for p in members], self.aggregation,
-        )
+        agg = await asyncio.to_thread(self.combine, members, [contributions[p].decoded[:n_delta] for p in members],
+                                      [contributions[p].samples for p in members])
         failures.update(agg.dropped)
         used = [p for p in members if p in agg.used]
         mean_phi = [torch.stack([contributions[p].decoded[n_delta + i] for p in used]).mean(0) for i in range(len(weights))]
@@ -170,7 +172,9 @@ class NoLoCoAverager(GroupAverager):
             deadline_s=deadline,
             exchange_s=exchanged - gathered,
             duration_s=time.monotonic() - started,
-            samples=sum(contributions[p].samples for p in used),
+            samples=sum(self.claimed(contributions[p].samples) for p in used),
             norms=agg.norms,
+            clipped=agg.clipped,
+            capped=agg.capped,
             update_norm=sum(float(t.pow(2).sum()) for t in agg.update) ** 0.5,
         )

@@ -79,11 +79,17 @@ def assign_owners(part_numels: Sequence[int], members: Sequence[str]) -> dict[st
     return owners
 
 
+# Aggregations an owner can run on its parts alone: the weighted mean, and centered clipping part by
+# part (as BTARD-SGD clips inside each partition of a butterfly all-reduce: every part's influence is
+# bounded by its own clipping radius). Per-update norms, trimming and sparse masks need whole updates.
+PART_WISE = ("mean", "centered-clip")
+
+
 def use_reduce_scatter(dense: bool, group_size: int, aggregation: str, needs_every_update: bool) -> bool:
     """Reduce-scatter pays from three members on (with two both ways cost one payload each way) for
-    dense codecs (``is_dense``) and the plain weighted mean; robust aggregations and eager overlap
-    need every member's whole update, so they keep the all-gather."""
-    return group_size >= 3 and dense and aggregation == "mean" and not needs_every_update
+    dense codecs (``is_dense``) and part-wise aggregations (``PART_WISE``); other robust aggregations
+    and eager overlap need every member's whole update, so they keep the all-gather."""
+    return group_size >= 3 and dense and aggregation in PART_WISE and not needs_every_update
 
 
 def round_bytes(payload: int, group_size: int, reduce_scatter: bool) -> int:

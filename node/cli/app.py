@@ -124,6 +124,7 @@ def swarm(
     node_args: Annotated[Optional[list[str]], typer.Option("--node-args", help="Extra join options for one node, as INDEX:OPTIONS (repeatable), e.g. '1:--slowdown 3'")] = None,
     chaos: Annotated[Optional[list[str]], typer.Option("--chaos", help="Fault injection (repeatable): kill:stage=S:at=60s, kill:node=I:at=T, kill:random:every=45s (SIGKILL)")] = None,
     restart_killed: Annotated[Optional[float], typer.Option("--restart-killed", help="Restart killed nodes after this many seconds (default: leave them dead)")] = None,
+    byzantine: Annotated[Optional[list[str]], typer.Option("--byzantine", help="Experiments: node I attacks the swarm, as I:ATTACK[,ATTACK] (repeatable), e.g. '1:scale:50' or '2:alie'; attacks: samples, scale:K, sign, noise, alie, ipm, stale, concentrate")] = None,
 ) -> None:
     """Launch N daemons on loopback (any `node join` option is passed to each), show progress, write a report.
 
@@ -144,6 +145,13 @@ def swarm(
             typer.secho(f"error: --node-args {spec!r}: expected INDEX:OPTIONS with INDEX below --nodes {nodes}", fg="red", err=True)
             raise typer.Exit(2)
         per_node.setdefault(int(index), []).extend(shlex.split(options))
+        parse_join_args(extra + per_node[int(index)])  # fail now, not in a child process
+    for spec in byzantine or []:
+        index, _, attack = spec.partition(":")
+        if not index.isdigit() or int(index) >= nodes or not attack:
+            typer.secho(f"error: --byzantine {spec!r}: expected I:ATTACK with I below --nodes {nodes}, e.g. 1:scale:50", fg="red", err=True)
+            raise typer.Exit(2)
+        per_node.setdefault(int(index), []).extend(["--attack", attack])
         parse_join_args(extra + per_node[int(index)])  # fail now, not in a child process
     from node.ops.chaos import parse_chaos
 
