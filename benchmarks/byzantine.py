@@ -35,7 +35,8 @@ from compression.feedback import ErrorFeedback
 from gossip.aggregate import aggregate
 from gossip.byzantine import Attacker, parse_attacks
 from gossip.outer import NesterovOuter
-from node.data.bytes import ByteBatches, load_embedded_corpus, validation_batches
+from node.data.byte_corpus import load_embedded_corpus
+from node.data.bytes import ByteBatches, validation_batches
 from node.runtime.local_training import LocalTrainer
 from swarm.models.presets import PRESETS
 
