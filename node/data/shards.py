@@ -113,7 +113,7 @@ class _Router:
 class _ShardWriter:
     """Appends documents' tokens to ``<split>-NNNNN.bin.tmp`` and renames it when the shard is done."""
 
-    def __init__(self, out: Path, split: str, index: int, dtype: str) -> None:
+    def __init__(self, *, out: Path, split: str, index: int, dtype: str) -> None:
         self.out, self.split, self.index = out, split, index
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self._f = None
@@ -330,7 +330,7 @@ def _write_shards(out: Path, files: list[InputFile], m: Manifest, kept: dict[str
 
     save_state()
     to_skip = {s: sum(x.docs for x in kept[s]) for s in SPLITS}
-    writers = {s: _ShardWriter(out, s, len(kept[s]), m.dtype) for s in SPLITS}
+    writers = {s: _ShardWriter(out=out, split=s, index=len(kept[s]), dtype=m.dtype) for s in SPLITS}
     bar = _Bar(len(files), progress and sys.stderr.isatty())
 
     def routed() -> Iterator[tuple[str, str]]:

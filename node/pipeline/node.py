@@ -123,8 +123,8 @@ class PipelineNode(NodeBase):
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
         self.recoverer = StageRecoverer(
-            cfg.stages, self.model_cfg, model_seed(cfg.run_id), cfg.checkfree_plus, cfg.recovery_grace, self._fetch_stage,
-            self._new_stage, self._serve_rebuilt,
+            stages=cfg.stages, model_cfg=self.model_cfg, seed=model_seed(cfg.run_id), plus=cfg.checkfree_plus, grace=cfg.recovery_grace, fetch_stage=self._fetch_stage,
+            new_stage=self._new_stage, become=self._serve_rebuilt,
             claim=lambda stage: net.call(claim_stage(net.dht, net.validator, cfg.run_id, stage, peer_id), timeout=30),
             refresh=lambda: net.call(list_peers(net.dht, cfg.run_id), timeout=30), metrics=self.metrics, event=self.event,
         )
@@ -144,8 +144,8 @@ class PipelineNode(NodeBase):
         if self.role == "spare":
             self._wait_as_spare()
         if self.stage is None and self.role == "trainer":
-            self.trainer = PipelineTrainer(cfg, self.workload, net, self.metrics, self.summary, self.event, self.stop,
-                                           self._deadline_reached, self._heartbeat, self._write_info)
+            self.trainer = PipelineTrainer(cfg=cfg, workload=self.workload, net=net, metrics=self.metrics, summary=self.summary, event=self.event, stop=self.stop,
+                                           done=self._deadline_reached, announce=self._heartbeat, write_info=self._write_info)
             self.trainer.run()
         elif self.stage is not None:
             self._serve()

@@ -34,7 +34,7 @@ class PipelineTrainer:
     :param write_info: rewrites the node's ``--info-file``
     """
 
-    def __init__(self, cfg: NodeConfig, workload: Workload, net: NetworkThread, metrics: NodeMetrics, summary: Summary,
+    def __init__(self, *, cfg: NodeConfig, workload: Workload, net: NetworkThread, metrics: NodeMetrics, summary: Summary,
                  event: Callable[..., None], stop: threading.Event, done: Callable[[], bool],
                  announce: Callable[[], Awaitable[None]], write_info: Callable[[], None]) -> None:
         self.cfg, self.workload, self.net, self.metrics, self.summary = cfg, workload, net, metrics, summary

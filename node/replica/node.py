@@ -74,7 +74,7 @@ class Daemon(NodeBase):
     def run(self) -> int:
         cfg = self.cfg
         device, model_cfg, work = self._prepare_local()
-        self.trainer = LocalTrainer(model_cfg, device, cfg.lr, cfg.weight_decay, cfg.warmup_steps, seed=cfg.model_seed,
+        self.trainer = LocalTrainer(cfg=model_cfg, device=device, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, seed=cfg.model_seed,
                                     **self._trainer_options())
         if work.init_weights is not None:  # a joiner still takes the swarm's state, a resumed node its checkpoint
             self.trainer.load_weights(work.init_weights)
@@ -109,7 +109,7 @@ class Daemon(NodeBase):
         peer_id = net.transport.peer_id
         self.summary.peer_id = peer_id
         names = [name for name, _ in self.trainer.model.named_parameters()]
-        self.plan = RoundPlan(names, [tuple(p.shape) for p in self.phi], cfg.codec, cfg.feedback_decay(), cfg.fragments,
+        self.plan = RoundPlan(names=names, shapes=[tuple(p.shape) for p in self.phi], codec=cfg.codec, feedback_decay=cfg.feedback_decay(), fragments=cfg.fragments,
                               noloco=cfg.algorithm == "noloco")
         self.summary.multiaddrs = self._own_multiaddrs()
         self.metrics.info.labels(peer_id, cfg.run_id, device.type, cfg.model, cfg.algorithm, cfg.codec, __version__).set(1)
@@ -134,10 +134,10 @@ class Daemon(NodeBase):
                 keep_others=cfg.overlap and cfg.overlap_mode == "eager", max_group_size=cfg.max_group_size,
                 weight_codec=self.plan.phi_codec,
             )
-        self.rounds = RoundRunner(net, self.averager, cfg.overlap and cfg.overlap_mode == "eager", self._heartbeat, self.stop,
+        self.rounds = RoundRunner(net=net, averager=self.averager, eager=cfg.overlap and cfg.overlap_mode == "eager", before_gather=self._heartbeat, stop=self.stop,
                                   final_timeout=2 * cfg.averaging_timeout + 30, placement=self.placement)
-        self.joiner = Joiner(net, cfg.run_id, peer_id, run_settings(cfg), self._state_layout, self._adopt, self._heartbeat,
-                             self.metrics, self.event, self.stop, cfg.join_timeout,
+        self.joiner = Joiner(net=net, run_id=cfg.run_id, peer_id=peer_id, settings=run_settings(cfg), layout=self._state_layout, adopt=self._adopt, announce=self._heartbeat,
+                             metrics=self.metrics, event=self.event, stop=self.stop, join_timeout=cfg.join_timeout,
                              held=lambda: {"params": self.phi, "outer_momentum": self.outer.state_tensors(self.phi)})
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)

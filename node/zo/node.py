@@ -73,7 +73,7 @@ class ZONode(NodeBase):
     def run(self) -> int:
         cfg = self.cfg
         device, model_cfg, work = self._prepare_local()
-        self.trainer = LocalTrainer(model_cfg, device, cfg.lr, seed=cfg.model_seed, compile=cfg.compile)
+        self.trainer = LocalTrainer(cfg=model_cfg, device=device, lr=cfg.lr, seed=cfg.model_seed, compile=cfg.compile)
         self.trainer.model.eval()  # never trained by backprop: no gradients, no optimizer state
         self.params = self.rep.params = self.trainer.parameters()
         self.batches = work.train_batches(cfg.batch_size, cfg.seed)
@@ -115,8 +115,8 @@ class ZONode(NodeBase):
         self.deadline = AdaptiveDeadline.for_timeout(cfg.averaging_timeout, back_off=True)
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
-        self.joiner = ZOJoiner(net, self.exchange, self.rep, self._meta(), self.summary.peer_id, self._publish_snapshot,
-                               self._round_steps, self.metrics, self.event, self.stop, cfg.join_timeout, 2 * cfg.averaging_timeout)
+        self.joiner = ZOJoiner(net=net, exchange=self.exchange, rep=self.rep, meta=self._meta(), peer_id=self.summary.peer_id, publish_snapshot=self._publish_snapshot,
+                               round_steps=self._round_steps, metrics=self.metrics, event=self.event, stop=self.stop, join_timeout=cfg.join_timeout, wait_timeout=2 * cfg.averaging_timeout)
         try:
             joined = self.joiner.join() if cfg.initial_peers else None
             if cfg.initial_peers:
