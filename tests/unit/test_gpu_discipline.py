@@ -328,7 +328,7 @@ def test_flags_reach_the_config_and_misfits_are_refused():
 
 
 def test_summary_and_metrics_carry_throughput_mfu_and_memory():
-    from node.runtime.base import Summary
+    from node.runtime.summary import Summary
     from node.runtime.metrics import NodeMetrics
 
     summary = Summary()
