@@ -73,8 +73,8 @@ class Worker:
         self.cfg = preset(args.model)
         corpus = load_corpus(None, context=self.cfg.context)
         self.val = validation_batches(corpus.val, args.batch_size, self.cfg.context, max_batches=args.eval_batches)
-        self.trainer = LocalTrainer(self.cfg, torch.device("cpu"), args.lr, warmup_steps=args.warmup_steps, seed=args.seed)
-        self.batches = ByteBatches(corpus.train, args.batch_size, self.cfg.context, seed=args.seed + args.rank)
+        self.trainer = LocalTrainer(cfg=self.cfg, device=torch.device("cpu"), lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed)
+        self.batches = ByteBatches(data=corpus.train, batch_size=args.batch_size, context=self.cfg.context, seed=args.seed + args.rank)
         self.params = self.trainer.parameters()
         self.num_params = sum(p.numel() for p in self.params)
         self.tokens_per_step = args.batch_size * self.cfg.context

@@ -86,8 +86,8 @@ def single_process_loss(steps: int, seed: int = 0) -> float:
     torch.set_num_threads(2)
     cfg = preset("tiny")
     corpus = load_corpus(None, context=cfg.context)
-    trainer = LocalTrainer(cfg, torch.device("cpu"), 1e-3, 0.1, 20, seed=seed)
-    batches = ByteBatches(corpus.train, 8, cfg.context, seed=seed)
+    trainer = LocalTrainer(cfg=cfg, device=torch.device("cpu"), lr=1e-3, weight_decay=0.1, warmup_steps=20, seed=seed)
+    batches = ByteBatches(data=corpus.train, batch_size=8, context=cfg.context, seed=seed)
     for _ in range(steps):
         trainer.step(*batches.next())
     return trainer.evaluate(validation_batches(corpus.val, 8, cfg.context, max_batches=8))

@@ -129,7 +129,7 @@ def run(strategy: str | None, steps: int, schedule: dict[int, list[int]], data: 
         checkpoint_every: int, seed: int = 0, stages: int = 4) -> dict[str, Any]:
     torch.manual_seed(seed)
     pipe = SimPipeline(stages, seed, plus=strategy == "checkfree+", lr=2e-3)
-    batches = ByteBatches(data, 16, pipe.cfg.context, seed=seed)
+    batches = ByteBatches(data=data, batch_size=16, context=pipe.cfg.context, seed=seed)
     curve, failures, ckpt_write, ckpt_read, lost_steps = [], 0, 0.0, 0.0, 0
     saved: tuple[int, bytes] | None = None
     started = time.monotonic()

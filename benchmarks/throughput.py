@@ -76,8 +76,8 @@ def bare(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     device, cfg = pick_device(args.device), preset(args.model)
     corpus = load_corpus(None, context=cfg.context)
-    batches = ByteBatches(corpus.train, args.batch_size, cfg.context, seed=0)
-    trainer = LocalTrainer(cfg, device, 1e-3, micro_batch_size=args.micro_batch_size,
+    batches = ByteBatches(data=corpus.train, batch_size=args.batch_size, context=cfg.context, seed=0)
+    trainer = LocalTrainer(cfg=cfg, device=device, lr=1e-3, micro_batch_size=args.micro_batch_size,
                            activation_checkpointing=args.activation_checkpointing, compile=args.compile)
     for _ in range(args.warmup):
         trainer.step(*batches.next())

@@ -111,7 +111,7 @@ def held_out_loss(checkpoint: Path, text: Path, s: Settings) -> float:
     from swarm.models.presets import preset
 
     cfg = preset("nano")
-    trainer = LocalTrainer(cfg, torch.device("cpu"), 1e-3)
+    trainer = LocalTrainer(cfg=cfg, device=torch.device("cpu"), lr=1e-3)
     trainer.load_weights(load(checkpoint)["phi"])
     corpus = load_text_corpus(text, context=cfg.context)
     return trainer.evaluate(validation_batches(corpus.val, s.batch_size, cfg.context, max_batches=s.eval_batches))

@@ -95,7 +95,7 @@ class ByteBatches:
     carry the generator state across a checkpoint so a resumed node continues its order.
     """
 
-    def __init__(self, data: torch.Tensor, batch_size: int, context: int, seed: int) -> None:
+    def __init__(self, *, data: torch.Tensor, batch_size: int, context: int, seed: int) -> None:
         self.data = _check_stream(data, batch_size, context, "ByteBatches")
         self.batch_size = batch_size
         self.context = context

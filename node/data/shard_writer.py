@@ -32,7 +32,7 @@ LOCK_FILE = ".prepare.lock"
 class ShardWriter:
     """Appends documents' tokens to ``<split>-NNNNN.bin.tmp`` and renames it when the shard is done."""
 
-    def __init__(self, out: Path, split: str, index: int, dtype: str) -> None:
+    def __init__(self, *, out: Path, split: str, index: int, dtype: str) -> None:
         self.out, self.split, self.index = out, split, index
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self._f = None

@@ -225,7 +225,7 @@ def _write_shards(out: Path, files: list[InputFile], m: Manifest, kept: dict[str
 
     save_state()
     to_skip = {s: sum(x.docs for x in kept[s]) for s in SPLITS}
-    writers = {s: ShardWriter(out, s, len(kept[s]), m.dtype) for s in SPLITS}
+    writers = {s: ShardWriter(out=out, split=s, index=len(kept[s]), dtype=m.dtype) for s in SPLITS}
     bar = _Bar(len(files), progress and sys.stderr.isatty())
 
     def routed() -> Iterator[tuple[str, str]]:

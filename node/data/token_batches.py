@@ -135,7 +135,7 @@ class TokenBatches:
     :param split: ``train`` (default) or ``val``
     """
 
-    def __init__(self, dataset: TokenDataset, batch_size: int, context: int, seed: int, split: str = "train") -> None:
+    def __init__(self, *, dataset: TokenDataset, batch_size: int, context: int, seed: int, split: str = "train") -> None:
         _check_args(batch_size, context)
         self.dataset = dataset
         self.batch_size = batch_size

@@ -33,7 +33,7 @@ def evaluate_checkpoint(path: Path, data: Path | None, weights: str, max_batches
         if key not in state:
             raise ValueError(f"{path} lacks {key!r}: not a locomesh checkpoint")
     cfg = config_from_dict(state["model_config"])
-    trainer = LocalTrainer(cfg, pick_device("auto"), lr=1e-3)
+    trainer = LocalTrainer(cfg=cfg, device=pick_device("auto"), lr=1e-3)
     trainer.load_weights(state[weights])
     tokenizer_json = state.get("tokenizer")
     if tokenizer_json is None:

@@ -83,6 +83,7 @@ def pipeline_role(index: int, nodes: int, stages: int) -> int | None:
 class SwarmLauncher:
     def __init__(
         self,
+        *,
         nodes: int,
         duration: float,
         report: Path,

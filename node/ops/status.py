@@ -21,7 +21,7 @@ from protocol.hivemind_transport import Transport
 class StatusClient:
     """A DHT client of the run that can list its peers repeatedly (``node status --watch`` keeps one open)."""
 
-    def __init__(self, initial_peers: list[str], run_id: str, timeout: float = 5.0, swarm_key: bytes | None = None) -> None:
+    def __init__(self, *, initial_peers: list[str], run_id: str, timeout: float = 5.0, swarm_key: bytes | None = None) -> None:
         self.initial_peers, self.run_id, self.timeout, self.swarm_key = initial_peers, run_id, timeout, swarm_key
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
@@ -114,7 +114,7 @@ def stage_map(rows: list[dict[str, Any]], stages: int = 0) -> list[dict[str, Any
 
 
 async def _collect(initial_peers: list[str], run_id: str, timeout: float, swarm_key: bytes | None) -> dict[str, Any]:
-    async with StatusClient(initial_peers, run_id, timeout, swarm_key) as client:
+    async with StatusClient(initial_peers=initial_peers, run_id=run_id, timeout=timeout, swarm_key=swarm_key) as client:
         return await client.collect()
 
 
@@ -124,7 +124,7 @@ def collect_status(initial_peers: list[str], run_id: str, timeout: float = 5.0, 
 
 async def _watch(initial_peers: list[str], run_id: str, interval: float, count: int, timeout: float,
                  swarm_key: bytes | None, show: Callable[[dict[str, Any]], None]) -> None:
-    async with StatusClient(initial_peers, run_id, timeout, swarm_key) as client:
+    async with StatusClient(initial_peers=initial_peers, run_id=run_id, timeout=timeout, swarm_key=swarm_key) as client:
         done = 0
         while True:
             started = time.monotonic()

@@ -56,7 +56,7 @@ class StageRecoverer:
     :param refresh: reads the run's DHT records afresh
     """
 
-    def __init__(self, stages: int, model_cfg: ModelConfig, seed: int, plus: bool, grace: float, fetch_stage: FetchStage,
+    def __init__(self, *, stages: int, model_cfg: ModelConfig, seed: int, plus: bool, grace: float, fetch_stage: FetchStage,
                  new_stage: Callable[[int], Stage], become: Callable[[int, Stage], None], claim: Callable[[int], str],
                  refresh: Callable[[], dict[str, PeerRecord]], metrics: NodeMetrics, event: Callable[..., None],
                  sleep: Callable[[float], None] = time.sleep) -> None:

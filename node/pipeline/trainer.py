@@ -15,7 +15,8 @@ import threading
 import time
 from typing import Any, Awaitable, Callable
 
-from node.runtime.base import RECORD_TTL_S, Summary
+from node.runtime.base import RECORD_TTL_S
+from node.runtime.summary import Summary, count_steps
 from node.config import NodeConfig
 from node.runtime.workload import Workload
 from node.runtime.metrics import NodeMetrics
@@ -34,7 +35,7 @@ class PipelineTrainer:
     :param write_info: rewrites the node's ``--info-file``
     """
 
-    def __init__(self, cfg: NodeConfig, workload: Workload, net: NetworkThread, metrics: NodeMetrics, summary: Summary,
+    def __init__(self, *, cfg: NodeConfig, workload: Workload, net: NetworkThread, metrics: NodeMetrics, summary: Summary,
                  event: Callable[..., None], stop: threading.Event, done: Callable[[], bool],
                  announce: Callable[[], Awaitable[None]], write_info: Callable[[], None]) -> None:
         self.cfg, self.workload, self.net, self.metrics, self.summary = cfg, workload, net, metrics, summary
@@ -114,16 +115,10 @@ class PipelineTrainer:
         m.microbatch_retries.inc(result.retries)
         if result.retries:
             self.event("rerouted", step=summary.steps, retries=result.retries, error=result.errors[-1][:200])
-        summary.steps += 1
+        count_steps(summary, m, 1, self.tokens_per_step, result.loss)
         for peer in result.path:
             summary.routed[peer] = summary.routed.get(peer, 0) + 1
         self.last_loss = result.loss
-        if math.isnan(summary.train_loss_first):
-            summary.train_loss_first = result.loss
-        summary.train_loss_last = result.loss
-        m.train_loss.set(result.loss)
-        m.inner_steps.inc()
-        m.tokens.inc(self.tokens_per_step)
         self.window_tokens += self.tokens_per_step
         if time.monotonic() - self.window >= 2.0:
             self.throughput = self.window_tokens / (time.monotonic() - self.window)

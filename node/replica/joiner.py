@@ -46,7 +46,7 @@ class Joiner:
     :param held: the state this node holds now, by group (a join skips the groups a peer holds identically)
     """
 
-    def __init__(self, net: NetworkThread, run_id: str, peer_id: str, settings: dict[str, Any], layout: Callable[[], Layout],
+    def __init__(self, *, net: NetworkThread, run_id: str, peer_id: str, settings: dict[str, Any], layout: Callable[[], Layout],
                  adopt: Callable[[DownloadedState], None], announce: Callable[[], Awaitable[None]], metrics: NodeMetrics,
                  event: Callable[..., None], stop: threading.Event, join_timeout: float,
                  held: Callable[[], dict[str, list[torch.Tensor]]] | None = None) -> None:

@@ -14,18 +14,18 @@ Lifecycle of ``node join``:
 4. On SIGTERM/SIGINT, ``--max-steps`` or ``--duration``: stop at a step boundary, evaluate, write
    the checkpoint atomically, leave the DHT and stop p2pd.
 
-Collaborators: ``node.runtime.resume`` (its own checkpoint, refused when written with other settings),
-``node.replica.joiner`` (join, resync, catch up), ``node.replica.rounds`` (what travels, the round in flight).
+The lifecycle (steps 1, 4, the heartbeat, status and checkpoint) is ``node.runtime.base``'s; this module
+fills in what a whole-model replica does. Collaborators: ``node.runtime.resume`` (its own checkpoint,
+refused when written with other settings), ``node.replica.joiner`` (join, resync, catch up),
+``node.replica.rounds`` (what travels, the round in flight).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,28 +37,26 @@ from gossip.fragments import fragment_of_round, merge_fragment, sync_interval
 from gossip.noloco import NoLoCoAverager
 from gossip.outer import NesterovOuter, NoLoCoOuter
 from gossip.placement import OuterPlacement
-from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
 from gossip.state_transfer import DownloadedState, StateServer, StateSnapshot
-from node import __version__
-from node.runtime.base import HEARTBEAT_S, RECORD_TTL_S, NodeBase
-from node.checkpoints.checkpoint import CHECKPOINT_NAME, save_atomic
 from node.config import NodeConfig
-from node.replica.joiner import Joiner, JoinRefused
-from node.runtime.network import Interrupted
-from node.runtime.resume import ResumeRefused, check_resumable
+from node.replica.joiner import Joiner
 from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
+from node.runtime.base import NodeBase
+from node.runtime.local_training import LocalTrainer
+from node.runtime.mfu import flops_per_token, mfu, peak_flops, peak_memory_mb
 from node.runtime.settings import run_settings
 from node.runtime.status_service import StatusService
-from node.runtime.local_training import LocalTrainer
 from protocol.records import PeerRecord
 
-PEER_READ_EVERY = 5  # heartbeats between two reads of the members' records
 logger = logging.getLogger("locomesh.node")
 AUTO_STEPS_MAX_FACTOR = 20  # --inner-steps auto never goes past this × --round-steps
 
 
 class Daemon(NodeBase):
     """One volunteer node. ``run()`` blocks until the node stops and returns its exit code."""
+
+    INTERRUPTED = "interrupted during an outer round"
+    PEER_READ_EVERY = 5  # the members' records (speeds for --inner-steps auto, the peers gauge) change slowly
 
     def __init__(self, cfg: NodeConfig) -> None:
         super().__init__(cfg)
@@ -67,61 +65,38 @@ class Daemon(NodeBase):
         self.tokens_per_s = 0.0
         self.compute_tokens_per_s = 0.0  # inner steps only, announced for --inner-steps auto
         self.peer_rates: dict[str, float] = {}
-        self.heartbeats = 0
         self.round_target = 1
-        self.role = "trainer"  # announced in the DHT; "leaving" once the node stops
 
-    def run(self) -> int:
+    # ---- lifecycle (node.runtime.base) ------------------------------------------------------------
+    def _prepare(self) -> None:
         cfg = self.cfg
-        device, model_cfg, work = self._prepare_local()
-        self.trainer = LocalTrainer(model_cfg, device, cfg.lr, cfg.weight_decay, cfg.warmup_steps, seed=cfg.model_seed,
-                                    **self._trainer_options())
+        self._prepare_local()
+        device, model_cfg, work = self.device, self.model_cfg, self.workload
+        self.trainer = LocalTrainer(cfg=model_cfg, device=device, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                    warmup_steps=cfg.warmup_steps, seed=cfg.model_seed, micro_batch_size=cfg.micro_batch_size,
+                                    activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
         if work.init_weights is not None:  # a joiner still takes the swarm's state, a resumed node its checkpoint
             self.trainer.load_weights(work.init_weights)
             self.event("init_from", checkpoint=work.init_source)
         self.placement = OuterPlacement.choose(device, cfg.outer_device)  # φ, and the outer momentum with it
         self.phi = self.placement.copy_of(self.trainer.parameters())
-        self._start_throughput(device, model_cfg)
+        self._start_throughput()
         outer_lr, outer_momentum = cfg.outer_hyper
         if cfg.algorithm == "noloco":
             self.outer: NesterovOuter | NoLoCoOuter = NoLoCoOuter(outer_lr, cfg.noloco_pull, outer_momentum)
         else:
             self.outer = NesterovOuter(outer_lr, outer_momentum, nesterov=cfg.algorithm == "diloco", warmup_rounds=cfg.outer_warmup)
-        try:  # before any networking: a checkpoint of another run is refused at once
-            self.checkpoint = check_resumable(cfg.checkpoint_dir, run_settings(cfg), cfg.fresh) if cfg.checkpoint_dir else None
-        except ResumeRefused as e:
-            logger.error("%s", e)
-            return 2
-        self.started = time.monotonic()
-        if not self._start_network():
-            return 2
-        try:
-            return self._run_joined(work, device)
-        finally:
-            self.net.shutdown()
-            self.summary.state = "stopped"
-            self._write_info()
-            logger.info("stopped cleanly")
-
-    def _run_joined(self, work: Any, device: torch.device) -> int:
-        cfg, net = self.cfg, self.net
-        assert net.transport is not None and net.dht is not None and net.p2p is not None
-        peer_id = net.transport.peer_id
-        self.summary.peer_id = peer_id
-        names = [name for name, _ in self.trainer.model.named_parameters()]
-        self.plan = RoundPlan(names, [tuple(p.shape) for p in self.phi], cfg.codec, cfg.feedback_decay(), cfg.fragments,
-                              noloco=cfg.algorithm == "noloco")
-        self.summary.multiaddrs = self._own_multiaddrs()
-        self.metrics.info.labels(peer_id, cfg.run_id, device.type, cfg.model, cfg.algorithm, cfg.codec, __version__).set(1)
         self.batches = work.train_batches(cfg.batch_size, cfg.seed)
+        self.checkpoint = self._own_checkpoint()
 
+    def _services(self, status: StatusService) -> list[Any]:
+        cfg, net = self.cfg, self.net
+        peer_id = self.summary.peer_id
+        names = [name for name, _ in self.trainer.model.named_parameters()]
+        self.plan = RoundPlan(names=names, shapes=[tuple(p.shape) for p in self.phi], codec=cfg.codec,
+                              feedback_decay=cfg.feedback_decay(), fragments=cfg.fragments, noloco=cfg.algorithm == "noloco")
         self.exchange = RoundExchange(net.transport, cfg.run_id, self.plan.wire(), self.plan.layout, serve_timeout=cfg.averaging_timeout * 2)
         self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.inner_step)
-        self.status = StatusService(net.transport, self.status_snapshot)
-        net.call(self.exchange.start())
-        net.call(self.state_server.start())
-        net.call(self.status.start())
-        self.summary.protocols = list(net.transport.protocols)
         if isinstance(self.outer, NoLoCoOuter):
             self.averager: DiLoCoAverager | NoLoCoAverager = NoLoCoAverager(
                 net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, group_size=cfg.group_size, partition=self.plan.partition,
@@ -134,36 +109,44 @@ class Daemon(NodeBase):
                 keep_others=cfg.overlap and cfg.overlap_mode == "eager", max_group_size=cfg.max_group_size,
                 weight_codec=self.plan.phi_codec,
             )
-        self.rounds = RoundRunner(net, self.averager, cfg.overlap and cfg.overlap_mode == "eager", self._heartbeat, self.stop,
-                                  final_timeout=2 * cfg.averaging_timeout + 30, placement=self.placement)
-        self.joiner = Joiner(net, cfg.run_id, peer_id, run_settings(cfg), self._state_layout, self._adopt, self._heartbeat,
-                             self.metrics, self.event, self.stop, cfg.join_timeout,
+        self.rounds = RoundRunner(net=net, averager=self.averager, eager=cfg.overlap and cfg.overlap_mode == "eager",
+                                  before_gather=self._heartbeat, stop=self.stop, final_timeout=2 * cfg.averaging_timeout + 30,
+                                  placement=self.placement)
+        self.joiner = Joiner(net=net, run_id=cfg.run_id, peer_id=peer_id, settings=run_settings(cfg), layout=self._state_layout,
+                             adopt=self._adopt, announce=self._heartbeat, metrics=self.metrics, event=self.event, stop=self.stop,
+                             join_timeout=cfg.join_timeout,
                              held=lambda: {"params": self.phi, "outer_momentum": self.outer.state_tensors(self.phi)})
-        if cfg.metrics_port:
-            self.metrics.serve(cfg.metrics_port)
+        return [self.exchange, self.state_server, status]
 
+    def _join(self) -> None:
         # a restarted node reloads its own checkpoint (inner optimizer, data order), then takes the
         # swarm's newer weights and round if any peer answers
         resumed = self._resume()
-        if cfg.initial_peers:
-            try:
-                if self.joiner.join(resumed):
-                    self.summary.joined_round = self.round
-            except JoinRefused as e:
-                logger.error("%s", e)
-                self.event("join_refused", reason=str(e))
-                return 3
+        if self.cfg.initial_peers and self.joiner.join(resumed):
+            self.summary.joined_round = self.round
         self._publish_snapshot()
-        net.every(HEARTBEAT_S, self._heartbeat, "heartbeat")
-        self.summary.state = "training"
-        self._write_info()
-        self._print_join_hint("")
-        try:
-            self._train()
-        except Interrupted:
-            logger.info("interrupted during an outer round")
-        self._finish()
-        return 0
+
+    def _work(self) -> None:
+        self._train()
+
+    def _record_fields(self) -> dict[str, Any]:
+        return {"inner_step": self.inner_step, "tokens_per_s": self.compute_tokens_per_s}
+
+    def _observe_peers(self, peers: dict[str, PeerRecord]) -> None:
+        self.peer_rates = {p: rec.tokens_per_s for p, rec in peers.items() if rec.role == "trainer"}
+
+    def _status_fields(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {"inner_step": self.inner_step, "tokens_per_s": self.tokens_per_s, "algorithm": cfg.algorithm, "compression": cfg.codec,
+                "fragments": cfg.fragments, "round_steps": self.round_target}
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        return {"inner_steps_total": self.trainer.steps, "phi": [t.to("cpu", copy=True) for t in self.phi],
+                "theta": [p.detach().cpu().clone() for p in self.trainer.parameters()],
+                "outer_momentum": self.outer.state_tensors(self.phi), "inner_optimizer": self.trainer.optimizer.state_dict()}
+
+    def _wind_down(self) -> None:
+        self._record_throughput(inner_tokens_per_s=self._inner_rate())
 
     # ---- what travels ------------------------------------------------------------------------
     def _round_steps(self) -> int:
@@ -212,11 +195,7 @@ class Daemon(NodeBase):
         self.outer.load_state_tensors(state["outer_momentum"])
         self.trainer.optimizer.load_state_dict(state["inner_optimizer"])
         self.trainer.steps = int(state["inner_steps_total"])
-        if "data_order" in state:
-            self.batches.load_state_dict(state["data_order"])
-        self.round = int(state["round"])
-        self.summary.resumed_from = {"checkpoint": str(path), "round": self.round}
-        self.event("resumed", checkpoint=str(path), round=self.round)
+        self._resumed(path, state)
         return True
 
     # ---- training ----------------------------------------------------------------------------
@@ -240,13 +219,7 @@ class Daemon(NodeBase):
             self.compute_tokens_per_s = rate if self.compute_tokens_per_s == 0 else 0.9 * self.compute_tokens_per_s + 0.1 * rate
             self.inner_step += 1
             samples += x.shape[0]
-            self.summary.steps += 1
-            if math.isnan(self.summary.train_loss_first):
-                self.summary.train_loss_first = loss
-            self.summary.train_loss_last = self.last_loss = loss
-            self.metrics.train_loss.set(loss)
-            self.metrics.inner_steps.inc()
-            self.metrics.tokens.inc(tokens_per_step)
+            self._count_steps(1, tokens_per_step, loss)
             window_tokens += tokens_per_step
             elapsed = time.monotonic() - window_start
             self.inner_s += time.monotonic() - fetch_started
@@ -334,14 +307,9 @@ class Daemon(NodeBase):
             if moved is not None:
                 self.round = moved
         record["fingerprint"] = fingerprint(self.phi)
-        self.summary.rounds.append(record)
         m.outer_round.set(self.round)
         self._publish_snapshot()
-        if self.cfg.checkpoint_dir is not None:
-            self._save_checkpoint()
-        if self.cfg.eval_every and self.summary.outer_rounds % self.cfg.eval_every == 0 and result.in_sync:
-            self._record_val_loss(self.trainer.evaluate(self.val))
-            record["val_loss"] = self.summary.val_loss
+        self._round_done(record, result.in_sync)
         self._record_throughput(inner_tokens_per_s=self._inner_rate())
         self._write_info()
         logger.info("round %d done: %d/%d peers averaged in %.2fs (waited %.2fs), loss %.3f",
@@ -356,74 +324,22 @@ class Daemon(NodeBase):
         )
         self.state_server.publish(snap)
 
-    async def _heartbeat(self) -> None:
-        await self._refresh_addresses()
-        net = self.net
-        record = PeerRecord(
-            peer_id=self.summary.peer_id, role=self.role, device=self.trainer.device.type, model=self.cfg.model,
-            algorithm=self.cfg.algorithm, compression=self.cfg.codec, round=self.round, inner_step=self.inner_step,
-            tokens_per_s=self.compute_tokens_per_s, loss=self.last_loss, maddrs=self.summary.multiaddrs,
-            protocols=self.summary.protocols, version=__version__, reachability=self.summary.reachability, started_at=time.time() - (time.monotonic() - self.started),
-        )
-        connected = [info.peer_id for info in await net.p2p.list_peers()]
-        await reconnect_routing_table(net.dht, connected)
-        await publish_peer(net.dht, net.validator, self.cfg.run_id, record, RECORD_TTL_S)
-        # the members' records (speeds for --inner-steps auto, the peers gauge) change slowly: reading
-        # them costs a request per routing-table peer, so only every few heartbeats
-        self.heartbeats += 1
-        if self.heartbeats % PEER_READ_EVERY == 1:
-            peers = await list_peers(net.dht, self.cfg.run_id)
-            self.peer_rates = {p: rec.tokens_per_s for p, rec in peers.items() if rec.role == "trainer"}
-            self.metrics.peers.set(len(peers))
+    # ---- throughput ----------------------------------------------------------------------------
+    def _start_throughput(self) -> None:
+        """What MFU needs: the model's FLOPs per token and the device's peak (``--peak-tflops`` or the table)."""
+        self.flops_per_token = flops_per_token(self.model_cfg)
+        self.peak_flops = peak_flops(self.device, self.cfg.peak_tflops)
 
-    def status_snapshot(self) -> dict[str, Any]:
-        return {
-            "peer_id": self.summary.peer_id, "run_id": self.cfg.run_id, "round": self.round, "inner_step": self.inner_step,
-            "steps": self.summary.steps, "loss": self.last_loss, "tokens_per_s": self.tokens_per_s,
-            "device": self.trainer.device.type, "model": self.cfg.model, "algorithm": self.cfg.algorithm,
-            "compression": self.cfg.codec, "fragments": self.cfg.fragments, "round_steps": self.round_target,
-            "protocols": self.summary.protocols, "version": __version__, "reachability": self.summary.reachability,
-            "state": self.summary.state, "time": time.time(),
-        }
-
-    # ---- stopping ----------------------------------------------------------------------------
-    def _save_checkpoint(self) -> None:
-        state = {
-            "format": 1,
-            "config": json.loads(self.cfg.model_dump_json()),
-            "settings": run_settings(self.cfg),
-            "model_config": self.trainer.model.cfg.to_dict(),
-            "round": self.round,
-            "inner_steps_total": self.trainer.steps,
-            "phi": [t.to("cpu", copy=True) for t in self.phi],
-            "theta": [p.detach().cpu().clone() for p in self.trainer.parameters()],
-            "outer_momentum": self.outer.state_tensors(self.phi),
-            "inner_optimizer": self.trainer.optimizer.state_dict(),
-            "data_order": self.batches.state_dict(),
-        }
-        if self.workload.tokenizer_json is not None:
-            state["tokenizer"] = self.workload.tokenizer_json  # node eval and node export need nothing else
-        path = save_atomic(state, Path(self.cfg.checkpoint_dir) / CHECKPOINT_NAME)
-        self.summary.checkpoint = str(path)
-        self.metrics.checkpoints.inc()
-
-    def _finish(self) -> None:
-        self.summary.state = "stopping"
-        self.summary.wall_s = time.monotonic() - self.started
-        self.summary.train_s = time.monotonic() - getattr(self, "train_started", time.monotonic())
-        self._record_throughput(inner_tokens_per_s=self._inner_rate())
-        self.role = "leaving"
-        try:
-            self.net.call(self._heartbeat(), timeout=10)
-        except Exception as e:
-            logger.info("could not announce leaving: %s", e)
-        self._record_val_loss(self.trainer.evaluate(self.val))
-        if self.cfg.checkpoint_dir is not None:
-            self._save_checkpoint()
-        logger.info("final: %d steps, %d outer rounds, train loss %.3f → %.3f, val loss %.3f",
-                    self.summary.steps, self.summary.outer_rounds, self.summary.train_loss_first,
-                    self.summary.train_loss_last, self.summary.val_loss)
-
+    def _record_throughput(self, recent_tokens_per_s: float | None = None, inner_tokens_per_s: float | None = None) -> None:
+        """Export the MFU of the recent rate (``locomesh_mfu``) and put the inner steps' rate, its MFU and
+        the peak memory in the summary."""
+        if recent_tokens_per_s is not None:
+            value = mfu(self.flops_per_token, recent_tokens_per_s, self.peak_flops)
+            self.metrics.mfu.set(math.nan if value is None else value)
+        if inner_tokens_per_s is not None:
+            self.summary.tokens_per_s = inner_tokens_per_s
+            self.summary.mfu = mfu(self.flops_per_token, inner_tokens_per_s, self.peak_flops)
+        self.summary.peak_mem_mb = round(peak_memory_mb(self.device), 1)
 
 def run_daemon(cfg: NodeConfig) -> int:
     daemon = Daemon(cfg)

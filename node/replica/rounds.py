@@ -37,7 +37,7 @@ class RoundPlan:
         toward the group's mean weights would turn a lossy codec's error into weight noise)
     """
 
-    def __init__(self, names: list[str], shapes: list[tuple[int, ...]], codec: str, feedback_decay: float, fragments: int,
+    def __init__(self, *, names: list[str], shapes: list[tuple[int, ...]], codec: str, feedback_decay: float, fragments: int,
                  noloco: bool) -> None:
         self.codec, self.fragment_count, self.noloco = codec, fragments, noloco
         self.fragments = assign_fragments(names, fragments)
@@ -91,7 +91,7 @@ class RoundRunner:
     :param placement: where φ lives (``--outer-device``); θ's snapshot of a round is copied there
     """
 
-    def __init__(self, net: NetworkThread, averager: DiLoCoAverager | NoLoCoAverager, eager: bool,
+    def __init__(self, *, net: NetworkThread, averager: DiLoCoAverager | NoLoCoAverager, eager: bool,
                  before_gather: Callable[[], Awaitable[None]], stop: threading.Event, final_timeout: float,
                  placement: OuterPlacement | None = None) -> None:
         self.net, self.averager, self.eager = net, averager, eager

@@ -1,146 +1,64 @@
-"""What every kind of node shares: identity and summary, events, traffic accounting, stop signals,
-heartbeat timing, network start-up and the line that tells others how to join.
+"""The life of every kind of node, written once: prepare, start networking, join, work, leave.
 
-``Daemon`` (whole-model replicas, ``node.replica.node``) and ``PipelineNode`` (stages, ``node.pipeline.node``)
-both build on :class:`NodeBase`; neither imports the other (the CLI picks one in ``node.launch``).
+:class:`NodeBase` runs the lifecycle (:meth:`NodeBase.run`) and holds what every kind shares: config,
+stop event, metrics, summary (``node.runtime.summary``), network thread, events, traffic accounting,
+the heartbeat that publishes the node's DHT record, the status answer, the per-step loss bookkeeping,
+the checkpoint dictionary, the bookkeeping after an outer round and the way a node leaves. A kind of
+node fills in hooks:
+
+- ``_prepare()``: model, data and its own checkpoint, before any networking;
+- ``_services(status)``: what it serves on the network, in the order they start (status among them);
+- ``_join()``: join the run (may raise :class:`JoinRefused`); the heartbeat starts after it;
+- ``_work()``: train or serve until stopped or out of time;
+- ``_record_fields()``, ``_status_fields()``, ``_checkpoint_state()``: its own fields of the DHT
+  record, the status answer and the checkpoint;
+- optionally ``_wait_for_peers()``, ``_observe_peers()``, ``_record_runs()``, ``_wind_down()``,
+  ``_final_evaluation()``.
+
+The whole-model replica (``Daemon``, ``node.replica.node``), the zeroth-order replica (``ZONode``,
+``node.zo.node``) and the pipeline node (``PipelineNode``, ``node.pipeline.node``) build on it; none
+imports another (the CLI picks one in ``node.cli.app``).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import math
-import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
+from node import __version__
+from node.checkpoints.checkpoint import CHECKPOINT_NAME, save_atomic
 from node.config import NodeConfig, read_swarm_key
-from node.errors import UserError
+from node.errors import JoinRefused, UserError
 from node.runtime.metrics import NodeMetrics
-from node.runtime.network import NetworkThread
+from node.runtime.network import Interrupted, NetworkThread
+from node.runtime.reachability import dialable_addresses
+from node.runtime.resume import ResumeRefused, check_resumable
+from node.runtime.settings import run_settings
+from node.runtime.status_service import StatusService
+from node.runtime.summary import Summary, count_steps, count_traffic, write_info
+from protocol.records import PeerRecord
 
 logger = logging.getLogger("locomesh.node")
 HEARTBEAT_S = 2.0
 RECORD_TTL_S = 8.0
 
 
-@dataclass
-class Summary:
-    """What the node reports when it exits (``--info-file``, read by ``node swarm``)."""
-
-    peer_id: str = ""
-    multiaddrs: list[str] = field(default_factory=list)
-    protocols: list[str] = field(default_factory=list)
-    metrics_port: int = 0
-    role: str = "trainer"  # trainer | stage | spare (pipelines); what the node did last
-    stage: int | None = None  # the pipeline stage it served last, None for trainers and replicas
-    seed: int = 0
-    steps: int = 0
-    microbatches_served: int = 0  # pipeline stage servers: microbatches this node computed (one per backward or loss)
-    refused_busy: int = 0  # pipeline stage servers: requests answered busy because the queue was full
-    routed: dict[str, int] = field(default_factory=dict)  # pipeline trainers: microbatches sent to each stage peer
-    route_throughput: dict[str, float] = field(default_factory=dict)  # pipeline trainers: the router's speed estimate per peer
-    outer_rounds: int = 0
-    train_loss_first: float = math.nan
-    train_loss_last: float = math.nan
-    val_loss: float = math.nan
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_sent_by_kind: dict[str, int] = field(default_factory=dict)
-    bytes_relayed: dict[str, int] = field(default_factory=dict)  # {"sent", "received"}: bytes over circuit relays
-    reachability: str = "unknown"  # public | private | unknown (node.runtime.reachability)
-    reachability_detail: str = ""  # how it was found, in words
-    bytes_received_by_kind: dict[str, int] = field(default_factory=dict)
-    checkpoint: str = ""
-    resumed_from: dict[str, Any] | None = None  # {"checkpoint", "round"} when the node resumed its checkpoint
-    joined_round: int | None = None
-    comm_wait_s: float = 0.0
-    wall_s: float = 0.0  # from start-up (model, corpus, networking, join) to the end of training
-    train_s: float = 0.0  # the training loop alone
-    tokens_per_s: float = 0.0  # tokens per second of the inner steps, outer rounds left out
-    val_bits_per_byte: float | None = None  # the held-out loss in bits per UTF-8 byte, whatever the tokenizer
-    mfu: float | None = None  # model FLOPs utilisation at that rate (node.runtime.mfu); None on CPU or an unknown GPU
-    peak_mem_mb: float | None = None  # peak CUDA memory allocated, or peak RSS on the CPU
-    rounds: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    state: str = "starting"
-
-
-def count_traffic(metrics: NodeMetrics, summary: Summary, protocol: str, direction: str, nbytes: int,
-                  path: str = "direct") -> None:
-    """Account one stream's bytes by protocol kind (``/locomesh/<kind>/1.0``) in metrics and summary;
-    bytes of a stream over a circuit relay (``path="relay"``) are also counted as relayed."""
-    kind = protocol.split("/")[2] if protocol.count("/") >= 3 else protocol
-    if path == "relay":
-        metrics.relayed_bytes.labels(direction).inc(nbytes)
-        summary.bytes_relayed[direction] = summary.bytes_relayed.get(direction, 0) + nbytes
-    if direction == "sent":
-        metrics.bytes_sent.labels(kind).inc(nbytes)
-        summary.bytes_sent += nbytes
-        by_kind = summary.bytes_sent_by_kind
-    else:
-        metrics.bytes_received.labels(kind).inc(nbytes)
-        summary.bytes_received += nbytes
-        by_kind = summary.bytes_received_by_kind
-    by_kind[kind] = by_kind.get(kind, 0) + nbytes
-
-
-def write_info(info_file: Path | None, summary: Summary) -> None:
-    """Write the node's summary (``--info-file``) atomically."""
-    if info_file is None:
-        return
-    path = Path(info_file)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(summary.__dict__, default=str, allow_nan=True))
-    os.replace(tmp, path)
-
-
-def install_stop_handlers(stop: threading.Event) -> None:
-    """SIGTERM/SIGINT set ``stop``: the node finishes its step, evaluates, checkpoints and leaves."""
-
-    def _handler(signum: int, _frame: Any) -> None:
-        if stop.is_set():
-            return
-        logger.info("received %s: stopping at the next step boundary", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _handler)
-    signal.signal(signal.SIGINT, _handler)
-
-
-def _address_rank(maddr: str) -> int | None:
-    """0 for a public address, 1 for a private (LAN) one, None for loopback, link-local or unknown."""
-    parts = maddr.split("/")
-    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
-        return 1 if len(parts) > 1 and parts[1].startswith("dns") else None
-    try:
-        ip = ipaddress.ip_address(parts[2])
-    except ValueError:
-        return None
-    if ip.is_loopback or ip.is_link_local or ip.is_unspecified:
-        return None
-    return 1 if ip.is_private else 0
-
-
-def dialable_addresses(maddrs: list[str]) -> list[str]:
-    """The addresses to give to people on other machines: public ones first, then relayed ones
-    (``/p2p-circuit``), then LAN ones; loopback only when nothing else is there."""
-    ranked = []
-    for i, maddr in enumerate(maddrs):
-        rank = 0.5 if "/p2p-circuit" in maddr else _address_rank(maddr)
-        if rank is not None:
-            ranked.append((rank, i, maddr))
-    return [m for _, _, m in sorted(ranked)] or list(maddrs[:1])
-
-
 class NodeBase:
-    """What every kind of node shares: config, stop event, metrics, summary, network thread, events."""
+    """One node of a run. ``run()`` blocks until the node stops and returns its exit code."""
+
+    CODEC_LABEL: str | None = None  # the compression label of ``locomesh_node_info`` (None: --compression)
+    INTERRUPTED: str | None = None  # logged when the stop event cuts the work short (None: nothing)
+    FINAL_LOG = "final: %d steps, %d outer rounds, train loss %.3f → %.3f, val loss %.3f"
+    LEAVE_TIMEOUT_S = 10.0  # how long the last heartbeat (role "leaving") may take
+    PEER_READ_EVERY = 1  # heartbeats between two reads of the run's records
+    round: int  # the outer round the node is in (the kinds keep it)
 
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
@@ -151,9 +69,222 @@ class NodeBase:
         self.bytes_lock = threading.Lock()
         self._traffic_marks: dict[str, tuple[int, int]] = {}
         self.started = time.monotonic()
+        self.train_started: float | None = None  # when the training loop began (the summary's train_s)
         self.last_loss = math.nan
+        self.role = "trainer"  # announced in the DHT; "leaving" once the node stops
+        self.heartbeats = 0
+        self.device: Any = None
         self.folder_lock: Any = None  # the checkpoint folder's lock (node.checkpoints.folder_lock), named with our peer id once known
 
+    # ---- the lifecycle -----------------------------------------------------------------------
+    def run(self) -> int:
+        """Prepare, start networking, join, work until stopped, leave. Exit codes: 0 stopped cleanly,
+        2 could not start (checkpoint of another run, networking), 3 refused by the run."""
+        try:
+            self._prepare()
+        except ResumeRefused as e:
+            logger.error("%s", e)
+            return 2
+        self.started = time.monotonic()
+        if not self._start_network():
+            return 2
+        try:
+            return self._run_joined()
+        finally:
+            self.net.shutdown()
+            self.summary.state = "stopped"
+            self._write_info()
+            logger.info("stopped cleanly")
+
+    def _run_joined(self) -> int:
+        cfg, net = self.cfg, self.net
+        assert net.transport is not None and net.dht is not None and net.p2p is not None
+        peer_id = self.summary.peer_id = net.transport.peer_id
+        self.summary.multiaddrs = self._own_multiaddrs()
+        self.metrics.info.labels(peer_id, cfg.run_id, self.device.type, cfg.model, self.algorithm, self.CODEC_LABEL or cfg.codec,
+                                 __version__).set(1)
+        for service in self._services(StatusService(net.transport, self.status_snapshot)):
+            net.call(service.start())
+        self.summary.protocols = list(net.transport.protocols)
+        if cfg.metrics_port:
+            self.metrics.serve(cfg.metrics_port)
+        waiting = cfg.min_peers > 1  # --min-peers (zo only): hold the first step until the run is that big
+        try:
+            self._join()
+            net.every(HEARTBEAT_S, self._heartbeat, "heartbeat")
+            self.summary.state = "waiting" if waiting else "training"
+            self._write_info()
+            self._print_join_hint()
+            if waiting:
+                self._wait_for_peers()
+        except JoinRefused as e:
+            logger.error("%s", e)
+            self.event("join_refused", reason=str(e))
+            return 3
+        except Interrupted:
+            self._finish()
+            return 0
+        if waiting:
+            self.summary.state = "training"
+            self._write_info()
+        try:
+            self._work()
+        except Interrupted:
+            if self.INTERRUPTED:
+                logger.info(self.INTERRUPTED)
+        self._finish()
+        return 0
+
+    def _finish(self) -> None:
+        """Leave: announce it (role "leaving"), evaluate, checkpoint, log the final line."""
+        self.summary.state = "stopping"
+        self.summary.wall_s = time.monotonic() - self.started
+        if self.train_started is not None:
+            self.summary.train_s = time.monotonic() - self.train_started
+        self._wind_down()
+        self.role = "leaving"
+        try:
+            self.net.call(self._heartbeat(), timeout=self.LEAVE_TIMEOUT_S)
+        except Exception as e:
+            logger.info("could not announce leaving: %s", e)
+        self._final_evaluation()
+        s = self.summary
+        logger.info(self.FINAL_LOG, s.steps, s.outer_rounds, s.train_loss_first, s.train_loss_last, s.val_loss)
+
+    # ---- what a kind of node fills in ----------------------------------------------------------
+    @property
+    def algorithm(self) -> str:
+        """The algorithm this node announces (DHT record, status, ``locomesh_node_info``)."""
+        return self.cfg.algorithm
+
+    def _prepare(self) -> None:
+        """Model, data and this node's own checkpoint, before any networking (may raise ResumeRefused)."""
+        raise NotImplementedError
+
+    def _services(self, status: StatusService) -> list[Any]:
+        """Build what this node serves on the network; the services to start, in order (``status`` among them)."""
+        raise NotImplementedError
+
+    def _join(self) -> None:
+        """Join the run (or start it): take the swarm's state, or a role in it."""
+        raise NotImplementedError
+
+    def _work(self) -> None:
+        """Train or serve until the stop event, --max-steps or --duration."""
+        raise NotImplementedError
+
+    def _record_fields(self) -> dict[str, Any]:
+        """This kind's fields of the node's DHT record (progress, speed, ...)."""
+        raise NotImplementedError
+
+    def _status_fields(self) -> dict[str, Any]:
+        """This kind's fields of the status answer."""
+        raise NotImplementedError
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """This kind's entries of the checkpoint (weights, optimizer state, step count)."""
+        raise NotImplementedError
+
+    def _join_hint(self) -> tuple[str, str]:
+        """What the join hint says this node is up as, and the flags a joiner needs besides the run id."""
+        return "", ""
+
+    def _wait_for_peers(self) -> None:
+        """Hold the first step until --min-peers peers are in the run."""
+
+    def _observe_peers(self, peers: dict[str, PeerRecord]) -> None:
+        """Take the run's records, read every PEER_READ_EVERY heartbeats."""
+
+    def _record_runs(self) -> list[str]:
+        """The runs (and sub-runs) under which the heartbeat publishes this node's record."""
+        return [self.cfg.run_id]
+
+    def _wind_down(self) -> None:
+        """What a node does on stopping, before it announces that it leaves."""
+
+    def _final_evaluation(self) -> None:
+        """The held-out loss of the final weights, and the last checkpoint."""
+        self._record_val_loss(self.trainer.evaluate(self.val))
+        if self.cfg.checkpoint_dir is not None:
+            self._save_checkpoint()
+
+    def _current_loss(self) -> float:
+        return self.last_loss
+
+    # ---- announcements -------------------------------------------------------------------------
+    async def _heartbeat(self) -> None:
+        """Publish this node's DHT record; every PEER_READ_EVERY heartbeats, read the run's records too."""
+        await self._refresh_addresses()
+        net, cfg, s = self.net, self.cfg, self.summary
+        record = PeerRecord(**{
+            "peer_id": s.peer_id, "role": self.role, "device": self.device.type, "model": cfg.model, "algorithm": self.algorithm,
+            "compression": cfg.codec, "round": self.round, "loss": self._current_loss(), "maddrs": s.multiaddrs,
+            "protocols": s.protocols, "version": __version__, "reachability": s.reachability,
+            "started_at": time.time() - (time.monotonic() - self.started), **self._record_fields()})
+        await reconnect_routing_table(net.dht, [info.peer_id for info in await net.p2p.list_peers()])
+        for run_id in self._record_runs():
+            await publish_peer(net.dht, net.validator, run_id, record, RECORD_TTL_S)
+        # reading the members' records costs a request per routing-table peer: kinds that need them
+        # seldom read them only every few heartbeats
+        self.heartbeats += 1
+        if (self.heartbeats - 1) % self.PEER_READ_EVERY == 0:
+            peers = await list_peers(net.dht, cfg.run_id)
+            self.metrics.peers.set(len(peers))
+            self._observe_peers(peers)
+
+    def status_snapshot(self) -> dict[str, Any]:
+        """What this node answers on ``/locomesh/status/1.0`` (``node status``)."""
+        s = self.summary
+        return {
+            "peer_id": s.peer_id, "run_id": self.cfg.run_id, "round": self.round, "steps": s.steps, "loss": self._current_loss(),
+            "device": self.device.type, "model": self.cfg.model, "protocols": s.protocols, "version": __version__,
+            "reachability": s.reachability, "state": s.state, "time": time.time(), **self._status_fields(),
+        }
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+    def _count_steps(self, steps: int, tokens: int = 0, loss: float | None = None) -> None:
+        """Account training steps and the last one's loss (None: none computed here)."""
+        count_steps(self.summary, self.metrics, steps, tokens, loss)
+        if loss is not None:
+            self.last_loss = loss
+
+    def _round_done(self, record: dict[str, Any], in_sync: bool) -> None:
+        """After an outer round: checkpoint, evaluate every --eval-every rounds (a round in sync only),
+        keep the round's record (with the held-out loss when evaluated)."""
+        cfg = self.cfg
+        if cfg.checkpoint_dir is not None:
+            self._save_checkpoint()
+        if cfg.eval_every and in_sync and self.summary.outer_rounds % cfg.eval_every == 0:
+            self._record_val_loss(self.trainer.evaluate(self.val))
+            record["val_loss"] = self.summary.val_loss
+        self.summary.rounds.append(record)
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def _own_checkpoint(self) -> tuple[Path, dict[str, Any]] | None:
+        """This node's checkpoint in --checkpoint-dir, if any; raises ResumeRefused when it was written
+        with other settings (before any networking, so another run's checkpoint is refused at once)."""
+        cfg = self.cfg
+        return check_resumable(cfg.checkpoint_dir, run_settings(cfg), cfg.fresh) if cfg.checkpoint_dir else None
+
+    def _resumed(self, path: Path, state: dict[str, Any]) -> None:
+        """What resuming a checkpoint means for every kind: its round and data order, noted in the summary."""
+        if "data_order" in state:
+            self.batches.load_state_dict(state["data_order"])
+        self.round = int(state["round"])
+        self.summary.resumed_from = {"checkpoint": str(path), "round": self.round}
+        self.event("resumed", checkpoint=str(path), round=self.round)
+
+    def _save_checkpoint(self) -> None:
+        """Write the checkpoint atomically: settings, model config, round, the kind's state, data order."""
+        state = {"format": 1, "config": json.loads(self.cfg.model_dump_json()), "settings": run_settings(self.cfg),
+                 "model_config": self.trainer.model.cfg.to_dict(), "round": self.round, **self._checkpoint_state(),
+                 "data_order": self.batches.state_dict()}
+        if self.workload.tokenizer_json is not None:
+            state["tokenizer"] = self.workload.tokenizer_json  # node eval and node export need nothing else
+        self.summary.checkpoint = str(save_atomic(state, Path(self.cfg.checkpoint_dir) / CHECKPOINT_NAME))
+        self.metrics.checkpoints.inc()
+
+    # ---- shared plumbing -------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
         self.summary.events.append({"t": time.time(), "event": kind, **fields})
         logger.info("%s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
@@ -177,7 +308,15 @@ class NodeBase:
         write_info(self.cfg.info_file, self.summary)
 
     def install_signal_handlers(self) -> None:
-        install_stop_handlers(self.stop)
+        """SIGTERM/SIGINT set the stop event: the node finishes its step, evaluates, checkpoints and leaves."""
+
+        def handler(signum: int, _frame: Any) -> None:
+            if not self.stop.is_set():
+                logger.info("received %s: stopping at the next step boundary", signal.Signals(signum).name)
+                self.stop.set()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
 
     def _deadline_reached(self) -> bool:
         cfg = self.cfg
@@ -185,60 +324,34 @@ class NodeBase:
             return True
         return cfg.duration is not None and time.monotonic() - self.started >= cfg.duration
 
-    def _prepare_local(self) -> tuple[Any, Any, Any]:
-        """What a whole-model node needs before networking: threads, seeds, device, and its workload
-        (model config, data, held-out batches ``self.val``); returns (device, model config, workload)."""
+    def _prepare_local(self, describe: bool = True) -> None:
+        """What every node needs before networking: threads, seeds, ``self.device`` and its workload
+        (``self.workload``, ``self.model_cfg``, held-out batches ``self.val``); ``describe`` logs the model."""
         import random
 
         import torch
 
         from node.runtime.local_training import pick_device
         from node.runtime.workload import load_workload
+        from swarm.models.presets import num_params
 
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         random.seed(cfg.seed)
-        device = pick_device(cfg.device)
-        self.workload = load_workload(cfg)
+        self.device = pick_device(cfg.device)
+        self.workload = load_workload(cfg)  # the vocabulary of token shards sizes the embeddings and head
+        self.model_cfg = self.workload.model_cfg
         self.val = self.workload.val
-        logger.info("training %s (%s parameters) on %s", type(self.workload.model_cfg).__name__.replace("Config", ""),
-                    f"{_param_count(self.workload.model_cfg):,}", self.workload.source)
-        return device, self.workload.model_cfg, self.workload
+        if describe:
+            logger.info("training %s (%s parameters) on %s", type(self.model_cfg).__name__.replace("Config", ""),
+                        f"{num_params(self.model_cfg):,}", self.workload.source)
 
     def _record_val_loss(self, loss: float) -> None:
         """The held-out loss (nats per token, or per byte for byte-level data) and its bits per byte."""
         self.summary.val_loss = loss
         self.summary.val_bits_per_byte = self.workload.bits_per_byte(loss)
         self.metrics.val_loss.set(loss)
-
-    def _trainer_options(self) -> dict[str, Any]:
-        """The memory and speed options of :class:`node.runtime.local_training.LocalTrainer` (the config refuses the
-        ones that do not apply to the node's kind)."""
-        cfg = self.cfg
-        return {"micro_batch_size": cfg.micro_batch_size, "activation_checkpointing": cfg.activation_checkpointing,
-                "compile": cfg.compile}
-
-    def _start_throughput(self, device: Any, model_cfg: Any) -> None:
-        """What MFU needs: the model's FLOPs per token and the device's peak (``--peak-tflops`` or the table)."""
-        from node.runtime.mfu import flops_per_token, peak_flops
-
-        self.device = device
-        self.flops_per_token = flops_per_token(model_cfg)
-        self.peak_flops = peak_flops(device, self.cfg.peak_tflops)
-
-    def _record_throughput(self, recent_tokens_per_s: float | None = None, inner_tokens_per_s: float | None = None) -> None:
-        """Export the MFU of the recent rate (``locomesh_mfu``) and put the inner steps' rate, its MFU and
-        the peak memory in the summary."""
-        from node.runtime.mfu import mfu, peak_memory_mb
-
-        if recent_tokens_per_s is not None:
-            value = mfu(self.flops_per_token, recent_tokens_per_s, self.peak_flops)
-            self.metrics.mfu.set(math.nan if value is None else value)
-        if inner_tokens_per_s is not None:
-            self.summary.tokens_per_s = inner_tokens_per_s
-            self.summary.mfu = mfu(self.flops_per_token, inner_tokens_per_s, self.peak_flops)
-        self.summary.peak_mem_mb = round(peak_memory_mb(self.device), 1)
 
     def _start_network(self) -> bool:
         """Start p2pd and the DHT; False (after logging why) when it cannot."""
@@ -280,14 +393,10 @@ class NodeBase:
         assert net.p2p is not None
         return [str(a) if "/p2p/" in str(a) else f"{a}/p2p/{peer_id}" for a in net.call(net.p2p.get_visible_maddrs(latest=True))]
 
-    def _print_join_hint(self, what: str, extra: str = "") -> None:
+    def _print_join_hint(self) -> None:
         """The line that tells a volunteer on another machine how to join this node's run."""
+        what, extra = self._join_hint()
         peers = " ".join(f"--initial-peers {a}" for a in dialable_addresses(self.summary.multiaddrs)[:2])
         print(f"locomesh node {self.summary.peer_id} is up{what}. Others can join with:\n"
               f"  node join --run-id {self.cfg.run_id}{extra} {peers}", flush=True)
 
-
-def _param_count(model_cfg: Any) -> int:
-    from swarm.models.presets import num_params
-
-    return num_params(model_cfg)

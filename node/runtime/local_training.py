@@ -71,6 +71,7 @@ class LocalTrainer:
 
     def __init__(
         self,
+        *,
         cfg: GPTConfig,
         device: torch.device,
         lr: float,

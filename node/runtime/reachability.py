@@ -18,6 +18,7 @@ reserve a slot on their initial peers as static relays, so others reach them at
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import random
 from dataclasses import dataclass, field
@@ -193,3 +194,28 @@ async def detect(transport: Transport, helpers: Sequence[str], ports: Sequence[i
 def relay_addresses(maddrs: Sequence[str]) -> list[str]:
     """This node's circuit addresses among its visible multiaddrs (one per relay holding a reservation)."""
     return [str(a) for a in maddrs if "/p2p-circuit" in str(a)]
+
+
+def _address_rank(maddr: str) -> int | None:
+    """0 for a public address, 1 for a private (LAN) one, None for loopback, link-local or unknown."""
+    parts = maddr.split("/")
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        return 1 if len(parts) > 1 and parts[1].startswith("dns") else None
+    try:
+        ip = ipaddress.ip_address(parts[2])
+    except ValueError:
+        return None
+    if ip.is_loopback or ip.is_link_local or ip.is_unspecified:
+        return None
+    return 1 if ip.is_private else 0
+
+
+def dialable_addresses(maddrs: list[str]) -> list[str]:
+    """The addresses to give to people on other machines: public ones first, then relayed ones
+    (``/p2p-circuit``), then LAN ones; loopback only when nothing else is there."""
+    ranked = []
+    for i, maddr in enumerate(maddrs):
+        rank = 0.5 if "/p2p-circuit" in maddr else _address_rank(maddr)
+        if rank is not None:
+            ranked.append((rank, i, maddr))
+    return [m for _, _, m in sorted(ranked)] or list(maddrs[:1])

@@ -113,10 +113,10 @@ class Workload:
         if self._dataset is not None:
             from node.data.token_batches import TokenBatches
 
-            return TokenBatches(self._dataset, batch_size, self.model_cfg.context, seed=seed)
+            return TokenBatches(dataset=self._dataset, batch_size=batch_size, context=self.model_cfg.context, seed=seed)
         from node.data.bytes import ByteBatches
 
-        return ByteBatches(self._corpus.train, batch_size, self.model_cfg.context, seed=seed)
+        return ByteBatches(data=self._corpus.train, batch_size=batch_size, context=self.model_cfg.context, seed=seed)
 
     def bits_per_byte(self, loss: float) -> float | None:
         """Bits per UTF-8 byte of the held-out batches at mean loss ``loss`` (nats per token or byte)."""

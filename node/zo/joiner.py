@@ -70,7 +70,7 @@ class ZOJoiner:
     :param round_steps: H, the steps of a round
     """
 
-    def __init__(self, net: NetworkThread, exchange: CodeExchange, rep: Replica, meta: dict[str, Any], peer_id: str,
+    def __init__(self, *, net: NetworkThread, exchange: CodeExchange, rep: Replica, meta: dict[str, Any], peer_id: str,
                  publish_snapshot: Callable[[], None], round_steps: Callable[[], int], metrics: NodeMetrics,
                  event: Callable[..., None], stop: threading.Event, join_timeout: float, wait_timeout: float) -> None:
         self.net, self.exchange, self.rep, self.meta, self.peer_id = net, exchange, rep, meta, peer_id

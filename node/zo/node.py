@@ -20,13 +20,14 @@ Lifecycle of ``node join --algorithm zo`` (the math is in ``gossip.zo``, the wir
    their current round (sitting out its rest).
 5. SIGTERM/SIGINT, ``--max-steps`` or ``--duration``: stop at a step boundary (after ``--max-steps``
    the last round's codes are served until the group fetched them, ≤ 5 s), evaluate, checkpoint, leave.
+
+The lifecycle (start-up, heartbeat, status, checkpoint, leaving) is ``node.runtime.base``'s; this
+module fills in what a zeroth-order replica does.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -35,23 +36,19 @@ import torch
 
 from gossip.deadline import AdaptiveDeadline
 from gossip.fingerprint import fingerprint
-from gossip.rendezvous import gather_group, list_peers, publish_peer, reconnect_routing_table, round_members
+from gossip.rendezvous import gather_group, round_members
 from gossip.state_transfer import StateServer, StateSnapshot
 from gossip.zo import apply_codes, encode_grad, expand, majority, pack_codes, spsa_estimate, step_seed
 from gossip.zo_exchange import CodeExchange, CodeSet, LogEntry, Position, members_digest
-from node import __version__
-from node.runtime.base import HEARTBEAT_S, RECORD_TTL_S, NodeBase
-from node.checkpoints.checkpoint import CHECKPOINT_NAME, save_atomic
 from node.config import NodeConfig
-from node.errors import UserError
-from node.errors import JoinRefused
+from node.errors import JoinRefused, UserError
+from node.runtime.base import NodeBase
+from node.runtime.local_training import LocalTrainer
 from node.runtime.network import Interrupted
-from node.runtime.resume import ResumeRefused, check_resumable
 from node.runtime.settings import run_settings
 from node.runtime.status_service import StatusService
-from node.runtime.local_training import LocalTrainer
 from node.zo.joiner import ZO_KEYS, Replica, ZOJoiner
-from protocol.records import PeerRecord, RoundEntry
+from protocol.records import RoundEntry
 
 logger = logging.getLogger("locomesh.node")
 SNAPSHOT_EVERY = 4  # rounds between published weight snapshots (joiners replay the log since)
@@ -62,26 +59,32 @@ LINGER_S = 5.0
 class ZONode(NodeBase):
     """One zeroth-order replica. ``run()`` blocks until the node stops and returns its exit code."""
 
+    CODEC_LABEL = "one-byte"
+    INTERRUPTED = "interrupted during a round"
+    FINAL_LOG = "final: %d steps, %d rounds, train loss %.3f → %.3f, val loss %.3f"
+    LEAVE_TIMEOUT_S = 5.0
+
     def __init__(self, cfg: NodeConfig) -> None:
         super().__init__(cfg)
         self.rep = Replica([])
-        self.role = "trainer"
         self.last_group: list[str] = []
         self.position = Position(0, 0, "")
         self.tokens_per_s = 0.0
 
-    def run(self) -> int:
+    @property
+    def algorithm(self) -> str:
+        return "zo"
+
+    # ---- lifecycle (node.runtime.base) ------------------------------------------------------------
+    def _prepare(self) -> None:
         cfg = self.cfg
-        device, model_cfg, work = self._prepare_local()
-        self.trainer = LocalTrainer(model_cfg, device, cfg.lr, seed=cfg.model_seed, compile=cfg.compile)
+        self._prepare_local()
+        work = self.workload
+        self.trainer = LocalTrainer(cfg=self.model_cfg, device=self.device, lr=cfg.lr, seed=cfg.model_seed, compile=cfg.compile)
         self.trainer.model.eval()  # never trained by backprop: no gradients, no optimizer state
         self.params = self.rep.params = self.trainer.parameters()
         self.batches = work.train_batches(cfg.batch_size, cfg.seed)
-        try:
-            checkpoint = check_resumable(cfg.checkpoint_dir, run_settings(cfg), cfg.fresh) if cfg.checkpoint_dir else None
-        except ResumeRefused as e:
-            logger.error("%s", e)
-            return 2
+        checkpoint = self._own_checkpoint()
         if checkpoint is not None:
             self._resume(*checkpoint)
         elif work.init_weights is not None:
@@ -89,60 +92,49 @@ class ZONode(NodeBase):
             self.event("init_from", checkpoint=work.init_source)
         self.fp = fingerprint(self.params)
         self._set_position()
-        self.started = time.monotonic()
-        if not self._start_network():
-            return 2
-        try:
-            return self._run_joined(device)
-        finally:
-            self.net.shutdown()
-            self.summary.state = "stopped"
-            self._write_info()
-            logger.info("stopped cleanly")
 
-    def _run_joined(self, device: torch.device) -> int:
+    def _services(self, status: StatusService) -> list[Any]:
         cfg, net = self.cfg, self.net
-        assert net.transport is not None and net.dht is not None
-        self.summary.peer_id = net.transport.peer_id
-        self.summary.multiaddrs = self._own_multiaddrs()
-        self.metrics.info.labels(self.summary.peer_id, cfg.run_id, device.type, cfg.model, "zo", "one-byte", __version__).set(1)
         self.exchange = CodeExchange(net.transport, cfg.run_id, lambda: self.position, self._meta(),
                                      serve_timeout=cfg.averaging_timeout, keep_log=LOG_ROUNDS)
         self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.step)
-        for service in (self.exchange, self.state_server, StatusService(net.transport, self.status_snapshot)):
-            net.call(service.start())
-        self.summary.protocols = list(net.transport.protocols)
         self.deadline = AdaptiveDeadline.for_timeout(cfg.averaging_timeout, back_off=True)
-        if cfg.metrics_port:
-            self.metrics.serve(cfg.metrics_port)
-        self.joiner = ZOJoiner(net, self.exchange, self.rep, self._meta(), self.summary.peer_id, self._publish_snapshot,
-                               self._round_steps, self.metrics, self.event, self.stop, cfg.join_timeout, 2 * cfg.averaging_timeout)
-        try:
-            joined = self.joiner.join() if cfg.initial_peers else None
-            if cfg.initial_peers:
-                self._joined(joined)
-            self._publish_snapshot()
-            net.every(HEARTBEAT_S, self._heartbeat, "heartbeat")
-            self.summary.state = "waiting" if cfg.min_peers > 1 else "training"
-            self._write_info()
-            self._print_join_hint("", " --algorithm zo")
-            if not self.joiner.wait_for_peers(cfg.min_peers):
-                self.event("min_peers_timeout", wanted=cfg.min_peers)
-        except JoinRefused as e:
-            logger.error("%s", e)
-            self.event("join_refused", reason=str(e))
-            return 3
-        except Interrupted:
-            self._finish()
-            return 0
-        self.summary.state = "training"
-        self._write_info()
-        try:
-            self._train()
-        except Interrupted:
-            logger.info("interrupted during a round")
-        self._finish()
-        return 0
+        self.joiner = ZOJoiner(net=net, exchange=self.exchange, rep=self.rep, meta=self._meta(), peer_id=self.summary.peer_id,
+                               publish_snapshot=self._publish_snapshot, round_steps=self._round_steps, metrics=self.metrics,
+                               event=self.event, stop=self.stop, join_timeout=cfg.join_timeout,
+                               wait_timeout=2 * cfg.averaging_timeout)
+        return [self.exchange, self.state_server, status]
+
+    def _join(self) -> None:
+        if self.cfg.initial_peers:
+            self._joined(self.joiner.join())
+        self._publish_snapshot()
+
+    def _join_hint(self) -> tuple[str, str]:
+        return "", " --algorithm zo"
+
+    def _wait_for_peers(self) -> None:
+        if not self.joiner.wait_for_peers(self.cfg.min_peers):
+            self.event("min_peers_timeout", wanted=self.cfg.min_peers)
+
+    def _work(self) -> None:
+        self._train()
+
+    def _record_fields(self) -> dict[str, Any]:
+        return {"inner_step": self.step, "tokens_per_s": self.tokens_per_s}
+
+    def _status_fields(self) -> dict[str, Any]:
+        return {"inner_step": self.step, "tokens_per_s": self.tokens_per_s, "algorithm": "zo", "compression": self.cfg.codec,
+                "fragments": 1, "round_steps": self._round_steps()}
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        weights = [p.detach().cpu().clone() for p in self.params]
+        return {"inner_steps_total": self.summary.steps, "phi": weights, "theta": weights,
+                "zo": {k: getattr(self.cfg, k) for k in ZO_KEYS}}
+
+    def _wind_down(self) -> None:
+        if not self.stop.is_set():
+            self._linger()
 
     # ---- settings shared by the swarm --------------------------------------------------------
     round = property(lambda self: self.rep.round, lambda self, v: setattr(self.rep, "round", v))
@@ -187,15 +179,8 @@ class ZONode(NodeBase):
             self.codes.append(encode_grad(g))
             self.step += 1
             self._set_position()
-            loss = (plus + minus) / 2
-            self.summary.steps += 1
-            if math.isnan(self.summary.train_loss_first):
-                self.summary.train_loss_first = loss
-            self.summary.train_loss_last = self.last_loss = loss
+            self._count_steps(1, tokens_per_step, (plus + minus) / 2)
             self.tokens_per_s = tokens_per_step / max(time.monotonic() - began, 1e-6)
-            self.metrics.train_loss.set(loss)
-            self.metrics.inner_steps.inc()
-            self.metrics.tokens.inc(tokens_per_step)
             self.metrics.tokens_per_second.set(self.tokens_per_s)
             if self.step >= self._round_steps():
                 self._finish_round()
@@ -259,12 +244,7 @@ class ZONode(NodeBase):
         m.round_duration.observe(record["duration_s"])
         if self.round - self.snapshot_round >= SNAPSHOT_EVERY:
             self._publish_snapshot()
-        if cfg.checkpoint_dir is not None:
-            self._save_checkpoint()
-        if cfg.eval_every and record["matched"] and self.summary.outer_rounds % cfg.eval_every == 0:
-            self._record_val_loss(self.trainer.evaluate(self.val))
-            record["val_loss"] = self.summary.val_loss
-        self.summary.rounds.append(record)
+        self._round_done(record, record["matched"])
         self._write_info()
         how = "came late: took the others' round" if record["late"] else "in sync" if record["matched"] else "resynced"
         logger.info("round %d: %d/%d members' codes applied (%s) in %.2fs, loss %.3f", r, record["contributors"], len(group),
@@ -294,55 +274,16 @@ class ZONode(NodeBase):
             round=self.round, tensors={"params": [p.detach().to("cpu", torch.float32).clone() for p in self.params]},
             fingerprint=self.fp, meta=self._meta()))
 
-    async def _heartbeat(self) -> None:
-        await self._refresh_addresses()
-        net = self.net
-        record = PeerRecord(
-            peer_id=self.summary.peer_id, role=self.role, device=self.trainer.device.type, model=self.cfg.model,
-            algorithm="zo", compression=self.cfg.codec, round=self.round, inner_step=self.step,
-            tokens_per_s=self.tokens_per_s, loss=self.last_loss, maddrs=self.summary.multiaddrs,
-            protocols=self.summary.protocols, version=__version__, reachability=self.summary.reachability, started_at=time.time() - (time.monotonic() - self.started),
-        )
-        await reconnect_routing_table(net.dht, [info.peer_id for info in await net.p2p.list_peers()])
-        await publish_peer(net.dht, net.validator, self.cfg.run_id, record, RECORD_TTL_S)
-        self.metrics.peers.set(len(await list_peers(net.dht, self.cfg.run_id)))
-
-    def status_snapshot(self) -> dict[str, Any]:
-        return {
-            "peer_id": self.summary.peer_id, "run_id": self.cfg.run_id, "round": self.round, "inner_step": self.step,
-            "steps": self.summary.steps, "loss": self.last_loss, "tokens_per_s": self.tokens_per_s,
-            "device": self.trainer.device.type, "model": self.cfg.model, "algorithm": "zo", "compression": self.cfg.codec,
-            "fragments": 1, "round_steps": self._round_steps(), "protocols": self.summary.protocols,
-            "version": __version__, "reachability": self.summary.reachability, "state": self.summary.state, "time": time.time(),
-        }
-
     # ---- checkpoints and stopping ------------------------------------------------------------
     def _resume(self, path: Path, state: dict[str, Any]) -> None:
         weights = state.get("theta", state.get("phi"))
         if [tuple(t.shape) for t in weights] != [tuple(p.shape) for p in self.params]:
             raise UserError(f"checkpoint {path} holds tensors of other shapes; use another --checkpoint-dir or --fresh")
         self.trainer.load_weights(weights)
-        self.round = int(state["round"])
-        if "data_order" in state:
-            self.batches.load_state_dict(state["data_order"])
         saved = state.get("zo", {})
         if any(k in saved and saved[k] != getattr(self.cfg, k) for k in ZO_KEYS):
             logger.warning("checkpoint %s was written with %s; continuing with this node's settings", path, saved)
-        self.summary.resumed_from = {"checkpoint": str(path), "round": self.round}
-        self.event("resumed", checkpoint=str(path), round=self.round)
-
-    def _save_checkpoint(self) -> None:
-        weights = [p.detach().cpu().clone() for p in self.params]
-        state = {
-            "format": 1, "config": json.loads(self.cfg.model_dump_json()), "settings": run_settings(self.cfg),
-            "model_config": self.trainer.model.cfg.to_dict(), "round": self.round, "inner_steps_total": self.summary.steps,
-            "phi": weights, "theta": weights, "zo": {k: getattr(self.cfg, k) for k in ZO_KEYS},
-            "data_order": self.batches.state_dict(),
-        }
-        if self.workload.tokenizer_json is not None:
-            state["tokenizer"] = self.workload.tokenizer_json
-        self.summary.checkpoint = str(save_atomic(state, Path(self.cfg.checkpoint_dir) / CHECKPOINT_NAME))
-        self.metrics.checkpoints.inc()
+        self._resumed(path, state)
 
     def _linger(self) -> None:
         """Serve the last round's codes until every member of its group fetched them (≤ LINGER_S)."""
@@ -350,20 +291,3 @@ class ZONode(NodeBase):
         while time.monotonic() < until and not set(self.last_group) <= self.exchange.served.get(last, set()):
             if self.stop.wait(0.1):
                 break
-
-    def _finish(self) -> None:
-        self.summary.state = "stopping"
-        self.summary.wall_s = time.monotonic() - self.started
-        self.summary.train_s = time.monotonic() - getattr(self, "train_started", time.monotonic())
-        if not self.stop.is_set():
-            self._linger()
-        self.role = "leaving"
-        try:
-            self.net.call(self._heartbeat(), timeout=5)
-        except Exception as e:
-            logger.info("could not announce leaving: %s", e)
-        self._record_val_loss(self.trainer.evaluate(self.val))
-        if self.cfg.checkpoint_dir is not None:
-            self._save_checkpoint()
-        logger.info("final: %d steps, %d rounds, train loss %.3f → %.3f, val loss %.3f", self.summary.steps,
-                    self.summary.outer_rounds, self.summary.train_loss_first, self.summary.train_loss_last, self.summary.val_loss)

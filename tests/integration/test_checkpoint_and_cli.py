@@ -151,7 +151,7 @@ def test_swarm_says_which_nodes_resume_and_refuses_other_settings(tmp_path, caps
 
 
 def test_join_hint_leads_with_addresses_others_can_dial():
-    from node.runtime.base import dialable_addresses
+    from node.runtime.reachability import dialable_addresses
 
     peer = "/p2p/12D3KooWFjXsHsvh1LqZB1dDQNnci4wQmNDza2R5FJN2QEivr5go"
     loopback, lan, public = f"/ip4/127.0.0.1/tcp/1{peer}", f"/ip4/192.168.1.20/tcp/1{peer}", f"/ip4/8.8.4.4/tcp/1{peer}"

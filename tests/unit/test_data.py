@@ -128,7 +128,7 @@ def _stream(n: int = 5000, seed: int = 0) -> torch.Tensor:
 
 def test_bytebatches_same_seed_same_batches_different_seed_differs() -> None:
     data = _stream()
-    a, b, c = (D.ByteBatches(data, 4, 16, seed=s) for s in (7, 7, 8))
+    a, b, c = (D.ByteBatches(data=data, batch_size=4, context=16, seed=s) for s in (7, 7, 8))
     for _ in range(5):
         (xa, ya), (xb, yb), (xc, _) = a.next(), b.next(), c.next()
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
@@ -145,7 +145,7 @@ def test_bytebatches_same_seed_same_batches_different_seed_differs() -> None:
 def test_bytebatches_shapes_shift_and_range(n: int, batch: int, context: int, seed: int) -> None:
     context = min(context, n - 1)
     data = _stream(n, seed=1)
-    batches = D.ByteBatches(data, batch, context, seed)
+    batches = D.ByteBatches(data=data, batch_size=batch, context=context, seed=seed)
     for x, y in (batches.next(), next(iter(batches))):
         assert x.shape == y.shape == (batch, context)
         assert x.dtype == y.dtype == torch.int64
@@ -159,19 +159,19 @@ def test_bytebatches_shapes_shift_and_range(n: int, batch: int, context: int, se
 
 def test_bytebatches_reaches_both_ends() -> None:
     data = torch.arange(40, dtype=torch.uint8)
-    batches = D.ByteBatches(data, 64, 8, seed=0)
+    batches = D.ByteBatches(data=data, batch_size=64, context=8, seed=0)
     firsts = torch.cat([batches.next()[0][:, 0] for _ in range(10)])
     assert int(firsts.min()) == 0 and int(firsts.max()) == 40 - 8 - 1
 
 
 def test_bytebatches_state_dict_resumes_order() -> None:
     data = _stream()
-    a = D.ByteBatches(data, 3, 12, seed=3)
+    a = D.ByteBatches(data=data, batch_size=3, context=12, seed=3)
     for _ in range(4):
         a.next()
     state = a.state_dict()
     expected = [a.next() for _ in range(3)]
-    b = D.ByteBatches(data, 3, 12, seed=999)
+    b = D.ByteBatches(data=data, batch_size=3, context=12, seed=999)
     b.load_state_dict(state)
     assert b.seed == 3 and b.batches_drawn == 4
     for (xe, ye), (xb, yb) in zip(expected, (b.next() for _ in range(3))):
@@ -182,11 +182,11 @@ def test_bytebatches_state_dict_resumes_order() -> None:
 
 def test_bytebatches_errors() -> None:
     with pytest.raises(ValueError, match="context"):
-        D.ByteBatches(torch.zeros(8, dtype=torch.uint8), 2, 8, seed=0)
+        D.ByteBatches(data=torch.zeros(8, dtype=torch.uint8), batch_size=2, context=8, seed=0)
     with pytest.raises(ValueError):
-        D.ByteBatches(torch.zeros(100, dtype=torch.uint8), 0, 8, seed=0)
+        D.ByteBatches(data=torch.zeros(100, dtype=torch.uint8), batch_size=0, context=8, seed=0)
     with pytest.raises(ValueError):
-        D.ByteBatches(torch.zeros(2, 50, dtype=torch.uint8), 2, 8, seed=0)
+        D.ByteBatches(data=torch.zeros(2, 50, dtype=torch.uint8), batch_size=2, context=8, seed=0)
 
 
 # ----------------------------------------------------------------- validation_batches

@@ -39,8 +39,8 @@ def _loss_and_grads(trainer: LocalTrainer, x: torch.Tensor, y: torch.Tensor) -> 
 @pytest.mark.parametrize("micro", [1, 3, 4, 7])
 def test_micro_batched_gradient_equals_the_full_batch_gradient(micro):
     x, y = _batch("nano", 7)  # 7 rows: 3 gives a ragged last micro-batch of 1
-    full_loss, full = _loss_and_grads(LocalTrainer(preset("nano"), CPU, 1e-3, seed=0), x, y)
-    loss, grads = _loss_and_grads(LocalTrainer(preset("nano"), CPU, 1e-3, seed=0, micro_batch_size=micro), x, y)
+    full_loss, full = _loss_and_grads(LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0), x, y)
+    loss, grads = _loss_and_grads(LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0, micro_batch_size=micro), x, y)
     assert torch.allclose(loss, full_loss, rtol=1e-6, atol=1e-6)
     for a, b in zip(grads, full):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -48,7 +48,8 @@ def test_micro_batched_gradient_equals_the_full_batch_gradient(micro):
 
 def test_micro_batched_steps_follow_the_full_batch_steps():
     x, y = _batch("nano", 8)
-    full, micro = LocalTrainer(preset("nano"), CPU, 1e-3, seed=0), LocalTrainer(preset("nano"), CPU, 1e-3, seed=0, micro_batch_size=3)
+    full = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0)
+    micro = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0, micro_batch_size=3)
     for _ in range(3):
         assert full.step(x, y) == pytest.approx(micro.step(x, y), rel=1e-5)
     for a, b in zip(full.parameters(), micro.parameters()):
@@ -58,8 +59,8 @@ def test_micro_batched_steps_follow_the_full_batch_steps():
 def test_whole_batch_step_is_bit_identical_to_the_plain_training_step():
     """Without the new options a step is exactly what it was: forward, backward, clip, AdamW."""
     x, y = _batch("nano", 4)
-    trainer = LocalTrainer(preset("nano"), CPU, 1e-3, seed=0, micro_batch_size=4)
-    ref = LocalTrainer(preset("nano"), CPU, 1e-3, seed=0)
+    trainer = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0, micro_batch_size=4)
+    ref = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0)
     for _ in range(2):
         loss = trainer.step(x, y)
         for group in ref.optimizer.param_groups:
@@ -75,7 +76,7 @@ def test_whole_batch_step_is_bit_identical_to_the_plain_training_step():
 
 
 def test_a_non_finite_loss_raises_and_leaves_the_weights_alone():
-    trainer = LocalTrainer(preset("nano"), CPU, 1e-3, seed=0, micro_batch_size=2)
+    trainer = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0, micro_batch_size=2)
     with torch.no_grad():
         trainer.model.blocks[0].ln1.weight.fill_(float("nan"))
     before = [p.clone() for p in trainer.parameters()]
@@ -102,8 +103,8 @@ def _saved_bytes(trainer: LocalTrainer, x: torch.Tensor, y: torch.Tensor) -> int
 @pytest.mark.parametrize("name", FAMILIES)
 def test_activation_checkpointing_gives_identical_loss_and_gradients_and_keeps_less(name):
     x, y = _batch(name, 2)
-    plain = LocalTrainer(preset(name), CPU, 1e-3, seed=0)
-    ckpt = LocalTrainer(preset(name), CPU, 1e-3, seed=0, activation_checkpointing=True)
+    plain = LocalTrainer(cfg=preset(name), device=CPU, lr=1e-3, seed=0)
+    ckpt = LocalTrainer(cfg=preset(name), device=CPU, lr=1e-3, seed=0, activation_checkpointing=True)
     assert [n for n, _ in ckpt.model.named_parameters()] == [n for n, _ in plain.model.named_parameters()]
     loss, grads = _loss_and_grads(ckpt, x, y)
     ref_loss, ref = _loss_and_grads(plain, x, y)
@@ -118,8 +119,8 @@ def test_checkpointing_needs_the_blocks_in_model_blocks():
 
 
 def test_evaluation_under_checkpointing_needs_no_recomputation():
-    trainer = LocalTrainer(preset("nano"), CPU, 1e-3, seed=0, activation_checkpointing=True)
-    plain = LocalTrainer(preset("nano"), CPU, 1e-3, seed=0)
+    trainer = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0, activation_checkpointing=True)
+    plain = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0)
     batches = [_batch("nano", 2, seed) for seed in (1, 2)]
     assert trainer.evaluate(batches) == plain.evaluate(batches)
 
@@ -129,9 +130,9 @@ def test_compiled_training_steps_like_eager():
     """The compile path with the ``eager`` backend (Dynamo's tracing without code generation: seconds)."""
     torch._dynamo.reset()
     x, y = _batch("nano", 6)
-    compiled = LocalTrainer(preset("nano"), CPU, 1e-3, seed=0, compile=True, compile_backend="eager",
+    compiled = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0, compile=True, compile_backend="eager",
                             micro_batch_size=4, activation_checkpointing=True)
-    eager = LocalTrainer(preset("nano"), CPU, 1e-3, seed=0, micro_batch_size=4)
+    eager = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0, micro_batch_size=4)
     assert compiled.train_model is not compiled.model
     for _ in range(2):
         assert compiled.step(x, y) == pytest.approx(eager.step(x, y), rel=1e-5)
@@ -147,8 +148,8 @@ def test_a_failing_compilation_falls_back_to_eager_with_one_warning(caplog):
         raise RuntimeError("no C++ compiler here\nmore lines of a long traceback")
 
     x, y = _batch("nano", 4)
-    trainer = LocalTrainer(preset("nano"), CPU, 1e-3, seed=0, compile=True, compile_backend=broken_backend)
-    eager = LocalTrainer(preset("nano"), CPU, 1e-3, seed=0)
+    trainer = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0, compile=True, compile_backend=broken_backend)
+    eager = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0)
     with caplog.at_level(logging.WARNING, logger="locomesh.node"):
         losses = [trainer.step(x, y) for _ in range(2)]
     assert losses == [eager.step(x, y) for _ in range(2)]
@@ -164,14 +165,14 @@ def test_compiled_training_with_inductor():
     so it runs with the slow tests only."""
     torch._dynamo.reset()
     x, y = _batch("nano", 4)
-    trainer = LocalTrainer(preset("nano"), CPU, 1e-3, seed=0, compile=True)
-    eager = LocalTrainer(preset("nano"), CPU, 1e-3, seed=0)
+    trainer = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0, compile=True)
+    eager = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0)
     assert trainer.step(x, y) == pytest.approx(eager.step(x, y), rel=1e-4)
     assert trainer.train_model is not trainer.model
 
 
 def test_forward_loss_is_the_models_loss():
-    trainer = LocalTrainer(preset("nano"), CPU, 1e-3, seed=0)
+    trainer = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0)
     x, y = _batch("nano", 2)
     with torch.no_grad():
         assert torch.equal(trainer.forward_loss(x, y), trainer.model(x, y)[1])
@@ -266,7 +267,7 @@ def test_outer_rounds_on_cuda_match_the_cpu(where):
 
 @cuda_only
 def test_cuda_training_keeps_bf16_autocast_and_fused_adamw():
-    trainer = LocalTrainer(preset("nano"), torch.device("cuda"), 1e-3, seed=0, micro_batch_size=2, activation_checkpointing=True)
+    trainer = LocalTrainer(cfg=preset("nano"), device=torch.device("cuda"), lr=1e-3, seed=0, micro_batch_size=2, activation_checkpointing=True)
     assert trainer.optimizer.defaults["fused"]
     assert math.isfinite(trainer.step(*_batch("nano", 4)))
     assert peak_memory_mb(torch.device("cuda")) > 0
@@ -293,7 +294,7 @@ def test_mfu_is_none_on_the_cpu_unless_a_peak_is_given():
 
 def test_flops_per_token_is_the_palm_formula():
     cfg = preset("nano")
-    model = LocalTrainer(cfg, CPU, 1e-3).model
+    model = LocalTrainer(cfg=cfg, device=CPU, lr=1e-3).model
     dense = sum(p.numel() for p in model.parameters()) - cfg.context * cfg.d_model  # learned positions are lookups
     assert flops_per_token(cfg) == 6 * dense + 12 * cfg.n_layer * cfg.d_model * cfg.context
 
@@ -327,7 +328,7 @@ def test_flags_reach_the_config_and_misfits_are_refused():
 
 
 def test_summary_and_metrics_carry_throughput_mfu_and_memory():
-    from node.runtime.base import Summary
+    from node.runtime.summary import Summary
     from node.runtime.metrics import NodeMetrics
 
     summary = Summary()

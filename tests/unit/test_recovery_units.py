@@ -26,8 +26,8 @@ class Harness:
         self.fetches = 0
         self.fresh = 0
         self.claims: list[int] = []
-        self.recoverer = StageRecoverer(stages, CFG, 0, True, 10.0, self.fetch, self.new_stage, self.become, self.claim,
-                                        lambda: dict(self.records), NodeMetrics(), self.event, sleep=lambda s: None)
+        self.recoverer = StageRecoverer(stages=stages, model_cfg=CFG, seed=0, plus=True, grace=10.0, fetch_stage=self.fetch,
+                                        new_stage=self.new_stage, become=self.become, claim=self.claim, refresh=lambda: dict(self.records), metrics=NodeMetrics(), event=self.event, sleep=lambda s: None)
 
     def fetch(self, index: int):
         self.fetches += 1

@@ -275,7 +275,7 @@ def counting(tok_path: Path, tmp_path_factory: pytest.TempPathFactory):
 @given(seed=st.integers(0, 2**31), batch=st.integers(1, 9), context=st.integers(1, 128), draws=st.integers(1, 4))
 def test_token_windows_are_contiguous_and_y_is_x_shifted(counting, seed: int, batch: int, context: int,
                                                           draws: int) -> None:
-    b = TokenBatches(counting, batch, context, seed)
+    b = TokenBatches(dataset=counting, batch_size=batch, context=context, seed=seed)
     for _ in range(draws):
         x, y = b.next()
         assert x.shape == y.shape == (batch, context) and x.dtype == y.dtype == torch.int64
@@ -305,22 +305,22 @@ def test_epoch_windows_stay_inside_their_shard(lengths: list[int], context: int,
 
 
 def test_token_batches_are_seeded_and_resume_exactly(counting) -> None:
-    a, b, c = (TokenBatches(counting, 4, 16, seed) for seed in (1, 1, 2))
+    a, b, c = (TokenBatches(dataset=counting, batch_size=4, context=16, seed=seed) for seed in (1, 1, 2))
     first = [a.next() for _ in range(5)]
     assert all(torch.equal(p[0], q[0]) for p, q in zip(first, (b.next() for _ in range(5))))
     assert not all(torch.equal(p[0], q[0]) for p, q in zip(first, (c.next() for _ in range(5))))
     state = json.loads(json.dumps(a.state_dict()))  # plain JSON-able ints and strings
     ahead = [a.next() for _ in range(300)]  # crosses several epochs
     assert a.epoch >= 2
-    resumed = TokenBatches(counting, 4, 16, seed=123)
+    resumed = TokenBatches(dataset=counting, batch_size=4, context=16, seed=123)
     resumed.load_state_dict(state)
     assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(ahead, (resumed.next() for _ in range(300))))
     with pytest.raises(ValueError, match="context"):
-        TokenBatches(counting, 4, 8, 1).load_state_dict(state)
+        TokenBatches(dataset=counting, batch_size=4, context=8, seed=1).load_state_dict(state)
 
 
 def test_an_epoch_visits_every_window_once(counting) -> None:
-    b = TokenBatches(counting, 1, 32, seed=5)
+    b = TokenBatches(dataset=counting, batch_size=1, context=32, seed=5)
     n = b.layout(0).windows
     which, starts = b._next_windows(n)
     assert len(set(zip(which.tolist(), starts.tolist()))) == n and (b.epoch, b.position) == (1, 0)
@@ -356,7 +356,7 @@ def test_memmap_rss_does_not_grow_with_the_shards(tok_path: Path, tmp_path: Path
     (root / MANIFEST).write_text(json.dumps(m.to_json()))
     proc = psutil.Process()
     ds = open_shards(root)
-    batches = TokenBatches(ds, 8, 128, seed=0)
+    batches = TokenBatches(dataset=ds, batch_size=8, context=128, seed=0)
     batches.next()
     before = proc.memory_info()
     for _ in range(200):
@@ -422,7 +422,7 @@ def test_token_id_beyond_vocabulary_is_named(tok_path: Path, tmp_path: Path) -> 
     with pytest.raises(UserError) as e:
         open_shards(lying, verify=True)
     one_line_error(e, str(lying / "train-00000.bin"), "999")
-    batches = TokenBatches(open_shards(lying), 64, 30, seed=0)  # lazily: the window holding it
+    batches = TokenBatches(dataset=open_shards(lying), batch_size=64, context=30, seed=0)  # lazily: the window holding it
     with pytest.raises(UserError) as e:
         for _ in range(100):
             batches.next()

@@ -1,0 +1,241 @@
+"""Serving one stage of a pipeline: the stage's weights and optimizer (``swarm.stage_worker``), the
+forward/backward service on ``/locomesh/stage/1.0`` (a bounded queue, ``swarm.service``), the stage's
+state for replicas that join or move in, and the DiLoCo rounds with the other replicas of the stage
+(over the stage's sub-run ``<run>.s<i>``, on a shared wall-clock schedule, while it keeps serving).
+
+:class:`StageServer` serves whichever stage the pipeline node gives it (:meth:`StageServer.become`);
+which stage, when to move and when to rebuild a lost one is the node's choice (``node.pipeline.node``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import time
+from typing import Any, Callable
+
+import torch
+
+from gossip.diloco import DiLoCoAverager, RoundResult
+from gossip.exchange import RoundExchange
+from gossip.fingerprint import fingerprint
+from gossip.outer import NesterovOuter
+from gossip.partition import part_shapes
+from gossip.rendezvous import list_peers
+from gossip.state_transfer import StateServer, StateSnapshot, download_state
+from node.config import NodeConfig
+from node.runtime.metrics import NodeMetrics
+from node.runtime.network import NetworkThread
+from node.runtime.summary import Summary, count_steps, write_info
+from protocol.records import PeerRecord
+from swarm.models.presets import ModelConfig
+from swarm.service import StageService
+from swarm.stage_worker import StageWorker
+from swarm.stages import Stage, model_seed
+
+logger = logging.getLogger("locomesh.pipeline")
+
+
+def stage_run(run_id: str, stage: int) -> str:
+    """The sub-run in which the replicas of one stage average and share state."""
+    return f"{run_id}.s{stage}"
+
+
+class StageServer:
+    """Serves one stage at a time (none before :meth:`become`), and keeps the node's books on it.
+
+    :param summary: the node's summary; the server counts its steps, loss, served microbatches and rounds there
+    :param event: records one of the node's events
+    """
+
+    def __init__(self, *, cfg: NodeConfig, net: NetworkThread, device: torch.device, model_cfg: ModelConfig,
+                 metrics: NodeMetrics, summary: Summary, event: Callable[..., None]) -> None:
+        self.cfg, self.net, self.device, self.model_cfg = cfg, net, device, model_cfg
+        self.metrics, self.summary, self.event = metrics, summary, event
+        self.stage: int | None = None
+        self.worker: StageWorker | None = None
+        self.round = 0
+        self.phi: list[torch.Tensor] = []
+        self.throughput = 0.0
+        self.last_loss = math.nan
+        self.stage_since = 0.0  # wall-clock time the node began serving its stage
+        self.counted = 0  # the worker's steps already in the summary
+        self.pending: tuple[concurrent.futures.Future, StageWorker] | None = None  # the round in flight
+        transport, first = net.transport, stage_run(cfg.run_id, 0)
+        self.service = StageService(transport, cfg.run_id, lambda: self.worker, cfg.activation_compression, queue_limit=cfg.stage_queue)
+        self.state_server = StateServer(transport, first, progress=lambda: 0)
+        self.outer = NesterovOuter(*cfg.outer_hyper)
+        self.exchange = RoundExchange(transport, first, cfg.codec, [(1,)], serve_timeout=cfg.averaging_timeout * 2)
+        self.averager = DiLoCoAverager(net.dht, net.validator, self.exchange, first, summary.peer_id, self.outer,
+                                       gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout,
+                                       aggregation=cfg.aggregation, member_role="stage")
+
+    @property
+    def services(self) -> list[Any]:
+        """The protocols a stage server answers, in the order they start."""
+        return [self.service, self.state_server, self.exchange]
+
+    # ---- taking a stage ------------------------------------------------------------------------------
+    def become(self, index: int, rebuilt: Stage | None = None, lr_scale: float = 1.0) -> bool:
+        """Serve stage ``index``: ``rebuilt`` weights (a recovery), else a live replica's, else the run's
+        init. False (serving nothing) when no replica answered although the run has trained: the stage
+        must then be rebuilt from its neighbours, never started afresh."""
+        cfg, net = self.cfg, self.net
+        previous, self.worker = self.stage, None
+        module = rebuilt if rebuilt is not None else self.new_stage(index)
+        sub = stage_run(cfg.run_id, index)
+        self.outer = NesterovOuter(*cfg.outer_hyper)
+        self.round = 0
+        source = None
+        if rebuilt is None and (cfg.initial_peers or previous is not None):
+            source = self._download(module, sub, net.call(list_peers(net.dht, sub), timeout=30))
+            if source is None and self._run_has_trained():
+                return False
+        self.phi = [p.detach().to("cpu", torch.float32).clone() for p in module.parameters()]
+        self.round = max(self.round, int(time.time() // cfg.sync_every))  # first averaging at the next boundary
+        self.state_server.run_id = sub
+        self.exchange.run_id, self.exchange.layout = sub, RoundExchange(net.transport, sub, cfg.codec, part_shapes([p.shape for p in self.phi])).layout
+        self.averager.run_id, self.averager.outer = sub, self.outer
+        self.stage = index
+        self.service.reset_throughput()
+        self.worker = StageWorker(module, self.device, cfg.lr * lr_scale, cfg.weight_decay, cfg.warmup_steps, slowdown=cfg.slowdown)
+        self.counted = 0
+        self.summary.stage = index
+        self.stage_since = time.time()
+        self.metrics.stage.set(index)
+        self.publish_state()
+        if rebuilt is None:
+            self.event("stage_joined" if previous is None else "stage_moved", stage=index, previous=previous, source=source, round=self.round)
+        return True
+
+    def leave(self) -> None:
+        """Serve nothing (a stage whose rebuild failed: the node waits as a spare)."""
+        self.stage, self.worker = None, None
+        self.summary.stage = None
+
+    def _run_has_trained(self) -> bool:
+        """Whether any other peer of the run has trained or served steps (so every stage has weights
+        worth more than the run's initialisation)."""
+        records = self.net.call(list_peers(self.net.dht, self.cfg.run_id), timeout=30)
+        return any(r.inner_step > 0 for p, r in records.items() if p != self.summary.peer_id)
+
+    def new_stage(self, index: int) -> Stage:
+        """Stage ``index`` as the run initialises it."""
+        return Stage(self.model_cfg, index, self.cfg.stages, model_seed(self.cfg.run_id), plus=self.cfg.checkfree_plus)
+
+    def fetch_stage(self, index: int) -> tuple[Stage, PeerRecord | None]:
+        """A neighbour stage's current weights, downloaded from one of its replicas."""
+        module = self.new_stage(index)
+        sub = stage_run(self.cfg.run_id, index)
+        peers = self.net.call(list_peers(self.net.dht, sub), timeout=30)
+        source = self._download(module, sub, peers, adopt=False)
+        if source is None:
+            raise RuntimeError(f"no replica of stage {index} answered")
+        return module, peers.get(source)
+
+    def _download(self, module: Stage, sub: str, peers: dict[str, PeerRecord], adopt: bool = True,
+                  serving: StageWorker | None = None) -> str | None:
+        """Load a live replica's weights (and, with ``adopt``, outer momentum and round) into ``module``;
+        returns its peer id. ``serving``: the worker computing on ``module`` meanwhile, whose lock the
+        copy takes (a request's backward pass must not see its weights change under it)."""
+        net = self.net
+        shapes = [(tuple(p.shape), torch.float32) for p in module.parameters()]
+        for rec in sorted(peers.values(), key=lambda r: (-r.round, r.peer_id)):
+            if rec.peer_id == self.summary.peer_id or rec.role != "stage":
+                continue
+            try:
+                got = net.call(download_state(net.transport, rec.peer_id, sub, {"params": shapes, "outer_momentum": shapes}), timeout=120)
+            except Exception as e:
+                logger.warning("could not download %s from %s: %s", sub, rec.peer_id, e)
+                continue
+            if serving is not None:
+                serving.load_weights(got.snapshot.tensors["params"])
+            else:
+                with torch.no_grad():
+                    for p, t in zip(module.parameters(), got.snapshot.tensors["params"]):
+                        p.copy_(t)
+            if adopt:
+                self.outer.load_state_tensors(got.snapshot.tensors["outer_momentum"])
+                self.round = got.snapshot.round
+            self.metrics.state_downloads.labels("ok").inc()
+            return rec.peer_id
+        return None
+
+    def publish_state(self) -> None:
+        """Offer the stage's averaged weights and outer momentum to replicas that join or move in."""
+        self.state_server.publish(StateSnapshot(
+            round=self.round,
+            tensors={"params": [t.clone() for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
+            fingerprint=fingerprint(self.phi),
+            meta={"model": self.cfg.model, "stage": self.stage, "stages": self.cfg.stages},
+        ))
+
+    # ---- serving ---------------------------------------------------------------------------------------
+    def poll(self) -> bool:
+        """One look at the stage being served: count its steps and loss, export its throughput, apply a
+        finished round, start the next one at its boundary. Returns whether a round is in flight."""
+        worker = self.worker
+        assert worker is not None
+        new_steps = worker.steps - self.counted
+        if new_steps:
+            self.counted = worker.steps
+            loss = worker.last_loss if worker.stage.last and not math.isnan(worker.last_loss) else None
+            count_steps(self.summary, self.metrics, new_steps, loss=loss)
+            if loss is not None:
+                self.last_loss = loss
+        self.throughput = self.service.throughput
+        self.summary.microbatches_served, self.summary.refused_busy = self.service.microbatches, self.service.refused_busy
+        self.metrics.tokens_per_second.set(self.throughput * self.model_cfg.context)
+        self.metrics.stage_queue.set(self.service.queue_length)
+        if self.pending is not None and self.pending[0].done():
+            self._apply_round(self.pending[0].result(), self.pending[1])
+            self.pending = None
+        epoch = int(time.time() // self.cfg.sync_every)
+        if self.pending is None and epoch > self.round:
+            # replicas of a stage average on a shared wall-clock schedule, so they meet at the
+            # rendezvous however unevenly the router spread the microbatches among them
+            self.round = epoch
+            theta = worker.snapshot()
+            samples = max(1, worker.samples)
+            worker.samples = 0
+            self.pending = (self.net.submit(self.averager.run_round(epoch, self.phi, theta, samples)), worker)
+        return self.pending is not None
+
+    def drain(self, timeout: float) -> None:
+        """Apply the round still in flight when the node stops, if it finishes within ``timeout``."""
+        if self.pending is None:
+            return
+        try:
+            self._apply_round(self.pending[0].result(timeout=timeout), self.pending[1])
+        except Exception as e:
+            logger.info("last stage round did not finish: %s", e)
+        self.pending = None
+
+    def _apply_round(self, result: RoundResult, worker: StageWorker) -> None:
+        m = self.metrics
+        m.round_duration.observe(result.duration_s)
+        m.group_size.set(len(result.contributors))
+        for kind in result.failures.values():
+            m.errors.labels(kind).inc()
+        record = {"round": result.round, "stage": self.stage, "contributors": len(result.contributors), "in_sync": result.in_sync,
+                  "duration_s": round(result.duration_s, 3), "loss": self.last_loss}
+        if result.in_sync and worker is self.worker:
+            self.summary.outer_rounds += 1
+            m.outer_rounds.labels("alone" if len(result.contributors) == 1 else "completed").inc()
+            worker.load_weights(self.phi)
+            self.publish_state()
+        elif worker is self.worker and self.stage is not None:
+            m.outer_rounds.labels("failed").inc()
+            self.event("out_of_sync", stage=self.stage, round=result.round, majority_peer=result.sync_peer)
+            sub = stage_run(self.cfg.run_id, self.stage)
+            peers = self.net.call(list_peers(self.net.dht, sub), timeout=30)
+            preferred = {p: r for p, r in peers.items() if p == result.sync_peer} or peers
+            if self._download(worker.stage, sub, preferred, serving=worker):
+                self.phi = worker.snapshot()
+                self.round = max(self.round, result.round)
+                self.publish_state()
+        record["fingerprint"] = fingerprint(self.phi)
+        self.summary.rounds.append(record)
+        m.outer_round.set(self.round)
+        write_info(self.cfg.info_file, self.summary)
