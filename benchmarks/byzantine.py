@@ -67,8 +67,8 @@ def run_one(algorithm: str, method: str, attack: str | None, nodes: int, attacke
             scale: Scale, corpus: Any, val: list) -> dict[str, Any]:
     """One simulated run; returns its held-out loss and what the aggregator dropped or clipped."""
     cfg = PRESETS[scale.model]
-    trainers = [LocalTrainer(cfg, torch.device("cpu"), lr=1e-3, warmup_steps=20, seed=1000 + seed) for _ in range(nodes)]
-    data = [ByteBatches(corpus.train, scale.batch_size, cfg.context, seed=seed * 100 + i) for i in range(nodes)]
+    trainers = [LocalTrainer(cfg=cfg, device=torch.device("cpu"), lr=1e-3, warmup_steps=20, seed=1000 + seed) for _ in range(nodes)]
+    data = [ByteBatches(data=corpus.train, batch_size=scale.batch_size, context=cfg.context, seed=seed * 100 + i) for i in range(nodes)]
     phi = [p.detach().clone() for p in trainers[0].parameters()]
     sparse = algorithm == "sparseloco"
     outer = NesterovOuter(lr=2.0, momentum=0.0) if sparse else NesterovOuter(lr=0.7, momentum=0.9)

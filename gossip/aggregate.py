@@ -14,8 +14,9 @@ sample (‖Δ‖ / samples), because an honest peer's update grows with the inne
   moves v by at most τ·wᵢ/Σw, whatever its size or direction; honest updates near the median are
   barely touched. Starting from the median (not the previous round's aggregate, as the paper does)
   keeps it a function of this round's inputs alone, so members that missed a round still agree.
-  With two updates the median is their midpoint and both are τ from it: the plain mean (no
-  majority exists to tell which of two is honest).
+  With two updates no majority can tell which is honest (both are as far from their midpoint): each
+  is clipped to the smaller norm per sample, as in ``median-clip``, so neither moves the model more
+  than the other would.
 - ``sparse-clip``: for sparse payloads (top-k): each update's norm is clipped to the lower-median
   norm per sample × its samples, each of its values to the lower median over updates of their
   largest magnitude (so a peer that piles its whole budget on a few coordinates is cut to an
@@ -106,7 +107,7 @@ def aggregate(
     peers_k = [peers[i] for i in kept]
     updates_k = [list(updates[i]) for i in kept]
     samples_k = [samples[i] for i in kept]
-    if method == "trimmed-mean" and len(kept) < 3:
+    if method in ("trimmed-mean", "centered-clip") and len(kept) < 3:
         method = "median-clip"
     clip_factors: dict[str, float] = {}
     if method == "mean":
@@ -152,8 +153,6 @@ def _centered_clip(updates: Sequence[Sequence[torch.Tensor]], weights: Sequence[
     """Centered clipping around the coordinate-wise median; returns the aggregate and, per update, the
     smallest factor its distance from the centre was scaled by (1.0: never clipped)."""
     n = len(updates)
-    if n <= 2:  # no majority: both are equally far from their midpoint
-        return weighted_mean(updates, weights), [1.0] * n
     center = [_median_center(tensors) for tensors in zip(*updates)]
     total = float(sum(weights))
 

@@ -38,7 +38,8 @@ from gossip.noloco import NoLoCoAverager
 from gossip.outer import NesterovOuter, NoLoCoOuter
 from gossip.placement import OuterPlacement
 from gossip.state_transfer import DownloadedState, StateServer, StateSnapshot
-from node.config import NodeConfig
+from gossip.byzantine import Attacker, parse_attacks
+from node.config import AUTO_STEPS_MAX_FACTOR, NodeConfig
 from node.replica.joiner import Joiner
 from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
 from node.runtime.base import NodeBase
@@ -49,7 +50,6 @@ from node.runtime.status_service import StatusService
 from protocol.records import PeerRecord
 
 logger = logging.getLogger("locomesh.node")
-AUTO_STEPS_MAX_FACTOR = 20  # --inner-steps auto never goes past this × --round-steps
 
 
 class Daemon(NodeBase):
@@ -97,17 +97,23 @@ class Daemon(NodeBase):
                               feedback_decay=cfg.feedback_decay(), fragments=cfg.fragments, noloco=cfg.algorithm == "noloco")
         self.exchange = RoundExchange(net.transport, cfg.run_id, self.plan.wire(), self.plan.layout, serve_timeout=cfg.averaging_timeout * 2)
         self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.inner_step)
+        attacker = None
+        if cfg.attack is not None:  # experiments only (node swarm --byzantine): never a default
+            attacker = Attacker(parse_attacks(cfg.attack), seed=cfg.seed)
+            logger.warning("this node ATTACKS the swarm: it sends %s instead of its honest update (--attack, an experiment)",
+                           attacker.describe())
         if isinstance(self.outer, NoLoCoOuter):
             self.averager: DiLoCoAverager | NoLoCoAverager = NoLoCoAverager(
                 net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, group_size=cfg.group_size, partition=self.plan.partition,
                 gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregation,
+                max_samples=cfg.max_round_samples, attacker=attacker,
             )
         else:
             self.averager = DiLoCoAverager(
                 net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, partition=self.plan.partition,
                 gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregation,
                 keep_others=cfg.overlap and cfg.overlap_mode == "eager", max_group_size=cfg.max_group_size,
-                weight_codec=self.plan.phi_codec,
+                weight_codec=self.plan.phi_codec, max_samples=cfg.max_round_samples, attacker=attacker,
             )
         self.rounds = RoundRunner(net=net, averager=self.averager, eager=cfg.overlap and cfg.overlap_mode == "eager",
                                   before_gather=self._heartbeat, stop=self.stop, final_timeout=2 * cfg.averaging_timeout + 30,
@@ -279,6 +285,8 @@ class Daemon(NodeBase):
                   "gather_s": round(result.gather_s, 3), "exchange_s": round(result.exchange_s, 3), "deadline_s": round(result.deadline_s, 3), "in_sync": result.in_sync,
                   "fingerprint": "", "loss": self.last_loss, "tokens": self.summary.steps * self.cfg.batch_size * self.trainer.model.cfg.context,
                   "norms": {p[-8:]: round(n, 6) for p, n in result.norms.items()}, "update_norm": round(result.update_norm, 6),
+                  "aggregation": self.cfg.aggregation, "clipped": {p[-8:]: round(f, 4) for p, f in result.clipped.items()},
+                  "capped": {p[-8:]: n for p, n in result.capped.items()},
                   "scheme": "reduce-scatter" if result.reduce_scatter else "all-gather", "groups": result.groups, "group_tag": result.group_tag}
         record["average_bytes_sent"], record["average_bytes_received"] = self.traffic_since_last("average")
         if not result.in_sync:
