@@ -33,6 +33,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerErr
 
 from compression import CodecError, ErrorFeedback, Payload, get_codec
 from compression.seeds import payload_seed
+from gossip.failures import failure_reason
 from protocol import ids
 from protocol.errors import ProtocolError, SchemaError, TruncatedFrame
 from protocol.frames import FramedStream, require
@@ -350,12 +351,10 @@ class RoundExchange:
         for peer, result in zip(peers, results):
             if isinstance(result, (Contribution, ReducedShare)):
                 got[peer] = result
-            elif isinstance(result, asyncio.TimeoutError):
-                failed[peer] = "timeout"
-            elif isinstance(result, (ProtocolError, CodecError)):
-                failed[peer] = getattr(result, "code", "schema")
-                logger.warning("round %d: rejected contribution of %s: %s", round_no, peer, result)
             elif isinstance(result, BaseException):
-                failed[peer] = "connection"
-                logger.info("round %d: could not fetch from %s: %s: %s", round_no, peer, type(result).__name__, result)
+                failed[peer] = failure_reason(result, f"fetching round {round_no} from {peer}")
+                if isinstance(result, (ProtocolError, CodecError)):
+                    logger.warning("round %d: rejected contribution of %s: %s", round_no, peer, result)
+                elif failed[peer] != "internal":
+                    logger.info("round %d: could not fetch from %s: %s: %s", round_no, peer, type(result).__name__, result)
         return got, failed

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from gossip.failures import failure_reason
 from gossip.fingerprint import fingerprint
 from gossip.zo import apply_codes, expand, unpack_codes
 from protocol import ids
@@ -313,7 +314,7 @@ class CodeExchange:
                 if result[1].at > round_no:
                     ahead[peer] = result[1]
             else:
-                failures[peer] = _reason(result)
+                failures[peer] = failure_reason(result, f"fetching zo codes from {peer}")
                 logger.info("round %d: no codes from %s (%s: %s)", round_no, peer, type(result).__name__, result)
         self._store(round_no, got)
         self._event("direct", round_no).set()
@@ -369,11 +370,3 @@ def replay(params: Sequence[torch.Tensor], entries: Sequence[LogEntry], round_no
             raise ReplayError(f"replaying round {entry.round} gave weights {fp}, the log says {entry.after}")
         round_no += 1
         yield entry
-
-
-def _reason(error: BaseException) -> str:
-    if isinstance(error, asyncio.TimeoutError):
-        return "timeout"
-    if isinstance(error, ProtocolError):
-        return getattr(error, "code", "schema")
-    return "connection"

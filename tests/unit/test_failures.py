@@ -1,0 +1,43 @@
+"""A fetch's failure is labelled by whose fault it is; a bug in this node is ``internal``, with one traceback."""
+
+import asyncio
+import logging
+
+import pytest
+
+from gossip.exchange import RoundExchange
+from gossip.failures import failure_reason
+from protocol.errors import SchemaError
+from tests.helpers.memory_transport import MemoryTransport
+
+
+def test_labels() -> None:
+    assert failure_reason(asyncio.TimeoutError(), "x") == "timeout"
+    assert failure_reason(ConnectionResetError(), "x") == "connection"
+    assert failure_reason(EOFError(), "x") == "connection"
+    assert failure_reason(SchemaError("bad"), "x") == "schema"
+
+
+def test_a_programming_error_is_internal_and_logged_once_with_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> None:
+        {}["missing"]
+
+    caplog.set_level(logging.WARNING, logger="gossip.failures")
+    for _ in range(3):
+        try:
+            broken()
+        except KeyError as e:
+            assert failure_reason(e, "decoding a test payload") == "internal"
+    warnings = [r for r in caplog.records if "internal error" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].exc_info is not None and "decoding a test payload" in warnings[0].getMessage()
+
+
+def test_gather_counts_a_bug_while_fetching_as_internal_not_connection() -> None:
+    exchange = RoundExchange(MemoryTransport(reply=b""), "run", "none", [(4,)])  # type: ignore[arg-type]
+
+    async def buggy_fetch(peer, round_no, parts=None):
+        raise TypeError("unsupported operand")
+
+    exchange.fetch = buggy_fetch  # type: ignore[method-assign]
+    got, failed = asyncio.run(exchange.gather(["peer-a"], 0, timeout=1.0))
+    assert not got and failed == {"peer-a": "internal"}
