@@ -1,4 +1,4 @@
-"""Node configuration: one validated model, merged from defaults < TOML file < LOCOMESH_* env < flags.
+"""``NodeConfig``: every setting of a node, declared once (name, type, default, help, group), validated as a whole.
 
 The CLI passes only the flags the user set (typer reads ``LOCOMESH_<NAME>`` env vars for the same
 options, so an env value counts as set); ``load_config`` lays them over the ``--config`` file and
@@ -7,61 +7,17 @@ the defaults and validates the result, so a bad value fails with a message namin
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from node.config.defaults import (
+    AUTO_STEPS_MAX_FACTOR, AVG, DEFAULT_INNER_STEPS, LOSSLESS_CODECS, LOSSY_DILOCO_OUTER, LOSSY_FEEDBACK_DECAY,
+    LOSSY_WARMUP_ROUNDS, OPS, OUTER_DEFAULTS, PIPE, SEED_DILOCO_OUTER, SPARSE_CODEC, SWARM, TRAIN, by_algorithm,
+    outer_default_text, option,
+)
 from node.errors import UserError
-
-ENV_PREFIX = "LOCOMESH_"
-LOSSLESS_CODECS = ("none", "fp16", "bf16")  # no error feedback, and the outer step of dense DiLoCo
-
-
-# H by algorithm: sparse rounds are cheap, so SparseLoCo syncs more often (tiny, 4 nodes × 600 steps:
-# H = 20 came within 5.4 % of dense DiLoCo at H = 30, H = 30 within 8.3 %)
-DEFAULT_INNER_STEPS = {"diloco": 50, "noloco": 30, "sparseloco": 30, "zo": 50}
-
-
-AUTO_STEPS_MAX_FACTOR = 20  # --inner-steps auto never goes past this × --round-steps
-SPARSE_CODEC = "topk:64/4096+q2"  # SparseLoCo's default codec
-LOSSY_FEEDBACK_DECAY = 0.95  # error-feedback β of lossy codecs
-LOSSY_WARMUP_ROUNDS = 5  # outer-lr warm-up of DiLoCo with a lossy codec (see NodeConfig.outer_warmup)
-# (outer lr, outer momentum) by algorithm, and DiLoCo's with a lossy codec or a shared-seed projection
-# (the measurements behind them: NodeConfig.outer_hyper)
-OUTER_DEFAULTS = {"diloco": (0.7, 0.9), "noloco": (1.0, 0.5), "sparseloco": (2.0, 0.0), "zo": (1.0, 0.0)}
-LOSSY_DILOCO_OUTER = (1.0, 0.5)
-SEED_DILOCO_OUTER = (1.0, 0.0)
-
-SWARM, TRAIN, AVG, PIPE, OPS = "Swarm", "Training", "Averaging", "Pipeline", "Operations"  # option groups
-
-
-def option(default: Any, help: str, group: str, *, default_text: str | None = None, flag: str | None = None, **limits: Any) -> Any:
-    """Declare one setting: its default, the help a user reads (``node join --help``, README's table), its group, and
-    how its flag is spelled when it differs from the field name; ``default_text`` says a default that depends on
-    other settings. ``limits`` are pydantic's (``ge``, ``le``, ``pattern``…). A callable default is a factory."""
-    extra = {"group": group, **({"default_text": default_text} if default_text else {}), **({"flag": flag} if flag else {})}
-    if callable(default):
-        return Field(default_factory=default, description=help, json_schema_extra=extra, **limits)
-    return Field(default, description=help, json_schema_extra=extra, **limits)
-
-
-def _by_algorithm(values: dict[str, Any]) -> str:
-    """``50; 30 for noloco and sparseloco`` from a table of defaults by algorithm (DiLoCo's first)."""
-    others: dict[Any, list[str]] = {}
-    for algorithm, value in values.items():
-        if algorithm != "diloco" and value != values["diloco"]:
-            others.setdefault(value, []).append(algorithm)
-    return "; ".join([str(values["diloco"])] + [f"{v} for {' and '.join(sorted(a))}" for v, a in others.items()])
-
-
-def _outer_default_text(i: int) -> str:
-    """The default outer lr (``i`` = 0) or momentum (1) for each algorithm and codec, from ``OUTER_DEFAULTS``."""
-    table = {"diloco": OUTER_DEFAULTS["diloco"][i], "noloco": OUTER_DEFAULTS["noloco"][i],
-             "sparseloco": OUTER_DEFAULTS["sparseloco"][i]}
-    return (f"{table['diloco']}; {LOSSY_DILOCO_OUTER[i]} for diloco with a lossy codec ({SEED_DILOCO_OUTER[i]} with seed:); "
-            f"{table['noloco']} for noloco; {table['sparseloco']} for sparseloco")
 
 
 class ConfigError(UserError, ValueError):
@@ -108,9 +64,9 @@ class NodeConfig(BaseModel):
                                                 default_text=f"{LOSSY_FEEDBACK_DECAY}; 0 for {'/'.join(LOSSLESS_CODECS)}", ge=0, le=1)
     inner_steps: int | Literal["auto"] = option(
         None, "Local steps between outer rounds (H), or auto: sized from this peer's measured speed so that fast and slow peers "
-        "finish a round together", TRAIN, default_text=_by_algorithm(DEFAULT_INNER_STEPS))
+        "finish a round together", TRAIN, default_text=by_algorithm(DEFAULT_INNER_STEPS))
     round_steps: int = option(None, "With --inner-steps auto: steps the swarm's median-speed peer takes per round", TRAIN,
-                              default_text=_by_algorithm(DEFAULT_INNER_STEPS), ge=1, le=1_000_000)
+                              default_text=by_algorithm(DEFAULT_INNER_STEPS), ge=1, le=1_000_000)
     batch_size: int = option(16, "Sequences per inner step", TRAIN, ge=1, le=65536)
     lr: float = option(1e-3, "Inner AdamW learning rate", TRAIN, gt=0, le=10)
     warmup_steps: int = option(50, "Linear warmup of the inner lr, steps", TRAIN, ge=0)
@@ -128,9 +84,9 @@ class NodeConfig(BaseModel):
         "memory to the model) | same (the model's device)", TRAIN)
     peak_tflops: float | None = option(None, "Peak dense bf16 TFLOPS of this device, for MFU (node/runtime/mfu.py holds the table)",
                                        TRAIN, default_text="looked up from the GPU's name; none on CPU", gt=0, le=100_000)
-    outer_lr: float | None = option(None, "Outer learning rate η (β for noloco)", AVG, default_text=_outer_default_text(0), gt=0, le=10)
+    outer_lr: float | None = option(None, "Outer learning rate η (β for noloco)", AVG, default_text=outer_default_text(0), gt=0, le=10)
     outer_momentum: float | None = option(None, "Outer momentum μ, Nesterov (α for noloco)", AVG,
-                                          default_text=_outer_default_text(1), ge=0, lt=1)
+                                          default_text=outer_default_text(1), ge=0, lt=1)
     outer_warmup_rounds: int | None = option(
         None, "Outer lr warm-up: round r of the run steps at η·min(1, (r+1)/W)", AVG,
         default_text=f"{LOSSY_WARMUP_ROUNDS} for diloco with a lossy codec other than seed:, else 0", ge=0, le=10_000)
@@ -437,58 +393,3 @@ class NodeConfig(BaseModel):
         if value not in PRESETS:
             raise ValueError(f"unknown model preset {value!r}; choose one of {', '.join(PRESETS)}")
         return value
-
-
-def read_swarm_key(path: Path) -> bytes:
-    """The secret of a private swarm: a file of at least 16 bytes (hex text is decoded)."""
-    try:
-        raw = Path(path).read_bytes().strip()
-    except OSError as e:
-        raise ConfigError(f"cannot read --swarm-key {path}: {e.strerror}") from None
-    try:
-        key = bytes.fromhex(raw.decode())
-    except (UnicodeDecodeError, ValueError):
-        key = raw
-    if len(key) < 16:
-        raise ConfigError(
-            f"--swarm-key {path} holds {len(key)} bytes; use at least 16, e.g. "
-            "python -c 'import secrets; print(secrets.token_hex(32))' > swarm.key"
-        )
-    return key
-
-
-def read_config_file(path: Path) -> dict[str, Any]:
-    """Options from a TOML file (keys as flag names, with - or _)."""
-    try:
-        raw = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    table = raw.get("node", raw)
-    options = {k.replace("-", "_"): v for k, v in table.items()}
-    return {next((f for f, flag in FLAG_OF.items() if flag == k), k): v for k, v in options.items()}
-
-
-def load_config(flags: dict[str, Any], config_file: Path | None = None) -> NodeConfig:
-    """Merge defaults < config file < flags/env (``flags`` holds only values that were set)."""
-    merged: dict[str, Any] = {}
-    if config_file is not None:
-        merged.update(read_config_file(config_file))
-    merged.update({k: v for k, v in flags.items() if v is not None and v != [] and v != ()})
-    try:
-        return NodeConfig(**merged)
-    except ValidationError as e:
-        problems = "; ".join(
-            (f"--{FLAG_OF.get(str(err['loc'][0]), str(err['loc'][0])).replace('_', '-')}: " if err["loc"] else "") + err["msg"].removeprefix("Value error, ")
-            for err in e.errors()
-        )
-        raise ConfigError(f"invalid configuration: {problems}") from None
-
-
-def _declared_flags() -> dict[str, str]:
-    extra = {name: (f.json_schema_extra or {}) for name, f in NodeConfig.model_fields.items()}
-    return {name: e["flag"] for name, e in extra.items() if isinstance(e, dict) and "flag" in e}
-
-
-FLAG_OF = _declared_flags()  # fields whose flag differs from their name (pydantic reserves model_config)

@@ -1,0 +1,59 @@
+"""The defaults every setting is declared with, and :func:`option`, the one way to declare a setting.
+
+A default that depends on other settings (the outer lr by algorithm and codec, H by algorithm) lives in
+one table here; ``NodeConfig`` applies it and the CLI help and README's option table quote it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+ENV_PREFIX = "LOCOMESH_"
+LOSSLESS_CODECS = ("none", "fp16", "bf16")  # no error feedback, and the outer step of dense DiLoCo
+
+
+# H by algorithm: sparse rounds are cheap, so SparseLoCo syncs more often (tiny, 4 nodes × 600 steps:
+# H = 20 came within 5.4 % of dense DiLoCo at H = 30, H = 30 within 8.3 %)
+DEFAULT_INNER_STEPS = {"diloco": 50, "noloco": 30, "sparseloco": 30, "zo": 50}
+
+
+AUTO_STEPS_MAX_FACTOR = 20  # --inner-steps auto never goes past this × --round-steps
+SPARSE_CODEC = "topk:64/4096+q2"  # SparseLoCo's default codec
+LOSSY_FEEDBACK_DECAY = 0.95  # error-feedback β of lossy codecs
+LOSSY_WARMUP_ROUNDS = 5  # outer-lr warm-up of DiLoCo with a lossy codec (see NodeConfig.outer_warmup)
+# (outer lr, outer momentum) by algorithm, and DiLoCo's with a lossy codec or a shared-seed projection
+# (the measurements behind them: NodeConfig.outer_hyper)
+OUTER_DEFAULTS = {"diloco": (0.7, 0.9), "noloco": (1.0, 0.5), "sparseloco": (2.0, 0.0), "zo": (1.0, 0.0)}
+LOSSY_DILOCO_OUTER = (1.0, 0.5)
+SEED_DILOCO_OUTER = (1.0, 0.0)
+
+SWARM, TRAIN, AVG, PIPE, OPS = "Swarm", "Training", "Averaging", "Pipeline", "Operations"  # option groups
+
+
+def option(default: Any, help: str, group: str, *, default_text: str | None = None, flag: str | None = None, **limits: Any) -> Any:
+    """Declare one setting: its default, the help a user reads (``node join --help``, README's table), its group, and
+    how its flag is spelled when it differs from the field name; ``default_text`` says a default that depends on
+    other settings. ``limits`` are pydantic's (``ge``, ``le``, ``pattern``…). A callable default is a factory."""
+    extra = {"group": group, **({"default_text": default_text} if default_text else {}), **({"flag": flag} if flag else {})}
+    if callable(default):
+        return Field(default_factory=default, description=help, json_schema_extra=extra, **limits)
+    return Field(default, description=help, json_schema_extra=extra, **limits)
+
+
+def by_algorithm(values: dict[str, Any]) -> str:
+    """``50; 30 for noloco and sparseloco`` from a table of defaults by algorithm (DiLoCo's first)."""
+    others: dict[Any, list[str]] = {}
+    for algorithm, value in values.items():
+        if algorithm != "diloco" and value != values["diloco"]:
+            others.setdefault(value, []).append(algorithm)
+    return "; ".join([str(values["diloco"])] + [f"{v} for {' and '.join(sorted(a))}" for v, a in others.items()])
+
+
+def outer_default_text(i: int) -> str:
+    """The default outer lr (``i`` = 0) or momentum (1) for each algorithm and codec, from ``OUTER_DEFAULTS``."""
+    table = {"diloco": OUTER_DEFAULTS["diloco"][i], "noloco": OUTER_DEFAULTS["noloco"][i],
+             "sparseloco": OUTER_DEFAULTS["sparseloco"][i]}
+    return (f"{table['diloco']}; {LOSSY_DILOCO_OUTER[i]} for diloco with a lossy codec ({SEED_DILOCO_OUTER[i]} with seed:); "
+            f"{table['noloco']} for noloco; {table['sparseloco']} for sparseloco")
