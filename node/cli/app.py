@@ -13,18 +13,12 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from node.cli import command_group
 from node.cli.options import join_parameters
 from node.config import OPS, ConfigError, NodeConfig, load_config
 from node.errors import UserError
 
-app = typer.Typer(
-    name="node",
-    help="locomesh: a peer-to-peer training node. Start with `node join` or try `node swarm --nodes 3`.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,  # plain click help: wraps text and never cuts a flag or variable name at 80 columns
-)
+app = command_group("node", "locomesh: a peer-to-peer training node. Start with `node join` or try `node swarm --nodes 3`.")
 
 def _env(name: str) -> str:
     return "LOCOMESH_" + name.upper()

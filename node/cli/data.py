@@ -11,14 +11,9 @@ from typing import Annotated, Optional
 
 import typer
 
-data_app = typer.Typer(
-    name="data",
-    help="Prepare training data: train a tokenizer, tokenize text into shards.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
+from node.cli import command_group
+
+data_app = command_group("data", "Prepare training data: train a tokenizer, tokenize text into shards.")
 
 
 INPUT_HELP = "A .txt, .md, .jsonl or .parquet file, or a folder of them (repeatable)"
