@@ -31,7 +31,7 @@ from hivemind.dht.node import DHTNode
 
 from compression import ErrorFeedback
 from gossip.byzantine import Attacker
-from gossip.diloco import GroupAverager, RoundResult
+from gossip.group_round import GroupAverager, RoundResult
 from gossip.exchange import Contribution, RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NoLoCoOuter, pseudo_gradient

@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from gossip.diloco import DiLoCoAverager, RoundResult
+from gossip.diloco import DiLoCoAverager
+from gossip.group_round import RoundResult
 from gossip.exchange import RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from gossip.diloco import DiLoCoAverager, RoundResult
+from gossip.diloco import DiLoCoAverager
+from gossip.group_round import RoundResult
 from gossip.exchange import RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.fragments import fragment_of_round, merge_fragment, sync_interval

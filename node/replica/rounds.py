@@ -17,7 +17,8 @@ from typing import Awaitable, Callable
 import torch
 
 from compression import ErrorFeedback
-from gossip.diloco import DiLoCoAverager, RoundResult
+from gossip.diloco import DiLoCoAverager
+from gossip.group_round import RoundResult
 from gossip.exchange import PartSpec
 from gossip.fragments import assign_fragments, fragment_of_round, merge_fragment
 from gossip.noloco import NoLoCoAverager

@@ -9,7 +9,8 @@ from typing import Any, Sequence
 
 import torch
 
-from gossip.diloco import DiLoCoAverager, RoundResult
+from gossip.diloco import DiLoCoAverager
+from gossip.group_round import RoundResult
 from gossip.exchange import RoundExchange
 from gossip.outer import NesterovOuter
 from gossip.partition import Partition

@@ -1,0 +1,82 @@
+"""What every kind of outer round shares: its result, and the averager base class.
+
+:class:`GroupAverager` holds the DHT, the exchange, this member's outer optimizer, the timing of the
+rendezvous and fetches, and the rules every round applies to its members' contributions: claimed
+sample counts capped at what a round of the run holds, the run's aggregation (``gossip.aggregate``),
+and, on a node told to attack for an experiment, the attacker's rewrite of its own contribution.
+DiLoCo (``gossip.diloco``) and NoLoCo (``gossip.noloco``) rounds build on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+
+from gossip.aggregate import Aggregate, aggregate
+from gossip.byzantine import Attacker
+from gossip.deadline import AdaptiveDeadline
+from gossip.exchange import RoundExchange
+from gossip.partition import Partition
+
+
+@dataclass
+class RoundResult:
+    """What happened in one outer round (the node turns it into metrics, logs and report events)."""
+
+    round: int
+    group: list[str]
+    contributors: list[str]
+    failures: dict[str, str] = field(default_factory=dict)
+    in_sync: bool = True
+    sync_peer: str | None = None
+    gather_s: float = 0.0
+    deadline_s: float = 0.0
+    exchange_s: float = 0.0
+    duration_s: float = 0.0
+    samples: int = 0
+    norms: dict[str, float] = field(default_factory=dict)
+    clipped: dict[str, float] = field(default_factory=dict)  # robust aggregation: members scaled down, by the factor kept
+    capped: dict[str, int] = field(default_factory=dict)  # members whose claimed samples were cut: their claim
+    update_norm: float = 0.0
+    others_sum: list[torch.Tensor] | None = None  # Σ_{j≠self} samples_j·Δ_j of the members used (eager updates)
+    others_samples: int = 0
+    reduce_scatter: bool = False
+    groups: int = 1  # the swarm was split into this many bounded groups (gossip.groups); 1: one group
+    group_tag: str = ""  # which of them this member averaged in (e.g. g1of2)
+
+
+
+class GroupAverager:
+    """What every kind of outer round needs: the DHT, the exchange, this member's outer optimizer
+    and the timing of the rendezvous and fetches."""
+
+    back_off = False  # whether incomplete rounds in a row lengthen the rendezvous deadline (gossip.deadline)
+
+    def __init__(self, dht: DHTNode, validator: RSASignatureValidator, exchange: RoundExchange, run_id: str, peer_id: str,
+                 outer: object, gather_timeout: float, fetch_timeout: float, partition: Partition, aggregation: str,
+                 max_samples: int | None = None, attacker: Attacker | None = None) -> None:
+        self.dht, self.validator, self.exchange = dht, validator, exchange
+        self.run_id, self.peer_id, self.outer = run_id, peer_id, outer
+        self.fetch_timeout, self.partition, self.aggregation = fetch_timeout, partition, aggregation
+        self.max_samples, self.attacker = max_samples, attacker
+        self.deadline = AdaptiveDeadline.for_timeout(gather_timeout, back_off=self.back_off)
+
+    def claimed(self, samples: int) -> int:
+        """A member's sample count as it may weigh: its claim, capped at what a round of the run can hold."""
+        return samples if self.max_samples is None else min(samples, self.max_samples)
+
+    def combine(self, peers: Sequence[str], updates: Sequence[Sequence[torch.Tensor]], samples: Sequence[int],
+                method: str | None = None) -> Aggregate:
+        """``gossip.aggregate`` with this run's aggregation (or ``method``) and sample cap."""
+        return aggregate(peers, updates, samples, method or self.aggregation, max_samples=self.max_samples)
+
+    def contribute(self, delta: list[torch.Tensor], samples: int) -> tuple[list[torch.Tensor], int]:
+        """What this member sends: its Δ and sample count, or, on a node told to attack (experiments
+        only, ``--attack``), the attacker's rewrite of them."""
+        if self.attacker is None:
+            return delta, samples
+        return self.attacker.contribution(delta, samples)
