@@ -155,6 +155,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated attacks (each may carry :PARAM)")
     parser.add_argument("--algorithms", default="diloco,sparseloco")
+    parser.add_argument("--aggregators", default="", help="comma-separated; default: every aggregator of ALGORITHMS "
+                        "(the plain one is always run: it is the baseline)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -171,7 +173,9 @@ def main() -> None:
             for attack in attacks:
                 if attack == "concentrate" and algorithm != "sparseloco":
                     continue  # an attack on sparse payloads
-                for method in ALGORITHMS[algorithm]:
+                chosen = [m for m in ALGORITHMS[algorithm] if not args.aggregators or m in args.aggregators.split(",")
+                          or m == ALGORITHMS[algorithm][0]]
+                for method in chosen:
                     for seed in seeds:
                         row = run_one(algorithm, method, attack, nodes, attackers if attack else 0, seed, scale, corpus, val)
                         rows.append(row)
