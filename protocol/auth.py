@@ -12,7 +12,7 @@ import hashlib
 import hmac
 
 from protocol.errors import AuthError
-from protocol.frames import FramedStream
+from protocol.frames import HELLO_MAX_FRAME, FramedStream
 
 HELLO = "hello"
 
@@ -31,7 +31,7 @@ async def client_hello(stream: FramedStream, key: bytes, protocol: str, client: 
 
 async def server_hello(stream: FramedStream, key: bytes, protocol: str, client: str, server: str) -> None:
     """Server side: check the client's proof (refusing with :class:`AuthError`), then send ours."""
-    msg = await stream.recv()
+    msg = await stream.recv(max_size=HELLO_MAX_FRAME)  # nothing bigger is decoded before the key is proved
     mac = msg.body.get("mac") if msg.kind == HELLO else None
     if not isinstance(mac, bytes) or not hmac.compare_digest(mac, swarm_proof(key, "client", protocol, client, server)):
         raise AuthError("this is a private swarm: the request did not prove it holds the swarm key (--swarm-key)")

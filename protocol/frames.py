@@ -30,8 +30,17 @@ from protocol.errors import (
 from protocol.ids import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
+HELLO_MAX_FRAME = 4096  # a private swarm's first frame, read before the peer has proved it holds the key
+# Arrays and maps one envelope may hold: each costs a byte on the wire but ~56 bytes and a little time
+# as a Python object, so 16 MiB of nested empty arrays would be a memory bomb decoded on the event
+# loop. Envelopes carry tensors as bin fields and hold a few hundred containers at most.
+MAX_CONTAINERS = 1 << 16
 _LENGTH = struct.Struct(">I")
 ERROR_KIND = "error"
+
+
+class _TooManyContainers(Exception):
+    """Raised from inside msgpack's hooks to stop decoding at the container cap."""
 
 
 @dataclass(frozen=True)
@@ -57,18 +66,31 @@ def decode_message(data: bytes, max_size: int = DEFAULT_MAX_FRAME, major: int = 
     """Decode and validate one envelope; raises a :class:`ProtocolError` subclass on anything off."""
     if len(data) > max_size:
         raise FrameTooLarge(f"message of {len(data)} bytes exceeds the cap of {max_size} bytes")
+    containers = 0
+
+    def counted(container: Any) -> Any:
+        nonlocal containers
+        containers += 1
+        if containers > MAX_CONTAINERS:
+            raise _TooManyContainers
+        return container
+
     try:
         obj = msgpack.unpackb(
             data,
             raw=False,
             strict_map_key=True,
             use_list=True,
+            list_hook=counted,
+            object_hook=counted,
             max_bin_len=max_size,
             max_str_len=1 << 20,
             max_array_len=1 << 20,
             max_map_len=1 << 16,
             max_ext_len=0,
         )
+    except _TooManyContainers:
+        raise MalformedFrame(f"envelope holds more than {MAX_CONTAINERS} arrays and maps") from None
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as e:
         raise MalformedFrame(f"not a msgpack envelope ({type(e).__name__}: {e})") from None
     if not isinstance(obj, dict) or set(obj) != {"v", "k", "b"}:
@@ -181,15 +203,16 @@ class FramedStream:
         await self.send_error(error, message)
         await self.wait_peer_closed()
 
-    async def recv(self, expect: str | Iterable[str] | None = None) -> Message:
+    async def recv(self, expect: str | Iterable[str] | None = None, max_size: int | None = None) -> Message:
         """Receive one envelope; an error envelope raises :class:`RemoteError`, an unexpected kind
-        raises :class:`SchemaError`."""
+        raises :class:`SchemaError`. ``max_size`` caps this frame below the stream's ``max_frame``
+        (a private swarm's hello, read before the peer is authenticated)."""
         if self.expected_hello is not None:
             proof, self.expected_hello = self.expected_hello, None
-            hello = await self.recv(expect="hello")
+            hello = await self.recv(expect="hello", max_size=HELLO_MAX_FRAME)
             if not isinstance(hello.body.get("mac"), bytes) or not hmac.compare_digest(hello.body["mac"], proof):
                 raise AuthError(f"peer {self.peer} did not prove it holds the swarm key")
-        data = await self._next_frame()
+        data = await self._next_frame(self.max_frame if max_size is None else min(max_size, self.max_frame))
         self.bytes_received += len(data) + _LENGTH.size
         msg = decode_message(data, self.max_frame)
         if msg.kind == ERROR_KIND:
@@ -200,11 +223,12 @@ class FramedStream:
                 raise SchemaError(f"expected a {' or '.join(sorted(allowed))} message, got {msg.kind!r}")
         return msg
 
-    async def _next_frame(self) -> bytes:
-        """The next frame's bytes, within ``idle_timeout``. The only asyncio-specific part of receiving:
-        an adapter for another event loop (``protocol.libp2p_transport`` runs on trio) overrides it."""
+    async def _next_frame(self, max_size: int | None = None) -> bytes:
+        """The next frame's bytes (at most ``max_size``, default ``max_frame``), within ``idle_timeout``.
+        The only asyncio-specific part of receiving: an adapter for another event loop
+        (``protocol.libp2p_transport`` runs on trio) overrides it."""
         try:
-            return await asyncio.wait_for(read_frame(self.reader, self.max_frame), self.idle_timeout)
+            return await asyncio.wait_for(read_frame(self.reader, max_size or self.max_frame), self.idle_timeout)
         except asyncio.TimeoutError:
             raise StreamTimeout(f"no complete frame from {self.peer} within {self.idle_timeout:.0f}s") from None
 

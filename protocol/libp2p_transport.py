@@ -123,9 +123,9 @@ class Libp2pStream(FramedStream):
         super().__init__(io, io, peer=peer, max_frame=max_frame, idle_timeout=idle_timeout)  # type: ignore[arg-type]
         self.net_stream = stream
 
-    async def _next_frame(self) -> bytes:
+    async def _next_frame(self, max_size: int | None = None) -> bytes:
         with trio.move_on_after(math.inf if self.idle_timeout is None else self.idle_timeout):
-            return await read_frame(self.reader, self.max_frame)
+            return await read_frame(self.reader, max_size or self.max_frame)
         raise StreamTimeout(f"no complete frame from {self.peer} within {self.idle_timeout:.0f}s")
 
     async def wait_peer_closed(self, timeout: float = 10.0, max_bytes: int = 1 << 22) -> None:

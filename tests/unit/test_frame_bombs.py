@@ -1,0 +1,41 @@
+"""Frames a stranger sends cannot exhaust a node: containers are counted while decoding, and a private
+swarm reads nothing bigger than a hello before the key is proved."""
+
+import asyncio
+
+import msgpack
+import pytest
+
+from protocol.auth import server_hello, swarm_proof
+from protocol.errors import AuthError, FrameTooLarge, MalformedFrame
+from protocol.frames import HELLO_MAX_FRAME, MAX_CONTAINERS, decode_message, encode_frame, encode_message
+from tests.helpers.memory_transport import canned_stream
+
+
+def test_an_envelope_of_a_million_empty_arrays_is_refused_at_the_container_cap() -> None:
+    data = msgpack.packb({"v": [1, 0], "k": "fetch", "b": {"x": [[] for _ in range(1 << 20)]}})
+    assert len(data) < 1 << 21  # about a byte per array: under the 16 MiB frame cap
+    with pytest.raises(MalformedFrame, match=f"more than {MAX_CONTAINERS} arrays and maps"):
+        decode_message(data)
+
+
+def test_honest_envelopes_with_many_fields_still_decode() -> None:
+    body = {"parts": [[i, i + 1] for i in range(MAX_CONTAINERS // 4)], "blob": b"\0" * (1 << 20)}
+    assert decode_message(encode_message("contribution", body)).body["parts"][-1][0] == MAX_CONTAINERS // 4 - 1
+
+
+def _hello_server(frame: bytes) -> None:
+    async def run() -> None:
+        stream, _ = canned_stream(frame, max_frame=1 << 24)
+        await server_hello(stream, b"k" * 32, "/p/1", "client", "server")
+
+    asyncio.run(run())
+
+
+def test_a_private_swarm_decodes_no_first_frame_larger_than_a_hello() -> None:
+    big = encode_frame(encode_message("hello", {"mac": b"\0" * 32, "pad": b"\0" * (HELLO_MAX_FRAME * 4)}))
+    with pytest.raises(FrameTooLarge, match=str(HELLO_MAX_FRAME)):
+        _hello_server(big)
+    with pytest.raises(AuthError):
+        _hello_server(encode_frame(encode_message("hello", {"mac": b"\0" * 32})))
+    _hello_server(encode_frame(encode_message("hello", {"mac": swarm_proof(b"k" * 32, "client", "/p/1", "client", "server")})))
