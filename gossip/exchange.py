@@ -41,6 +41,7 @@ from protocol.hivemind_transport import Transport
 
 logger = logging.getLogger(__name__)
 KEEP_ROUNDS = 3
+MAX_AWAITED_ROUNDS = 16  # rounds requests may wait for before this node publishes them (each holds an event)
 
 
 @dataclass
@@ -114,6 +115,7 @@ class RoundExchange:
         self.serve_timeout = serve_timeout
         self._contributions: dict[int, Contribution] = {}
         self._ready: dict[int, asyncio.Event] = {}
+        self._waiting: dict[tuple[int, int], int] = {}  # (table, round) → requests waiting for it
         self._reduced: dict[int, ReducedShare | None] = {}
         self._reduced_ready: dict[int, asyncio.Event] = {}
         self._regrouped: dict[int, tuple[list[PartSpec], str]] = {}
@@ -143,6 +145,26 @@ class RoundExchange:
         if round_no not in table:
             table[round_no] = asyncio.Event()
         return table[round_no]
+
+    async def _await_round(self, round_no: int, table: dict[int, asyncio.Event], what: str) -> None:
+        """Wait up to the serve timeout until round ``round_no`` is published in ``table``. A request may
+        name any round, so the rounds being waited for are capped, and a round's event that nobody
+        published is dropped when its last waiter gives up (no bookkeeping grows with requests)."""
+        if round_no not in table and sum(not e.is_set() for e in table.values()) >= MAX_AWAITED_ROUNDS:
+            raise SchemaError(f"too many rounds awaited at once; round {round_no} is not published here")
+        event = self._event(round_no, table)
+        self._waiting[(id(table), round_no)] = self._waiting.get((id(table), round_no), 0) + 1
+        try:
+            await asyncio.wait_for(event.wait(), timeout=self.serve_timeout)
+        except asyncio.TimeoutError:
+            raise SchemaError(f"no {what} for round {round_no} within {self.serve_timeout:.0f}s") from None
+        finally:
+            key = (id(table), round_no)
+            self._waiting[key] -= 1
+            if not self._waiting[key]:
+                del self._waiting[key]
+                if not event.is_set() and table.get(round_no) is event:
+                    del table[round_no]
 
     def publish_reduced(self, round_no: int, share: ReducedShare | None) -> None:
         """Serve this owner's reduced parts of ``round_no`` (None: it has none, so askers stop waiting)."""
@@ -212,10 +234,7 @@ class RoundExchange:
         latest = max(self._contributions, default=-1)
         if round_no <= latest - KEEP_ROUNDS:
             raise SchemaError(f"round {round_no} is over (this node is at round {latest})")
-        try:
-            await asyncio.wait_for(self._event(round_no).wait(), timeout=self.serve_timeout)
-        except asyncio.TimeoutError:
-            raise SchemaError(f"no contribution for round {round_no} within {self.serve_timeout:.0f}s") from None
+        await self._await_round(round_no, self._ready, "contribution")
         c = self._contributions.get(round_no)
         if c is None:
             raise SchemaError(f"round {round_no} is over")
@@ -230,10 +249,7 @@ class RoundExchange:
     async def _serve_reduced(self, stream: FramedStream, round_no: int, selection: list[int] | None) -> None:
         if round_no not in self._reduced and round_no < max(self._contributions, default=-1):
             raise SchemaError(f"this node reduced no parts of round {round_no} and has moved on")  # it never will
-        try:
-            await asyncio.wait_for(self._event(round_no, self._reduced_ready).wait(), timeout=self.serve_timeout)
-        except asyncio.TimeoutError:
-            raise SchemaError(f"no reduced parts for round {round_no} within {self.serve_timeout:.0f}s") from None
+        await self._await_round(round_no, self._reduced_ready, "reduced parts")
         share = self._reduced.get(round_no)
         if share is None:
             raise SchemaError(f"this node reduces no parts of round {round_no}")

@@ -41,3 +41,28 @@ def test_gather_counts_a_bug_while_fetching_as_internal_not_connection() -> None
     exchange.fetch = buggy_fetch  # type: ignore[method-assign]
     got, failed = asyncio.run(exchange.gather(["peer-a"], 0, timeout=1.0))
     assert not got and failed == {"peer-a": "internal"}
+
+
+def test_requests_for_rounds_never_published_leave_no_bookkeeping_behind() -> None:
+    """A request may name any round: the rounds awaited are capped and forgotten when nobody publishes them."""
+    from protocol.errors import SchemaError
+    from protocol.frames import encode_frame, encode_message
+    from tests.helpers.memory_transport import canned_stream
+
+    exchange = RoundExchange(MemoryTransport(reply=b""), "run", "none", [(4,)], serve_timeout=0.2)  # type: ignore[arg-type]
+
+    async def ask(round_no: int) -> str:
+        stream, _ = canned_stream(encode_frame(encode_message("fetch", {"run_id": "run", "round": round_no, "codec": "none"})))
+        try:
+            await exchange._handle(stream)
+        except SchemaError as e:
+            return str(e)
+        return "served"
+
+    async def flood() -> list[str]:
+        return await asyncio.gather(*(ask(10**6 + i) for i in range(100)))
+
+    answers = asyncio.run(flood())
+    assert sum("too many rounds awaited" in a for a in answers) == 100 - 16
+    assert sum("no contribution for round" in a for a in answers) == 16
+    assert exchange._ready == {} and exchange._waiting == {}
