@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -57,6 +59,8 @@ class RelayLimits:
     circuits_per_peer: int = 16
     circuits: int = 128
     bytes_per_circuit: int = 1 << 30
+    seconds_per_circuit: float = 1800.0  # a circuit is cut after 30 minutes, however busy
+    idle_seconds: float = 120.0  # ... and after this long with no byte either way (held slots are freed)
     open: dict[str, int] = field(default_factory=dict)  # live circuits by client
 
     def admit(self, client: str) -> None:
@@ -78,31 +82,45 @@ class RelayLimitExceeded(ConnectionError):
     """A circuit carried more than its byte cap."""
 
 
-async def _copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter, limit: int) -> int:
-    moved = 0
+async def _copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter, limit: int, moved: list[int], i: int,
+                activity: list[float]) -> None:
+    """Copy ``source`` to ``sink`` until EOF, counting into ``moved[i]`` and stamping ``activity[0]``."""
     while True:
         chunk = await source.read(1 << 16)
         if not chunk:
-            return moved
-        moved += len(chunk)
-        if moved > limit:
+            return
+        moved[i] += len(chunk)
+        activity[0] = time.monotonic()
+        if moved[i] > limit:
             raise RelayLimitExceeded(f"circuit passed its cap of {limit} bytes")
         sink.write(chunk)
         await sink.drain()
 
 
-async def splice(client: FramedStream, target: FramedStream, limit: int) -> tuple[int, int]:
-    """Copy bytes both ways until one side closes; returns (bytes client→target, target→client)."""
-    up = asyncio.ensure_future(_copy(client.reader, target.writer, limit))
-    down = asyncio.ensure_future(_copy(target.reader, client.writer, limit))
+async def splice(client: FramedStream, target: FramedStream, limit: int, max_seconds: float = math.inf,
+                 idle_seconds: float = math.inf) -> tuple[int, int]:
+    """Copy bytes both ways until one side closes, ``max_seconds`` pass, or no byte moves either way for
+    ``idle_seconds``; returns (bytes client→target, target→client)."""
+    moved, activity = [0, 0], [time.monotonic()]
+    up = asyncio.ensure_future(_copy(client.reader, target.writer, limit, moved, 0, activity))
+    down = asyncio.ensure_future(_copy(target.reader, client.writer, limit, moved, 1, activity))
+    give_up = time.monotonic() + max_seconds
     try:
         # the client closes only once it has read its whole answer, so its EOF ends the circuit
-        await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+        while True:
+            now = time.monotonic()
+            wait = min(give_up - now, activity[0] + idle_seconds - now)
+            if wait <= 0:
+                why = "time cap" if give_up <= now else "idle timeout"
+                logger.info("relay circuit %s -> %s cut: %s", client.peer, target.peer, why)
+                break
+            done, _ = await asyncio.wait({up, down}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            if done:
+                break
     finally:
         for task in (up, down):
             task.cancel()
         await asyncio.gather(up, down, return_exceptions=True)
-    moved = [t.result() if t.done() and not t.cancelled() and t.exception() is None else 0 for t in (up, down)]
     return moved[0], moved[1]
 
 
@@ -133,7 +151,7 @@ async def serve_hop(transport: RelayHost, stream: FramedStream) -> None:
             await leg.send("relayed", {"from": stream.peer, "protocol": protocol})
             await asyncio.wait_for(leg.recv(expect="relay_ok"), 10)
             await stream.send("relay_ok", {})
-            up, down = await splice(stream, leg, limits.bytes_per_circuit)
+            up, down = await splice(stream, leg, limits.bytes_per_circuit, limits.seconds_per_circuit, limits.idle_seconds)
             stream.bytes_received += up
             stream.bytes_sent += down
             stream.relay = transport.peer_id  # what this node relayed counts as relayed traffic
