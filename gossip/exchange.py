@@ -36,7 +36,7 @@ from compression.seeds import payload_seed
 from gossip.failures import failure_reason
 from protocol import ids
 from protocol.errors import ProtocolError, SchemaError, TruncatedFrame
-from protocol.frames import FramedStream, require
+from protocol.frames import FramedStream, require, require_token
 from protocol.hivemind_transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -299,7 +299,7 @@ class RoundExchange:
             if samples <= 0 or not contributors or not all(isinstance(c, str) for c in contributors):
                 raise SchemaError("a reduced share must name its contributors and carry a positive sample count")
             blobs, decoded = await self._receive_parts(stream, round_no, parts)
-            return ReducedShare(round_no, samples, contributors, require(head.body, "fingerprint", str),
+            return ReducedShare(round_no, samples, contributors, require_token(head.body, "fingerprint"),
                                 dict(zip(parts, blobs)), dict(zip(parts, decoded)))
         finally:
             self.transport.account(ids.AVERAGE, stream)
@@ -319,7 +319,7 @@ class RoundExchange:
             samples = require(head.body, "samples", int)
             n_parts = require(head.body, "parts", int)
             codec = require(head.body, "codec", str)
-            fp = require(head.body, "fingerprint", str)
+            fp = require_token(head.body, "fingerprint")
             if got_round != round_no:
                 raise SchemaError(f"asked for round {round_no}, got {got_round}")
             if codec != self.wire_of(round_no):

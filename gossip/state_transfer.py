@@ -26,7 +26,7 @@ import torch
 from gossip.fingerprint import content_digest
 from protocol import ids
 from protocol.errors import SchemaError
-from protocol.frames import FramedStream, require
+from protocol.frames import FramedStream, require, require_token
 from protocol.hivemind_transport import Transport
 from protocol.tensors import check_shape, dtype_name, tensor_bytes
 
@@ -174,7 +174,7 @@ def _check_header(body: dict, expected: Expected, have: dict[str, list[torch.Ten
                     f"state group {name!r} tensor {i}: peer has {list(got_shape)} {item[1]}, "
                     f"this model needs {list(shape)} {dtype_name(dtype)} (same --model on every peer?)"
                 )
-    return _Header(require(body, "round", int), require(body, "inner_step", int), require(body, "fingerprint", str),
+    return _Header(require(body, "round", int), require(body, "inner_step", int), require_token(body, "fingerprint"),
                    require(body, "meta", dict), sorted(same), list(layout))
 
 

@@ -1,5 +1,16 @@
 """Typed protocol errors: each says what was wrong with the bytes a peer sent and why it was refused."""
 
+import unicodedata
+
+
+def printable(text: object, limit: int = 300) -> str:
+    """Peer-supplied text made safe for a log line or a terminal: control characters (escape sequences,
+    newlines that would forge log lines) shown as ``\\uXXXX``, cut to ``limit`` characters."""
+    s = str(text)
+    cut = len(s) - limit
+    s = "".join(c if c == " " or unicodedata.category(c)[0] not in "CZ" else f"\\u{ord(c):04x}" for c in s[:limit])
+    return s + (f"… ({cut} more characters)" if cut > 0 else "")
+
 
 class ProtocolError(Exception):
     """Base of every wire-level rejection. ``code`` is a stable label used in metrics and error frames."""
@@ -41,6 +52,7 @@ class RemoteError(ProtocolError):
     code = "remote"
 
     def __init__(self, remote_code: str, message: str) -> None:
+        remote_code, message = printable(remote_code, 40), printable(message)  # the peer chose both
         super().__init__(f"peer refused: [{remote_code}] {message}")
         self.remote_code = remote_code
 

@@ -270,3 +270,15 @@ def require(body: dict[str, Any], field: str, kind: type | tuple[type, ...]) -> 
     if not isinstance(value, kind):
         raise SchemaError(f"field {field!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
     return value
+
+
+_TOKEN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:-")
+
+
+def require_token(body: dict[str, Any], field: str, max_len: int = 128) -> str:
+    """``body[field]`` as a short token (letters, digits, ``_.:-``; fingerprints and digests are hex):
+    a peer's claim that ends up in logs and votes, so no control characters and no megabytes pass."""
+    value = require(body, field, str)
+    if not value or len(value) > max_len or not _TOKEN_CHARS.issuperset(value):
+        raise SchemaError(f"field {field!r} must be a token of at most {max_len} letters, digits or _.:-")
+    return value

@@ -39,3 +39,19 @@ def test_a_private_swarm_decodes_no_first_frame_larger_than_a_hello() -> None:
     with pytest.raises(AuthError):
         _hello_server(encode_frame(encode_message("hello", {"mac": b"\0" * 32})))
     _hello_server(encode_frame(encode_message("hello", {"mac": swarm_proof(b"k" * 32, "client", "/p/1", "client", "server")})))
+
+
+def test_peer_text_is_made_safe_for_logs() -> None:
+    from protocol.errors import RemoteError, printable
+    from protocol.frames import require_token
+    from protocol.errors import SchemaError
+
+    forged = "bad\n12:00:00 INFO locomesh.node: round 5 done\x1b[2J"
+    shown = printable(forged)
+    assert "\n" not in shown and "\x1b" not in shown and "round 5 done" in shown
+    error = RemoteError("x" * 1000, "y" * (1 << 20))
+    assert len(str(error)) < 600 and "more characters" in str(error)
+    assert require_token({"fp": "0123abcd"}, "fp") == "0123abcd"
+    for bad in ("", "a" * 129, "12\n34", "\x1b[2J", "fp fp"):
+        with pytest.raises(SchemaError):
+            require_token({"fp": bad}, "fp")
