@@ -2,8 +2,8 @@
 folder, and :func:`load_hf_folder` reads such a folder back (``node join --init-from DIR``).
 
 The folder holds ``config.json``, ``model.safetensors`` (fp32, Hugging Face tensor names),
-``generation_config.json`` and, when the checkpoint carries its tokenizer, ``tokenizer.json`` and
-``tokenizer_config.json``: ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and
+``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json`` (the checkpoint's tokenizer, or
+for a model trained on plain text a byte-level one whose ids are the UTF-8 bytes): ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and
 ``AutoTokenizer.from_pretrained(DIR)`` load it without custom code. Only ``safetensors`` and
 ``tokenizers`` are used here; ``transformers`` is never imported.
 """
@@ -58,6 +58,10 @@ def export_checkpoint(checkpoint: Path, out: Path, weights: str = "phi") -> Path
     tokenizer = state.get("tokenizer")
     if isinstance(tokenizer, bytes):
         tokenizer = tokenizer.decode("utf-8")
+    if not tokenizer and cfg.vocab_size == 256:  # trained on plain text: its tokens are the UTF-8 bytes
+        from node.data.tokenizer import byte_level_tokenizer_json
+
+        tokenizer = byte_level_tokenizer_json()
     special = _special_tokens(tokenizer, cfg, file) if tokenizer else {}
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} already exists and is not an empty folder; choose a new folder or remove it")

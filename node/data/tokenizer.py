@@ -140,6 +140,41 @@ def tokenizer_hash(source: str | Path | Tokenizer) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-in character of each byte 0..255 (what the ByteLevel pre-tokenizer emits)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return [chars[b] for b in range(256)]
+
+
+def byte_level_tokenizer_json() -> str:
+    """A tokenizer whose ids are the text's UTF-8 bytes (id = byte value: 256 tokens, no merges, no special
+    tokens): the tokenizer of a model trained on plain text, for ``node export`` of byte-level runs."""
+    vocab = {c: b for b, c in enumerate(_byte_chars())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()
+
+
+BYTE_PROBE = "Byte-level? ¿Sí: ünïcode ✓ 中文\n\t{}"
+
+
+def is_byte_level(tokenizer_json: str | None) -> bool:
+    """True when ``tokenizer_json`` encodes text to its UTF-8 bytes and back (a byte-level model's tokenizer)."""
+    if not tokenizer_json:
+        return False
+    try:
+        tok = Tokenizer.from_str(tokenizer_json)
+        ids = tok.encode(BYTE_PROBE, add_special_tokens=False).ids
+        return vocab_size(tok) == 256 and ids == list(BYTE_PROBE.encode("utf-8")) and tok.decode(ids) == BYTE_PROBE
+    except Exception:
+        return False
+
+
 def eos_id(tok: Tokenizer) -> int:
     """Id of ``<|endoftext|>``, the document separator; :class:`UserError` if the tokenizer has none."""
     i = tok.token_to_id(EOS_TOKEN)

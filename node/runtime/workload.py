@@ -62,6 +62,35 @@ def _identity(data: Path | None, model: str, model_config: Path | None, init_fro
     return (("model", model), ("tokenizer", tokenizer))
 
 
+@functools.lru_cache(maxsize=4)
+def checkpoint_model(path: Path) -> str | None:
+    """The ``--model`` preset a locomesh checkpoint (``checkpoint.pt`` or its folder) holds: the one its
+    node ran with when that preset's architecture matches the checkpoint's (vocabulary and context
+    aside), else the first preset that does; None for a Hugging Face folder, an unreadable file or a
+    custom architecture. Lets ``--init-from CHECKPOINT`` leave out ``--model``."""
+    from node.checkpoints.checkpoint import CHECKPOINT_NAME, load
+    from swarm.models.presets import PRESETS
+
+    path = Path(path)
+    file = path / CHECKPOINT_NAME if path.is_dir() else path
+    if is_hf_folder(path) or not file.is_file():
+        return None
+    try:
+        state = load(file)
+    except Exception:  # load_init_weights says what is wrong with it
+        return None
+    held = state.get("model_config")
+    if not isinstance(held, dict):
+        return None
+    config = state.get("config") if isinstance(state.get("config"), dict) else {}
+
+    def shape(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in d.items() if k not in ("vocab_size", "context")}
+
+    recorded = [config["model"]] if config.get("model") in PRESETS else []
+    return next((name for name in recorded + list(PRESETS) if shape(PRESETS[name].to_dict()) == shape(held)), None)
+
+
 def load_init_weights(path: Path, model: Any) -> tuple[list[Any], Path]:
     """The weights of a locomesh checkpoint for ``--init-from`` (``phi``, else ``theta``); raises :class:`UserError`."""
     from node.checkpoints.checkpoint import CHECKPOINT_NAME, load
@@ -183,14 +212,31 @@ def load_workload(cfg: Any, batch_size: int | None = None, max_batches: int | No
     from node.data.byte_corpus import load_corpus
     from node.data.bytes import validation_batches
 
-    if is_hf_folder(cfg.init_from):
+    if is_hf_folder(cfg.init_from) and not _byte_level_folder(Path(cfg.init_from)):
         raise UserError(f"--init-from {cfg.init_from} is a tokenized model: give --data a folder prepared with its "
                         f"tokenizer (node data prepare --tokenizer {Path(cfg.init_from) / 'tokenizer.json'} ...)")
-    model_cfg, _, _ = _architecture(cfg, 256)
+    model_cfg, weights, _ = _architecture(cfg, 256)
     corpus = load_corpus(str(cfg.data) if cfg.data else None, context=model_cfg.context)
     val = validation_batches(corpus.val, batch_size, model_cfg.context, max_batches=max_batches)
-    return _with_checkpoint_init(cfg, Workload(model_cfg, corpus.source, val, sum(y.numel() for _, y in val), None, None,
+    return _with_checkpoint_init(cfg, Workload(model_cfg, corpus.source, val, sum(y.numel() for _, y in val), None, weights,
                                                None, corpus))
+
+
+def _byte_level_folder(folder: Path) -> bool:
+    """A Hugging Face folder of a model trained on bytes: its tokenizer.json maps text to its UTF-8 bytes
+    (what ``node export`` writes for byte-level runs), or it has none and 256 token embeddings."""
+    from node.data.tokenizer import is_byte_level
+
+    tok_file = folder / "tokenizer.json"
+    if tok_file.is_file():
+        try:
+            return is_byte_level(tok_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):
+            return False
+    try:
+        return json.loads((folder / "config.json").read_text()).get("vocab_size") == 256
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _with_checkpoint_init(cfg: Any, work: Workload) -> Workload:

@@ -47,6 +47,7 @@ def test_the_light_client_stream_speaks_the_shared_framing():
 
 def test_probe_reports_the_node_status_without_hivemind_or_torch(keyed_node):
     handle, maddr, key = keyed_node
+    before = handle.wait(lambda i: i.get("outer_rounds", 0) >= 1, 120, "a first round")
     out = subprocess.run([sys.executable, "-m", "tests.helpers.lite_checks", "cli", "probe", maddr, "--json", "--swarm-key-file", str(key)],
                          capture_output=True, text=True, timeout=60, env=ENV)
     assert out.returncode == 0, out.stderr
@@ -59,7 +60,13 @@ def test_probe_reports_the_node_status_without_hivemind_or_torch(keyed_node):
     assert status["run_id"] == RUN
     assert status["state"] == "training"
     for counter in ("round", "inner_step", "steps"):
-        assert isinstance(status[counter], int) and status[counter] >= 0, (counter, status)
+        assert isinstance(status[counter], int), (counter, status)
+    # a lone node trains H = 15 steps a round from step 0: steps = 15·round + inner_step (15 more if the
+    # status was read between a round's start and its end; ±1 if read across a step: the counters are
+    # read one after the other while training goes on), and the probe is no older than the info file
+    h = 15
+    assert 0 <= status["inner_step"] < h and status["round"] >= before["outer_rounds"] and status["steps"] >= before["steps"], (status, before)
+    assert status["steps"] - h * status["round"] - status["inner_step"] in (-1, 0, 1, h - 1, h, h + 1), status
     assert status["model"] == "nano" and status["algorithm"] == "diloco"
     assert "/locomesh/status/1.0" in status["protocols"]
     assert status["probe"]["address"] == maddr and 0 < status["probe"]["connect_s"] < 10

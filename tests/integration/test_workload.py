@@ -161,3 +161,57 @@ def test_a_llama_node_trains_on_shards_resumes_evaluates_and_exports(shards: Pat
     ids = tok("the quick brown fox jumps over the lazy dog", return_tensors="pt").input_ids
     with torch.no_grad():
         assert (hf(ids).logits - model(ids)[0]).abs().max() < 1e-4
+
+
+def test_a_byte_level_llama_round_trips_through_export_and_init_from(tmp_path: Path) -> None:
+    """Plain text (bytes) → llama-tiny → node export (with a byte-level tokenizer.json) → node join --init-from
+    that folder, and --init-from the checkpoint without --model → node export → transformers, whose
+    tokenizer gives the UTF-8 bytes and whose logits match the checkpoint's."""
+    transformers = pytest.importorskip("transformers")
+    from node.data.tokenizer import is_byte_level
+    from swarm.models.presets import build_model, config_from_dict
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    text = tmp_path / "text.txt"
+    _documents(tmp_path / "docs", count=1, words=3000)
+    text.write_text((tmp_path / "docs" / "doc00.txt").read_text())
+
+    def join(name: str, *extra: str) -> dict:
+        info = tmp_path / f"{name}.json"
+        run = subprocess.run([sys.executable, "-m", "node", "join", "--data", str(text), "--inner-steps", "10", "--batch-size", "4",
+                              "--eval-batches", "2", "--threads", "1", "--max-steps", "20", "--seed", "0", "--init-seed", "0",
+                              "--listen", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(tmp_path / name), "--info-file", str(info), *extra],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return json.loads(info.read_text())
+
+    def export(name: str) -> Path:
+        out = subprocess.run([sys.executable, "-m", "node", "export", "--checkpoint", str(tmp_path / name), "--out", str(tmp_path / f"{name}-hf"),
+                              "--weights", "theta"], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return tmp_path / f"{name}-hf"
+
+    fresh = join("fresh", "--model", "llama-tiny", "--context", "64")
+    first = export("fresh")
+    assert is_byte_level((first / "tokenizer.json").read_text()), "a byte-level model exports a byte-level tokenizer"
+    # both ways back in: the exported folder (no --model: it has its own config.json) and the checkpoint
+    from_folder = join("from-folder", "--init-from", str(first))
+    from_checkpoint = join("from-checkpoint", "--init-from", str(tmp_path / "fresh" / "checkpoint.pt"), "--context", "64")
+    for info in (from_folder, from_checkpoint):  # trained weights, not a fresh start at ~ln 256
+        assert info["train_loss_first"] < fresh["train_loss_first"] - 0.5, (info["train_loss_first"], fresh["train_loss_first"])
+    assert torch.load(tmp_path / "from-checkpoint" / "checkpoint.pt", weights_only=True)["config"]["model"] == "llama-tiny"
+
+    last = export("from-folder")
+    state = torch.load(tmp_path / "from-folder" / "checkpoint.pt", weights_only=True)
+    model = build_model(config_from_dict(state["model_config"])).eval()
+    with torch.no_grad():
+        for p, t in zip(model.parameters(), state["theta"]):
+            p.copy_(t)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(last).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(last)
+    sample = "the quick brown fox — über naïve"
+    ids = tok(sample, return_tensors="pt").input_ids
+    assert ids[0].tolist() == list(sample.encode("utf-8"))
+    assert tok.decode(ids[0]) == sample
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids)[0]).abs().max() < 1e-4

@@ -314,18 +314,58 @@ def test_property_corrupted_bytes_raise_codec_error_or_decode(spec: str, positio
     assert out is None or out.dtype == torch.float32
 
 
+def _two_level_reference(row: torch.Tensor, steps: int) -> tuple[float, float, torch.Tensor]:
+    """An independent two-level Lloyd quantizer of one chunk's magnitudes, in float64: split at the
+    median, then ``steps`` times at the midpoint of the class means. Returns (low, high, is_high, the
+    threshold that split them)."""
+    mags = sorted(abs(float(v)) for v in row)
+    threshold = mags[(len(mags) - 1) // 2]  # torch.median: the lower of the two middle values
+    magnitude = row.double().abs()
+    for _ in range(steps + 1):
+        split = threshold
+        high = magnitude > split
+        low_values, high_values = magnitude[~high], magnitude[high]
+        low = float(low_values.mean()) if len(low_values) else 0.0
+        top = float(high_values.mean()) if len(high_values) else 0.0
+        threshold = (low + top) / 2
+    return low, top, high, split
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 64), st.integers(1, 6), st.floats(1e-6, 1e3), st.integers(0, 2**31))
-def test_chunk_levels_are_contractive_per_chunk(k: int, n_chunks: int, scale: float, seed: int) -> None:
+def test_chunk_levels_match_a_reference_two_level_quantizer_per_chunk(k: int, n_chunks: int, scale: float, seed: int) -> None:
     from compression import chunk_levels
     g = torch.Generator().manual_seed(seed)
     # chunks of very different scales, as a flat run across tensors has them
     x = torch.randn(n_chunks, k, generator=g) * torch.logspace(0, -4, n_chunks).unsqueeze(1) * scale
     codes, levels = chunk_levels.encode(x)
     y = chunk_levels.decode(codes, levels, n_chunks, k, "test")
-    assert torch.equal(torch.sign(y[y != 0]), torch.sign(x[y != 0]))
-    for row_x, row_y in zip(x, y):
-        assert float((row_x - row_y).norm()) <= float(row_x.norm()) * (1 + 1e-3)
+    for row_x, row_y, row_levels in zip(x, y, levels):
+        low, high, is_high, split = _two_level_reference(row_x, chunk_levels.LLOYD_STEPS)
+        got = row_levels.float()
+        # float32 sums against float64 ones: equal up to float16's rounding of the level (2^-24: its
+        # smallest step, below which a level flushes to 0)
+        assert torch.allclose(got.double(), torch.tensor([low, high], dtype=torch.float64), rtol=2e-3, atol=2.0**-24), (got, low, high)
+        # every value decodes to sign × the level of its class (the reference's class, except for a
+        # magnitude within rounding of the split)
+        mags = row_x.double().abs()
+        near_split = (mags - split).abs() <= 1e-5 * max(split, 1e-30)
+        classes = torch.where(row_y.abs() == got[1], True, False)
+        assert bool(((row_y.abs() == got[0]) | (row_y.abs() == got[1])).all()), (row_y, got)
+        assert got[0] == got[1] or bool(((classes == is_high) | near_split).all()), (row_x, row_y, got)
+        assert torch.equal(torch.signbit(row_y), torch.signbit(row_x)) or bool((got == 0).any())
+        # and each level is the mean magnitude it stands for, so the chunk's error is below its norm
+        assert float((row_x - row_y).norm()) < float(row_x.norm()) * (1 + 1e-3) or float(row_x.norm()) == 0
+
+
+def test_chunk_levels_reference_values() -> None:
+    """One chunk worked by hand: magnitudes 1, 2, 3, 10 split at the median 2, then at (1.5 + 6.5)/2 = 4:
+    levels 2 (for 1, 2, 3) and 10; the Lloyd split is what keeps 10 from being pulled down to 6.5."""
+    from compression import chunk_levels
+    x = torch.tensor([[1.0, -2.0, 3.0, -10.0]])
+    codes, levels = chunk_levels.encode(x)
+    assert levels.tolist() == [[2.0, 10.0]]
+    assert chunk_levels.decode(codes, levels, 1, 4, "test").tolist() == [[2.0, -2.0, 2.0, -10.0]]
 
 
 def test_chunk_levels_refuse_negative_or_infinite_levels() -> None:
