@@ -198,7 +198,7 @@ class NodeConfig(BaseModel):
     def _model_of_checkpoint(cls, data: Any) -> Any:
         """``--init-from`` a locomesh checkpoint without ``--model``: the checkpoint's model."""
         if isinstance(data, dict) and data.get("init_from") and not data.get("model"):
-            from node.runtime.workload import checkpoint_model
+            from node.checkpoints.contents import checkpoint_model
 
             data = {**data, "model": checkpoint_model(Path(data["init_from"])) or cls.model_fields["model"].default}
         return data

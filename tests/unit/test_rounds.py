@@ -63,7 +63,8 @@ def pair(monkeypatch):
         m["averager"].outer = NesterovOuter(lr=LR, momentum=MU)
         m["averager"].keep_others = True
         net.submit(m["exchange"].start()).result(10)
-        m["runner"] = RoundRunner(net, m["averager"], True, _noop, threading.Event(), final_timeout=20)  # type: ignore[arg-type]
+        m["runner"] = RoundRunner(net=net, averager=m["averager"], eager=True, before_gather=_noop, stop=threading.Event(),  # type: ignore[arg-type]
+                                  final_timeout=20)
     yield phi0, members
     net.close()
 
