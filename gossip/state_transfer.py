@@ -12,6 +12,12 @@ peer for the k-th of n even shares of the chunks (``stripe_of``), so no peer sen
 A requester may say what it already holds (``have``: a content digest per tensor group); groups whose
 digest equals the snapshot's are listed as ``same`` in the header and not sent, so a joiner that starts
 from the run's seed at round 0, or resumes a checkpoint of the current round, downloads only the header.
+
+A download is a peer's claim until checked: the header carries the content digest of every tensor
+group (over every byte), the receiver recomputes it over what arrived and refuses a state that does not
+match — its own header's, every stripe's, and the digests a majority of peers reported (``trusted``,
+from :func:`state_headers`: ``header_only`` requests that cost a peer one frame). One peer of four
+stripes cannot poison its quarter, and a single peer cannot hand a joiner a state the others do not hold.
 """
 
 from __future__ import annotations
@@ -97,12 +103,16 @@ class StateServer:
         if snap is None:
             raise SchemaError("this node has no state to share yet")
         layout = {name: [[list(t.shape), dtype_name(t.dtype)] for t in ts] for name, ts in snap.tensors.items()}
-        same = sorted(name for name, digest in (await self.digests(snap)).items() if have and have.get(name) == digest)
+        digests = await self.digests(snap)
+        same = sorted(name for name, digest in digests.items() if have and have.get(name) == digest)
         await stream.send(
             "state",
             {"round": snap.round, "inner_step": int(self.progress()), "fingerprint": snap.fingerprint, "meta": snap.meta, "layout": layout,
-             "same": same},
+             "same": same, "digests": digests},
         )
+        if msg.body.get("header_only") is True:
+            await stream.send("end", {})
+            return
         k, n = stripe
         plan = chunk_plan({name: [(tuple(t.shape), t.dtype) for t in ts] for name, ts in snap.tensors.items()}, same)
         raw: tuple[tuple[str, int], bytes] | None = None
@@ -149,9 +159,11 @@ class _Header:
     meta: dict[str, Any]
     same: list[str]
     order: list[str]  # the groups in the peer's order (chunks follow it)
+    digests: dict[str, str]  # content digest of each group, as the peer claims
 
     def agrees_with(self, other: "_Header") -> bool:
-        return (self.round, self.fingerprint, self.same, self.order) == (other.round, other.fingerprint, other.same, other.order)
+        return ((self.round, self.fingerprint, self.same, self.order, self.digests)
+                == (other.round, other.fingerprint, other.same, other.order, other.digests))
 
 
 def _check_header(body: dict, expected: Expected, have: dict[str, list[torch.Tensor]] | None) -> _Header:
@@ -174,8 +186,49 @@ def _check_header(body: dict, expected: Expected, have: dict[str, list[torch.Ten
                     f"state group {name!r} tensor {i}: peer has {list(got_shape)} {item[1]}, "
                     f"this model needs {list(shape)} {dtype_name(dtype)} (same --model on every peer?)"
                 )
+    digests = require(body, "digests", dict)
+    if set(digests) != set(expected) or not all(isinstance(d, str) and 0 < len(d) <= 128 for d in digests.values()):
+        raise SchemaError(f"peer's state header must give a digest for each group {sorted(expected)}")
     return _Header(require(body, "round", int), require(body, "inner_step", int), require_token(body, "fingerprint"),
-                   require(body, "meta", dict), sorted(same), list(layout))
+                   require(body, "meta", dict), sorted(same), list(layout), dict(digests))
+
+
+class PoisonedState(SchemaError):
+    """What arrived does not match the digests the peer (or the swarm's majority) reported."""
+
+
+async def state_headers(transport: Transport, peers: Sequence[str], run_id: str, expected: Expected,
+                        timeout: float = 10.0) -> dict[str, tuple[int, dict[str, str]]]:
+    """Ask each peer for its snapshot's header only: {peer: (round, group digests)} of those that answered."""
+
+    async def one(peer: str) -> tuple[int, dict[str, str]]:
+        stream = await transport.open(peer, ids.STATE)
+        try:
+            await stream.send("get_state", {"run_id": run_id, "header_only": True})
+            head = _check_header((await stream.recv(expect="state")).body, expected, None)
+            await stream.recv(expect="end")
+            return head.round, head.digests
+        finally:
+            transport.account(ids.STATE, stream)
+            await stream.close()
+
+    results = await asyncio.gather(*(asyncio.wait_for(one(p), timeout) for p in peers), return_exceptions=True)
+    return {p: r for p, r in zip(peers, results) if isinstance(r, tuple)}
+
+
+def majority_state(headers: dict[str, tuple[int, dict[str, str]]]) -> tuple[int, dict[str, str], list[str]] | None:
+    """The (round, digests) most peers report, and those peers; None without a strict majority of at least
+    two peers when more than one answered (ties are no majority: nobody's id decides)."""
+    votes: dict[tuple[int, tuple[tuple[str, str], ...]], list[str]] = {}
+    for peer, (round_no, digests) in headers.items():
+        votes.setdefault((round_no, tuple(sorted(digests.items()))), []).append(peer)
+    if not votes:
+        return None
+    ranked = sorted(votes.items(), key=lambda kv: -len(kv[1]))
+    (round_no, digests), holders = ranked[0]
+    if len(headers) > 1 and (len(holders) < 2 or (len(ranked) > 1 and len(ranked[1][1]) == len(holders))):
+        return None
+    return round_no, dict(digests), sorted(holders)
 
 
 class _Assembly:
@@ -230,11 +283,14 @@ async def download_state(
     expected: Expected,
     on_progress: Callable[[int, int], None] | None = None,
     have: dict[str, list[torch.Tensor]] | None = None,
+    trusted: dict[str, str] | None = None,
 ) -> DownloadedState:
     """Download a snapshot; ``expected`` is the layout this node's model needs. With several ``peers``
     (that should hold the same state: the same round) each sends one stripe, an even share of the
     chunks; a stripe whose peer fails is fetched from one that answered. ``have``: the tensors this
-    node holds now, by group; groups the peers report identical are taken from it, not sent."""
+    node holds now, by group; groups the peers report identical are taken from it, not sent. ``trusted``:
+    the group digests the swarm's majority reported (:func:`majority_state`); a state whose bytes do not
+    match them, or its own header's digests, raises :class:`PoisonedState`."""
     peers = [peers] if isinstance(peers, str) else list(peers)
     request: dict[str, Any] = {"run_id": run_id}
     if have:
@@ -254,6 +310,8 @@ async def download_state(
     if not all(h.agrees_with(heads[0]) for h in heads):
         raise SchemaError(f"peers {peers} hold different states (rounds {[h.round for h in heads]}); download from one")
     head = heads[0]
+    if trusted is not None and head.digests != trusted:
+        raise PoisonedState(f"peers {peers} offer a state other than the one most peers hold")
     tensors = {
         name: [
             (torch.frombuffer(buf, dtype=d).reshape(s).clone() if len(buf) else torch.empty(s, dtype=d))
@@ -271,9 +329,14 @@ async def download_state(
         for i, t in enumerate(ts):
             if t.is_floating_point() and not torch.isfinite(t).all():
                 raise SchemaError(f"downloaded state {name!r}[{i}] holds NaN or Inf")
+    got = await asyncio.to_thread(group_digests, tensors)
+    wrong = sorted(name for name in expected if got[name] != head.digests[name])
+    if wrong:
+        raise PoisonedState(f"state from {peers}: groups {wrong} do not match the digests their header reported")
     snap = StateSnapshot(round=head.round, tensors=tensors, fingerprint=head.fingerprint, meta=head.meta)
     return DownloadedState(snapshot=snap, inner_step=max(h.inner_step for h in heads), peer=",".join(peers), nbytes=assembly.nbytes,
                            reused=list(head.same))
 
 
-__all__ = ["DownloadedState", "StateServer", "StateSnapshot", "chunk_plan", "download_state", "stripe_of"]
+__all__ = ["DownloadedState", "PoisonedState", "StateServer", "StateSnapshot", "chunk_plan", "download_state", "majority_state",
+           "state_headers", "stripe_of"]

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[FramedStream], Awaitable[None]]
 RELAY_RETRY_S = 30.0  # a relay that failed is skipped this long
+MAX_STREAMS_PER_PEER = 32  # streams of one protocol one client may hold open here at once
 
 
 class Transport:
@@ -64,6 +65,7 @@ class Transport:
         self.relay_limits: relay.RelayLimits | None = None  # set when this node relays for others
         self._relay_failed: dict[str, float] = {}
         self._direct_cache: tuple[float, set[str]] = (0.0, set())
+        self._active: dict[tuple[str, str], int] = {}  # (protocol, client) → streams being served
 
     @property
     def peer_id(self) -> str:
@@ -88,7 +90,23 @@ class Transport:
 
     async def handle(self, protocol: str, handler: Handler, stream: FramedStream, client: str) -> None:
         """Run ``handler`` on a served stream from ``client``: the private-swarm hello first, then
-        the handler; failures are logged, counted and answered with an error frame."""
+        the handler; failures are logged, counted and answered with an error frame. A client may hold
+        at most ``MAX_STREAMS_PER_PEER`` streams of one protocol at once (a cheap request can cost an
+        expensive answer: a whole state); stage requests are bounded by the stage's own queue."""
+        key = (protocol, client)
+        if protocol != ids.STAGE and self._active.get(key, 0) >= MAX_STREAMS_PER_PEER:
+            self.on_error(protocol, "busy", client)
+            await stream.refuse("busy", f"{MAX_STREAMS_PER_PEER} {protocol} streams of yours are open here; wait for them")
+            return
+        self._active[key] = self._active.get(key, 0) + 1
+        try:
+            await self._handle_counted(protocol, handler, stream, client)
+        finally:
+            self._active[key] -= 1
+            if not self._active[key]:
+                del self._active[key]
+
+    async def _handle_counted(self, protocol: str, handler: Handler, stream: FramedStream, client: str) -> None:
         try:
             if self.swarm_key is not None:
                 await server_hello(stream, self.swarm_key, protocol, client, self.peer_id)

@@ -12,13 +12,14 @@ import logging
 import sys
 import threading
 import time
+from collections import Counter
 from typing import Any, Awaitable, Callable
 
 import torch
 
 from gossip.fingerprint import fingerprint
 from gossip.rendezvous import list_peers, rejoin_target
-from gossip.state_transfer import DownloadedState, download_state
+from gossip.state_transfer import DownloadedState, download_state, majority_state, state_headers
 from node.runtime.metrics import NodeMetrics
 from node.runtime.network import NetworkThread
 from node.runtime.settings import settings_mismatch
@@ -28,6 +29,7 @@ from node.errors import JoinRefused
 
 logger = logging.getLogger("locomesh.node")
 STRIPE_PEERS = 4  # a joiner downloads from up to this many peers at once, an even share from each
+VERIFY_PEERS = 5  # a joiner asks up to this many peers for their state's digests before it downloads
 
 Layout = dict[str, list[tuple[tuple[int, ...], torch.dtype]]]
 
@@ -58,44 +60,86 @@ class Joiner:
         peers = self.net.call(list_peers(self.net.dht, self.run_id), timeout=30)
         return [rec for p, rec in peers.items() if p != self.peer_id and rec.role == "trainer"]
 
+    def _sources(self, candidates: list[Any]) -> tuple[list[list[str]], dict[str, str] | None]:
+        """Whom to download from, in order, and the group digests the state must have.
+
+        The round most peers announce is the swarm's (a peer's round is a claim: one announcing a round
+        far ahead of it is not asked). Up to ``VERIFY_PEERS`` peers near it are asked for their state's
+        digests; when a strict majority of them agrees, only those holders are asked (striped across
+        several) and what arrives must match their digests. Without a majority (one peer, or a tie) each
+        download is checked against its own peer's digests only."""
+        if not candidates:
+            return [], None
+        counts = Counter(rec.round for rec in candidates)
+        swarm_round = max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        near = sorted((rec for rec in candidates if rec.round <= swarm_round + 1),
+                      key=lambda r: (abs(r.round - swarm_round), -r.round, r.peer_id))
+        ignored = [rec.peer_id for rec in candidates if rec.round > swarm_round + 1]
+        if ignored:
+            logger.warning("not downloading from %d peer(s) announcing rounds far ahead of the swarm's %d: %s",
+                           len(ignored), swarm_round, ", ".join(p[-8:] for p in ignored))
+        asked = [rec.peer_id for rec in near[:VERIFY_PEERS]]
+        headers = self.net.call(state_headers(self.net.transport, asked, self.run_id, self.layout()), timeout=30) if len(asked) > 1 else {}
+        majority = majority_state(headers)
+        if majority is not None:
+            _, trusted, holders = majority
+            dissent = sorted(set(headers) - set(holders))
+            if dissent:
+                logger.warning("peers %s hold a state other than the majority's; not downloading from them",
+                               ", ".join(p[-8:] for p in dissent))
+                self.metrics.errors.labels("poisoned").inc(len(dissent))
+            return ([holders[:STRIPE_PEERS]] if len(holders) > 1 else []) + [[h] for h in holders], trusted
+        top = [rec.peer_id for rec in near if rec.round == near[0].round][:STRIPE_PEERS]
+        return ([top] if len(top) > 1 else []) + [[rec.peer_id] for rec in near], None
+
     def join(self, resumed: bool) -> bool:
         """Download state from a live peer and take over its progress into the current round, so this
         node runs only the round's remaining inner steps and meets its peers at the rendezvous.
 
         Retries for ``join_timeout`` seconds; raises :class:`JoinRefused` when every peer refused this
-        node's credentials (a private swarm and a missing or wrong ``--swarm-key``)."""
+        node's credentials (a private swarm and a missing or wrong ``--swarm-key``) or every peer that
+        answered trains with other settings. A peer whose state is refused (other settings, bytes that do
+        not match the digests) is skipped, never fatal: one peer cannot stop a newcomer."""
         deadline = time.monotonic() + self.join_timeout
         refusals: set[str] = set()
+        mismatched: dict[str, str] = {}
         while not self.stop.is_set():
-            candidates = sorted(self._trainers(), key=lambda r: (-r.round, r.peer_id))
-            # the peers at the swarm's round each send a stripe; then one peer at a time
-            newest = [rec.peer_id for rec in candidates if rec.round == candidates[0].round][:STRIPE_PEERS] if candidates else []
-            sources = ([newest] if len(newest) > 1 else []) + [[rec.peer_id] for rec in candidates]
+            candidates = self._trainers()
+            try:
+                sources, trusted = self._sources(candidates)
+            except Exception as e:
+                logger.warning("could not ask peers for their state's digests: %s", e)
+                sources, trusted = [[rec.peer_id] for rec in candidates], None
             for peers in sources:
-                rec = next(r for r in candidates if r.peer_id == peers[0])
                 try:
-                    got = self.download_from(peers, offer_held=True)
-                except JoinRefused:
-                    raise
+                    got = self.download_from(peers, offer_held=True, trusted=trusted)
+                except JoinRefused as e:
+                    mismatched.update({p: str(e) for p in peers})
+                    logger.warning("state of %s refused: %s", ",".join(peers), e)
+                    continue
                 except RemoteError as e:
-                    logger.warning("state download from %s refused: %s", rec.peer_id, e)
+                    logger.warning("state download from %s refused: %s", ",".join(peers), e)
                     self.metrics.state_downloads.labels("failed").inc()
                     if e.remote_code == "auth":
-                        refusals.add(rec.peer_id)
+                        refusals.update(peers)
                     continue
                 except Exception as e:
-                    logger.warning("state download from %s failed: %s", rec.peer_id, e)
+                    logger.warning("state download from %s failed: %s", ",".join(peers), e)
                     self.metrics.state_downloads.labels("failed").inc()
                     continue
                 self.net.call(self.announce(), timeout=30)
                 self.event("joined", peer=",".join(peers), round=got.snapshot.round, inner_step=got.inner_step, bytes=got.nbytes,
-                           reused=got.reused, fingerprint=fingerprint(got.snapshot.tensors["params"]), peer_fingerprint=got.snapshot.fingerprint)
+                           reused=got.reused, fingerprint=fingerprint(got.snapshot.tensors["params"]), peer_fingerprint=got.snapshot.fingerprint,
+                           verified="majority" if trusted is not None else "own_header")
                 return True
-            if candidates and refusals >= {rec.peer_id for rec in candidates}:
+            everyone = {rec.peer_id for rec in candidates}
+            if candidates and refusals >= everyone:
                 raise JoinRefused(
                     f"every peer of run {self.run_id!r} refused this node: it is a private swarm. "
                     "Ask its operator for the swarm key and pass it with --swarm-key FILE."
                 )
+            if candidates and set(mismatched) >= everyone - refusals:
+                raise JoinRefused(next(iter(mismatched.values())))
             if time.monotonic() >= deadline:
                 break
             time.sleep(1.0)
@@ -103,10 +147,11 @@ class Joiner:
                    + ("the checkpoint" if resumed else "scratch"))
         return False
 
-    def download_from(self, peer: str | list[str], offer_held: bool = False) -> DownloadedState:
+    def download_from(self, peer: str | list[str], offer_held: bool = False, trusted: dict[str, str] | None = None) -> DownloadedState:
         """Download a peer's state, check its settings and adopt it; a progress bar on a terminal, else
         a log line per quarter. ``offer_held``: tell the peer what this node holds, so identical groups
-        are not sent (worth it on joining: a node started from the run's seed or resumed at the swarm's round)."""
+        are not sent (worth it on joining: a node started from the run's seed or resumed at the swarm's round).
+        ``trusted``: the group digests the state must match (the majority's)."""
         logged = [-1]
         bar = None
         if sys.stderr.isatty():
@@ -128,7 +173,7 @@ class Joiner:
 
         try:
             held = self.held() if offer_held and self.held is not None else None
-            got = self.net.call(download_state(self.net.transport, peer, self.run_id, self.layout(), progress, held), timeout=120)
+            got = self.net.call(download_state(self.net.transport, peer, self.run_id, self.layout(), progress, held, trusted), timeout=120)
         finally:
             if bar is not None:
                 bar.stop()

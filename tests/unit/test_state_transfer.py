@@ -144,3 +144,65 @@ def test_a_stripe_request_out_of_range_is_refused():
     for bad in ([2, 2], [0, 99], "0/2", [True, 2]):
         with pytest.raises(SchemaError, match="stripe"):
             asyncio.run(ask(bad))
+
+
+class _LyingServer(StateServer):
+    """Serves poisoned tensors under the header (digests) of an honest state."""
+
+    def __init__(self, *args, honest: dict[str, list[torch.Tensor]], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.honest = honest
+
+    async def digests(self, snap):  # type: ignore[override]
+        from gossip.state_transfer import group_digests
+
+        return group_digests(self.honest)
+
+
+def test_one_stripe_peer_cannot_poison_its_share_of_a_download():
+    from gossip.state_transfer import PoisonedState
+
+    honest = _state(0)
+    poisoned = {name: [t + 1.0 for t in ts] for name, ts in honest.items()}
+
+    async def go():
+        network = Network()
+        good = StateServer(network.transport("good"), "run", progress=lambda: 3)  # type: ignore[arg-type]
+        bad = _LyingServer(network.transport("bad"), "run", progress=lambda: 3, honest=honest)  # type: ignore[arg-type]
+        for server, state in ((good, honest), (bad, poisoned)):
+            await server.start()
+            server.publish(StateSnapshot(round=4, tensors=state, fingerprint="fp", meta={}))
+        with pytest.raises(PoisonedState, match="do not match the digests"):
+            await download_state(network.transport("joiner"), ["good", "bad"], "run", _layout(honest))  # type: ignore[arg-type]
+        alone = await download_state(network.transport("joiner"), "good", "run", _layout(honest))  # type: ignore[arg-type]
+        assert all(torch.equal(a, b) for a, b in zip(alone.snapshot.tensors["params"], honest["params"]))
+
+    asyncio.run(go())
+
+
+def test_a_state_other_than_the_majoritys_is_refused():
+    from gossip.state_transfer import PoisonedState, group_digests, majority_state, state_headers
+
+    honest, other = _state(0), _state(1)
+
+    async def go():
+        network = await _serving({"a": honest, "b": honest, "c": other}, {"a": "fp", "b": "fp", "c": "fq"}, 4)
+        headers = await state_headers(network.transport("joiner"), ["a", "b", "c"], "run", _layout(honest))  # type: ignore[arg-type]
+        assert set(headers) == {"a", "b", "c"} and network.sent["c"] < 4096, "a header costs a peer one frame"
+        round_no, trusted, holders = majority_state(headers)
+        assert (round_no, trusted, holders) == (4, group_digests(honest), ["a", "b"])
+        with pytest.raises(PoisonedState, match="other than the one most peers hold"):
+            await download_state(network.transport("joiner"), "c", "run", _layout(honest), trusted=trusted)  # type: ignore[arg-type]
+
+    asyncio.run(go())
+
+
+def test_without_a_strict_majority_nobody_is_trusted():
+    from gossip.state_transfer import majority_state
+
+    one, two = {"params": "aa"}, {"params": "bb"}
+    assert majority_state({}) is None
+    assert majority_state({"a": (3, one)}) == (3, one, ["a"])
+    assert majority_state({"a": (3, one), "b": (3, two)}) is None  # a tie: no peer id decides
+    assert majority_state({"a": (3, one), "b": (3, one), "c": (3, two)}) == (3, one, ["a", "b"])
+    assert majority_state({"a": (3, one), "b": (4, one)}) is None  # rounds differ: two states

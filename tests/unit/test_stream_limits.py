@@ -1,0 +1,44 @@
+"""One peer cannot hold every serving slot of a node: streams per (protocol, client) are capped."""
+
+import asyncio
+
+from protocol import ids
+from protocol.frames import decode_message, read_frame
+from protocol.hivemind_transport import MAX_STREAMS_PER_PEER, Transport
+from tests.helpers.memory_transport import canned_stream, ended_reader
+
+
+class _P2P:
+    class peer_id:  # noqa: N801 - the shape hivemind's P2P has
+        @staticmethod
+        def to_base58() -> str:
+            return "server"
+
+
+def test_a_client_is_refused_past_its_stream_cap_and_others_are_not() -> None:
+    errors: list[tuple[str, str, str]] = []
+    transport = Transport(_P2P(), on_error=lambda *e: errors.append(e))  # type: ignore[arg-type]
+
+    async def run() -> tuple[list[str], bool]:
+        release = asyncio.Event()
+
+        async def slow(stream) -> None:
+            await release.wait()
+
+        held = [asyncio.ensure_future(transport.handle(ids.STATE, slow, canned_stream(b"")[0], "greedy"))
+                for _ in range(MAX_STREAMS_PER_PEER)]
+        await asyncio.sleep(0.05)
+        refused, sink = canned_stream(b"")
+        await transport.handle(ids.STATE, slow, refused, "greedy")
+        frame = await read_frame(ended_reader(bytes(sink.data)))
+        other = asyncio.ensure_future(transport.handle(ids.STATE, slow, canned_stream(b"")[0], "someone-else"))
+        await asyncio.sleep(0.05)
+        served_other = not other.done()
+        release.set()
+        await asyncio.gather(*held, other)
+        return [decode_message(frame).body["code"]], served_other
+
+    codes, served_other = asyncio.run(run())
+    assert codes == ["busy"] and served_other
+    assert errors == [(ids.STATE, "busy", "greedy")]
+    assert transport._active == {}
