@@ -148,9 +148,31 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def markdown_table(result: dict[str, Any], source: str) -> str:
+    """One row per (config, attack), one column per aggregator: mean held-out loss over the seeds and its
+    change against the clean run of the plain aggregator; the file and commit it came from."""
+    rows = result["summary"]
+    methods = list(dict.fromkeys(r["aggregator"] for r in rows))
+    keys = list(dict.fromkeys((r["nodes"], r["attackers"], r["attack"]) for r in rows))
+    env = result["environment"]
+    lines = [f"`{source}` (commit {env['commit'][:7]}{', dirty' if env['dirty'] else ''}, {result['runs'][0]['algorithm']}, "
+             f"{result['scale']['model']}, {result['scale']['rounds']} rounds × H {result['scale']['inner_steps']}, "
+             f"seeds {sorted({r['seed'] for r in result['runs']})})", "",
+             "| nodes | attack | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    for nodes, attackers, attack in keys:
+        cells = []
+        for m in methods:
+            row = next((r for r in rows if (r["nodes"], r["attackers"], r["attack"], r["aggregator"]) == (nodes, attackers, attack, m)), None)
+            cells.append("–" if row is None else f"{row['val_loss']:.3f} ({100 * row['vs_clean_plain']:+.1f} %)")
+        who = f"{nodes}" if attack == "none" else f"{nodes} ({attackers} attacking)"
+        lines.append(f"| {who} | {attack} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--table", type=Path, nargs="+", help="print the markdown table of these results files and exit")
+    parser.add_argument("--out", type=Path)
     parser.add_argument("--scale", choices=sorted(SCALES), default="quick")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated attacks (each may carry :PARAM)")
@@ -159,6 +181,11 @@ def main() -> None:
                         "(the plain one is always run: it is the baseline)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if args.table:
+        print("\n\n".join(markdown_table(json.loads(f.read_text()), str(f)) for f in args.table))
+        return
+    if args.out is None:
+        parser.error("--out is required to run the benchmark")
     torch.set_num_threads(args.threads)
     scale = SCALES[args.scale]
     corpus = load_embedded_corpus()
