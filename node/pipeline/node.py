@@ -268,9 +268,3 @@ class PipelineNode(NodeBase):
 
     def _current_loss(self) -> float:
         return self.trainer.last_loss if self.trainer is not None else self.server.last_loss
-
-
-def run_pipeline_node(cfg: NodeConfig) -> int:
-    node = PipelineNode(cfg)
-    node.install_signal_handlers()
-    return node.run()

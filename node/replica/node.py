@@ -349,9 +349,3 @@ class Daemon(NodeBase):
             self.summary.tokens_per_s = inner_tokens_per_s
             self.summary.mfu = mfu(self.flops_per_token, inner_tokens_per_s, self.peak_flops)
         self.summary.peak_mem_mb = round(peak_memory_mb(self.device), 1)
-
-def run_daemon(cfg: NodeConfig) -> int:
-    daemon = Daemon(cfg)
-    daemon.install_signal_handlers()
-    return daemon.run()
-
