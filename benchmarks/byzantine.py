@@ -152,7 +152,8 @@ def markdown_table(result: dict[str, Any], source: str) -> str:
     """One row per (config, attack), one column per aggregator: mean held-out loss over the seeds and its
     change against the clean run of the plain aggregator; the file and commit it came from."""
     rows = result["summary"]
-    methods = list(dict.fromkeys(r["aggregator"] for r in rows))
+    order = ALGORITHMS[result["runs"][0]["algorithm"]]
+    methods = sorted(dict.fromkeys(r["aggregator"] for r in rows), key=lambda m: order.index(m) if m in order else len(order))
     keys = list(dict.fromkeys((r["nodes"], r["attackers"], r["attack"]) for r in rows))
     env = result["environment"]
     lines = [f"`{source}` (commit {env['commit'][:7]}{', dirty' if env['dirty'] else ''}, {result['runs'][0]['algorithm']}, "
