@@ -332,23 +332,8 @@ class NodeConfig(BaseModel):
 
     @property
     def outer_hyper(self) -> tuple[float, float]:
-        """(outer lr, outer momentum) in force for the algorithm.
-
-        A shared-seed projection (``seed:``) carries a small part of the error-feedback residual each
-        round and the residual accumulates the rest, as momentum would: outer momentum on top of it
-        overshoots (nano alone, seed:r=8, 40 rounds of 15 steps: with μ = 0.9 the held-out loss fell to
-        3.82 by round 17 and rose to 5.15 by round 40; with SGD, lr 1, it fell to 3.76 and was still
-        falling), so DiLoCo with a projection steps like SparseLoCo. Other lossy codecs (error feedback
-        on) keep half the momentum at lr 1: on nano, 2 nodes × 600 steps, the held-out loss against dense
-        went from +3.0 % to +0.7 % (rot1), +0.9 % to −0.2 % (q2) and +0.1 % to −0.4 % (rot2), while
-        dense DiLoCo was indifferent (2.286 with 0.7/0.9, 2.289 with 1.0/0.5).
-
-        SparseLoCo steps at η = 2: a coordinate travels only once its error-feedback residual is among its
-        chunk's largest, and ``sparse-mean`` applies it at the value its senders carried, so at η = 1 each
-        round moved φ by less than the update it stood for (tiny, 4 nodes × 600 steps, H = 30: held-out
-        2.270 at η 1.0, 2.200 at 1.5, 2.167 at 2.0 and 2.265 at 3.0, against dense DiLoCo's 2.137).
-        NoLoCo steps with β = γ = 1 (α 0.5, inside its stability region α < γ < √(2 + α²)): 2.128 against
-        2.196 with the paper's 0.7, both at H = 30."""
+        """(outer lr, outer momentum) in force for the algorithm and codec (the tables and the measurements
+        behind them: ``node.config.defaults``)."""
         lr_default, momentum_default = OUTER_DEFAULTS[self.algorithm]
         if self.algorithm == "diloco" and self.codec.startswith("seed:"):
             lr_default, momentum_default = SEED_DILOCO_OUTER
