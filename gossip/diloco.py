@@ -42,6 +42,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 
 from compression import ErrorFeedback
+from gossip.aggregate import ROBUST
 from gossip.byzantine import Attacker
 from gossip.exchange import Contribution, PartSpec, ReducedShare, RoundExchange
 from gossip.fingerprint import fingerprint
@@ -297,10 +298,20 @@ class DiLoCoAverager(GroupAverager):
             self.exchange.publish_reduced(rnd.number, None)
             return
         update = await self._reduce_scatter(rnd.number, rnd.owners, contributions, rnd.decoded,  # type: ignore[arg-type]
-                                            result.contributors, rnd.fingerprint, result)  # in sync: my φ is the majority's
+                                            result.contributors, rnd.fingerprint, result,
+                                            self._weights_method(rnd, len(result.contributors)))  # in sync: my φ is the majority's
         result.exchange_s = time.monotonic() - rnd.gathered
         result.update_norm = sum(float(t.pow(2).sum()) for t in update) ** 0.5
         await self._apply(rnd, update)
+
+    def _weights_method(self, rnd: _Round, members: int) -> str | None:
+        """The aggregation of a grouped round, which averages weights, not pseudo-gradients: norms per
+        sample mean nothing for weights, so clipping them to the smaller one (a robust round of two)
+        would shrink the model. Centered clipping (distances between the members' weights) from three
+        members on where the run aggregates robustly, else the mean; None: the run's own aggregation."""
+        if rnd.grouping is None:
+            return None
+        return "centered-clip" if self.aggregation in ROBUST and members >= 3 else "mean"
 
     async def _apply_aggregate(self, rnd: _Round, contributions: dict[str, Contribution], result: RoundResult) -> None:
         """A round without reduce-scatter, when in sync: aggregate the majority's contributions
@@ -310,7 +321,7 @@ class DiLoCoAverager(GroupAverager):
             return
         used = result.contributors
         agg = await asyncio.to_thread(self.combine, used, [contributions[p].decoded for p in used],
-                                      [contributions[p].samples for p in used])
+                                      [contributions[p].samples for p in used], self._weights_method(rnd, len(used)))
         result.failures.update(agg.dropped)
         result.contributors, result.norms, result.clipped, result.capped = agg.used, agg.norms, agg.clipped, agg.capped
         result.samples = sum(self.claimed(contributions[p].samples) for p in agg.used)
@@ -324,16 +335,18 @@ class DiLoCoAverager(GroupAverager):
         await self._apply(rnd, agg.update)
 
     async def _reduce_scatter(self, round_no: int, owners: dict[str, list[int]], contributions: dict[str, Contribution],
-                              my_decoded: list[torch.Tensor], used: list[str], majority_fp: str, result: RoundResult) -> list[torch.Tensor]:
+                              my_decoded: list[torch.Tensor], used: list[str], majority_fp: str, result: RoundResult,
+                              method: str | None = None) -> list[torch.Tensor]:
         """Reduce this member's parts, serve them, and collect every other owner's: the round's whole
-        averaged update, part by part (bit-identical on every member that got each part from its owner)."""
+        averaged update, part by part (bit-identical on every member that got each part from its owner).
+        ``method``: the aggregation, if not the run's (``_weights_method``)."""
         specs = self.exchange.layout(round_no)
         mine = owners[self.peer_id]
         update: dict[int, torch.Tensor] = {}
         share: ReducedShare | None = None
         if mine:
             agg = await asyncio.to_thread(self.combine, used, [contributions[p].decoded for p in used],
-                                          [contributions[p].samples for p in used])
+                                          [contributions[p].samples for p in used], method)
             result.failures.update(agg.dropped)
             blobs, decoded = await asyncio.to_thread(self.exchange.encode_parts, round_no, mine, agg.update)
             share = ReducedShare(round_no, sum(self.claimed(contributions[p].samples) for p in agg.used), agg.used, majority_fp,
@@ -362,6 +375,6 @@ class DiLoCoAverager(GroupAverager):
                       **{p: c.decoded for p, c in got_parts.items() if isinstance(c, Contribution)}}
             senders = sorted(direct)
             samples = [contributions[p].samples for p in senders]
-            agg = await asyncio.to_thread(self.combine, senders, [direct[p] for p in senders], samples)
+            agg = await asyncio.to_thread(self.combine, senders, [direct[p] for p in senders], samples, method)
             update.update(dict(zip(parts, agg.update)))
         return [update[i] for i in range(len(specs))]

@@ -128,3 +128,22 @@ def test_members_that_count_a_different_number_of_groups_do_not_mix(monkeypatch)
 
     got, failed = asyncio.run(go())
     assert not got and failed == {b["peer"]: "remote"}  # refused by the peer: "wire mismatch"
+
+
+def test_a_robust_run_averages_a_grouped_round_of_two_as_the_mean_of_weights(monkeypatch):
+    """Grouped rounds average weights: a robust aggregation must not clip weights by their norm per sample
+    (a round of two clips to the smaller norm per sample, which would shrink a member's weights)."""
+    network = Network()
+    _, members = diloco_members(8, network, SHAPES, "none", PART_NUMEL, max_group_size=2)
+    for m in members:
+        m["averager"].aggregation = "centered-clip"
+    results = _run_grouped_round(members, monkeypatch)
+    by_peer = {m["peer"]: m for m in members}
+    pairs = {tuple(r.group) for r in results if len(r.group) == 2}
+    assert pairs, "the seeded split has groups of two"
+    for group in pairs:
+        weights = [by_peer[p]["samples"] for p in group]
+        for i in range(len(SHAPES)):
+            expected = sum(w * by_peer[p]["theta"][i] for p, w in zip(group, weights)) / sum(weights)
+            for p in group:
+                assert torch.allclose(by_peer[p]["phi"][i], expected, atol=1e-5)
