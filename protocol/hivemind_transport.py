@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[FramedStream], Awaitable[None]]
 RELAY_RETRY_S = 30.0  # a relay that failed is skipped this long
 MAX_STREAMS_PER_PEER = 32  # streams of one protocol one client may hold open here at once
+UNCAPPED = (ids.STAGE, ids.RELAYED)  # bounded elsewhere: the stage's queue; each relayed request under its origin
 
 
 class Transport:
@@ -92,9 +93,10 @@ class Transport:
         """Run ``handler`` on a served stream from ``client``: the private-swarm hello first, then
         the handler; failures are logged, counted and answered with an error frame. A client may hold
         at most ``MAX_STREAMS_PER_PEER`` streams of one protocol at once (a cheap request can cost an
-        expensive answer: a whole state); stage requests are bounded by the stage's own queue."""
+        expensive answer: a whole state); stage requests are bounded by the stage's own queue, and a relay's
+        ``relayed`` streams carry many clients' requests, each capped under its own protocol and origin."""
         key = (protocol, client)
-        if protocol != ids.STAGE and self._active.get(key, 0) >= MAX_STREAMS_PER_PEER:
+        if protocol not in UNCAPPED and self._active.get(key, 0) >= MAX_STREAMS_PER_PEER:
             self.on_error(protocol, "busy", client)
             await stream.refuse("busy", f"{MAX_STREAMS_PER_PEER} {protocol} streams of yours are open here; wait for them")
             return

@@ -42,3 +42,23 @@ def test_a_client_is_refused_past_its_stream_cap_and_others_are_not() -> None:
     assert codes == ["busy"] and served_other
     assert errors == [(ids.STATE, "busy", "greedy")]
     assert transport._active == {}
+
+
+def test_a_relay_carrying_many_clients_is_not_capped_as_one_client() -> None:
+    transport = Transport(_P2P())  # type: ignore[arg-type]
+
+    async def run() -> int:
+        release = asyncio.Event()
+
+        async def slow(stream) -> None:
+            await release.wait()
+
+        held = [asyncio.ensure_future(transport.handle(ids.RELAYED, slow, canned_stream(b"")[0], "the-relay"))
+                for _ in range(MAX_STREAMS_PER_PEER + 8)]
+        await asyncio.sleep(0.05)
+        open_now = transport._active[(ids.RELAYED, "the-relay")]
+        release.set()
+        await asyncio.gather(*held)
+        return open_now
+
+    assert asyncio.run(run()) == MAX_STREAMS_PER_PEER + 8
