@@ -76,6 +76,16 @@ def _run_grouped_round(members, monkeypatch, round_no: int = 0):
     return asyncio.run(run_round_together(members, round_no))
 
 
+def _assert_group_holds_the_mean_of_stepped_weights(group, by_peer) -> None:
+    """Every member of ``group`` holds the sample-weighted mean of the group's stepped weights (lr 1, no
+    momentum: a member's stepped weights are its θ)."""
+    weights = [by_peer[p]["samples"] for p in group]
+    for i in range(len(SHAPES)):
+        expected = sum(w * by_peer[p]["theta"][i] for p, w in zip(group, weights)) / sum(weights)
+        for p in group:
+            assert torch.allclose(by_peer[p]["phi"][i], expected, atol=1e-5)
+
+
 @pytest.mark.parametrize("n, bound", [(8, 3), (12, 4)])
 def test_each_group_ends_bit_identical_at_the_weighted_mean_of_its_stepped_weights(n, bound, monkeypatch):
     network = Network()
@@ -88,12 +98,9 @@ def test_each_group_ends_bit_identical_at_the_weighted_mean_of_its_stepped_weigh
     assert sorted(p for g in groups for p in g) == sorted(by_peer), "every member in exactly one group"
     assert len(groups) > 1
     for group in groups:
-        weights = [by_peer[p]["samples"] for p in group]
-        # lr 1, no momentum: a member's stepped weights are its θ
+        _assert_group_holds_the_mean_of_stepped_weights(group, by_peer)
         for i in range(len(SHAPES)):
-            expected = sum(w * by_peer[p]["theta"][i] for p, w in zip(group, weights)) / sum(weights)
             for p in group:
-                assert torch.allclose(by_peer[p]["phi"][i], expected, atol=1e-5)
                 assert torch.equal(by_peer[p]["phi"][i], by_peer[group[0]]["phi"][i]), "a group's replicas differ"
     payload = sum(torch.Size(s).numel() * 4 for s in SHAPES)
     for m, r in zip(members, results):
@@ -142,8 +149,4 @@ def test_a_robust_run_averages_a_grouped_round_of_two_as_the_mean_of_weights(mon
     pairs = {tuple(r.group) for r in results if len(r.group) == 2}
     assert pairs, "the seeded split has groups of two"
     for group in pairs:
-        weights = [by_peer[p]["samples"] for p in group]
-        for i in range(len(SHAPES)):
-            expected = sum(w * by_peer[p]["theta"][i] for p, w in zip(group, weights)) / sum(weights)
-            for p in group:
-                assert torch.allclose(by_peer[p]["phi"][i], expected, atol=1e-5)
+        _assert_group_holds_the_mean_of_stepped_weights(group, by_peer)
