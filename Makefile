@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test-deps demo test test-slow clean docker-base docker-wheelhouse docker-images docker-smoke
+.PHONY: setup test-deps demo test test-slow mutate clean docker-base docker-wheelhouse docker-images docker-smoke
 
 setup: $(STAMP)
 
@@ -36,6 +36,12 @@ test: setup test-deps
 
 test-slow: setup test-deps
 	$(PY) -m pytest -q -m slow
+
+# Mutation testing of the math modules (tests/mutate.py; settings in pyproject's [tool.mutmut]):
+# ~2,800 mutants, writes benchmarks/results/mutation.json. Not part of `test`: it takes tens of minutes.
+mutate: setup
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[mutate]'
+	$(PY) -m tests.mutate
 
 # Docker (README "Docker"): docker/build.sh makes the debootstrapped base image, the wheelhouse and
 # the images, each cached; docker-smoke runs a compose swarm for a few minutes (slow, root, not in `test`).
