@@ -81,8 +81,8 @@ class Partition:
         """``tensors`` cut into parts (views for row blocks, a concatenated copy when flat)."""
         if not self.flat:
             return split(tensors, self.max_numel)
-        if not tensors:
-            return []
+        if not sum(t.numel() for t in tensors):
+            return []  # no runs, as :meth:`shapes` says (torch would give one empty run)
         return list(torch.cat([t.reshape(-1) for t in tensors]).split(self.max_numel))
 
     def join(self, parts: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
