@@ -30,6 +30,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 
 from compression import ErrorFeedback
+from gossip.aggregate import ROBUST
 from gossip.byzantine import Attacker
 from gossip.group_round import GroupAverager, RoundResult
 from gossip.exchange import Contribution, RoundExchange
@@ -43,6 +44,30 @@ from protocol.records import RoundEntry
 logger = logging.getLogger(__name__)
 # the same for every member, so an entry's expiration tells when it was written
 ENTRY_TTL_S = 120.0
+
+
+PHI_RADIUS = 4.0  # a partner's φ counts at most this many own-update norms away from this member's φ
+
+
+def bounded_mean_weights(own: Sequence[torch.Tensor], others: Sequence[Sequence[torch.Tensor]],
+                         radius: float) -> tuple[list[torch.Tensor], list[float]]:
+    """φ̄ over this member and its partners, each partner's φ − φ_own cut to norm ``radius`` first; returns
+    φ̄ and, per partner, the factor its difference kept (1.0: within the radius).
+
+    NoLoCo pulls φ toward φ̄ (γ = 1 moves it all the way), and φ travels with no majority to vote it down
+    in a group of two: a partner sending φ far away would drag this member along. Honest members' φ stay
+    within a few rounds of progress of each other (each pull brings a pair together), so a radius of a
+    few own-update norms leaves them alone and bounds what any one partner can move φ per round.
+    """
+    factors, total = [], [t.to(torch.float32).clone() for t in own]
+    for phi in others:
+        diff = [p.to(torch.float32) - o.to(torch.float32) for p, o in zip(phi, own)]
+        norm = sum(float(d.pow(2).sum()) for d in diff) ** 0.5
+        scale = min(1.0, radius / norm) if norm > 0 else 1.0
+        factors.append(scale)
+        for acc, o, d in zip(total, own, diff):
+            acc.add_(o.to(torch.float32) + d * scale)
+    return [t / (len(others) + 1) for t in total], factors
 
 
 def choose_group(arrivals: Sequence[tuple[float, str]], me: str, size: int, final: bool, seed: int) -> list[str] | None:
@@ -158,7 +183,15 @@ class NoLoCoAverager(GroupAverager):
                                       [contributions[p].samples for p in members])
         failures.update(agg.dropped)
         used = [p for p in members if p in agg.used]
-        mean_phi = [torch.stack([contributions[p].decoded[n_delta + i] for p in used]).mean(0) for i in range(len(weights))]
+        phi_of = {p: contributions[p].decoded[n_delta:] for p in used}
+        clipped = dict(agg.clipped)
+        if self.aggregation in ROBUST and self.peer_id in phi_of:  # partners' φ bounded around ours (see bounded_mean_weights)
+            partners = [p for p in used if p != self.peer_id]
+            radius = PHI_RADIUS * sum(float(t.pow(2).sum()) for t in own) ** 0.5
+            mean_phi, factors = bounded_mean_weights(phi_of[self.peer_id], [phi_of[p] for p in partners], radius)
+            clipped.update({f"{p}:phi": f for p, f in zip(partners, factors) if f < 1.0})
+        else:
+            mean_phi = [torch.stack([phi_of[p][i] for p in used]).mean(0) for i in range(len(weights))]
         mean_progress = [-d for d in agg.update]  # u = θ − φ = −Δ
         await asyncio.to_thread(
             self.outer.step, phi, self.partition.join(mean_phi, shapes), self.partition.join(mean_progress, shapes), indices
@@ -174,7 +207,7 @@ class NoLoCoAverager(GroupAverager):
             duration_s=time.monotonic() - started,
             samples=sum(self.claimed(contributions[p].samples) for p in used),
             norms=agg.norms,
-            clipped=agg.clipped,
+            clipped=clipped,
             capped=agg.capped,
             update_norm=sum(float(t.pow(2).sum()) for t in agg.update) ** 0.5,
         )

@@ -246,3 +246,23 @@ def test_deadline_adapts_to_recent_complete_rounds():
     pairs.observe(0.6, complete=True)
     pairs.observe(5.0, complete=False)
     assert pairs.value == pytest.approx(1.8)
+
+
+# ---- a partner's φ is bounded around ours ------------------------------------------------------
+def test_a_far_partner_phi_moves_the_mean_by_at_most_the_radius_over_the_group():
+    from gossip.noloco import bounded_mean_weights
+
+    own = [torch.zeros(3), torch.zeros(2)]
+    near = [torch.tensor([0.3, 0.0, 0.0]), torch.tensor([0.0, 0.4])]  # distance 0.5: kept as is
+    far = [torch.full((3,), 1e6), torch.full((2,), -1e6)]
+    mean, factors = bounded_mean_weights(own, [near], radius=1.0)
+    assert factors == [1.0] and torch.equal(mean[0], near[0] / 2) and torch.equal(mean[1], near[1] / 2)
+    mean, factors = bounded_mean_weights(own, [far], radius=1.0)
+    shift = sum(float(t.pow(2).sum()) for t in mean) ** 0.5
+    assert shift == pytest.approx(0.5, rel=1e-6) and factors[0] == pytest.approx(1.0 / (5 ** 0.5 * 1e6), rel=1e-6)
+    mean, factors = bounded_mean_weights(own, [near, far], radius=1.0)  # a group of three: (0 + near + cut far) / 3
+    cut = [t * factors[1] for t in far]
+    for m, a, b in zip(mean, near, cut):
+        torch.testing.assert_close(m, (a + b) / 3)
+    mean, factors = bounded_mean_weights(own, [own], radius=0.0)  # a partner at the same φ, even with no radius
+    assert factors == [1.0] and all(torch.equal(m, o) for m, o in zip(mean, own))
