@@ -100,11 +100,13 @@ class PeerRecord:
 
 @dataclass
 class RoundEntry:
-    """A member's entry in a round rendezvous: who it is and how many samples its update carries."""
+    """A member's entry in a round rendezvous: who it is, how many samples its update carries, and its
+    upload cap (``--max-upload-mbit``, 0: none), so the others wait long enough for its update."""
 
     peer_id: str
     samples: int
     codec: str
+    up_mbit: float = 0.0
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,8 +116,11 @@ class RoundEntry:
         if not isinstance(value, dict):
             raise SchemaError(f"round entry must be a map, got {type(value).__name__}")
         entry = cls(
-            peer_id=_typed(value, "peer_id", str), samples=_typed(value, "samples", int), codec=_typed(value, "codec", str)
+            peer_id=_typed(value, "peer_id", str), samples=_typed(value, "samples", int), codec=_typed(value, "codec", str),
+            up_mbit=float(_typed(value, "up_mbit", (int, float), 0.0)),
         )
         if entry.samples < 0:
             raise SchemaError("round entry samples must be non-negative")
+        if not 0 <= entry.up_mbit < float("inf"):
+            raise SchemaError("round entry up_mbit must be a non-negative number")
         return entry

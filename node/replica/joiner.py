@@ -9,6 +9,7 @@ training loop and these transitions stay apart.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from node.errors import JoinRefused
 logger = logging.getLogger("locomesh.node")
 STRIPE_PEERS = 4  # a joiner downloads from up to this many peers at once, an even share from each
 VERIFY_PEERS = 5  # a joiner asks up to this many peers for their state's digests before it downloads
+STATE_TIMEOUT_S = 120.0  # a whole state download, plus what --max-download-mbit adds
 
 Layout = dict[str, list[tuple[tuple[int, ...], torch.dtype]]]
 
@@ -173,7 +175,9 @@ class Joiner:
 
         try:
             held = self.held() if offer_held and self.held is not None else None
-            got = self.net.call(download_state(self.net.transport, peer, self.run_id, self.layout(), progress, held, trusted), timeout=120)
+            layout = self.layout()
+            got = self.net.call(download_state(self.net.transport, peer, self.run_id, layout, progress, held, trusted),
+                                timeout=STATE_TIMEOUT_S + self._capped_seconds(layout))
         finally:
             if bar is not None:
                 bar.stop()
@@ -183,6 +187,14 @@ class Joiner:
         self.adopt(got)
         self.metrics.state_downloads.labels("ok").inc()
         return got
+
+    def _capped_seconds(self, layout: Layout) -> float:
+        """How long receiving a whole state of ``layout`` takes at least under ``--max-download-mbit``."""
+        limits = getattr(self.net.transport, "limits", None)
+        if limits is None:
+            return 0.0
+        size = sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for tensors in layout.values() for shape, dtype in tensors)
+        return limits.seconds_for(0, size)
 
     def resync(self, peer: str | None, failed_round: int) -> None:
         """Re-download the group's state after drifting (the peer publishes it right after its round)."""
