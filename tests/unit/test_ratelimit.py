@@ -162,3 +162,31 @@ def test_a_truncated_paced_read_reports_what_arrived() -> None:
         assert e.value.partial == b"x" * 5000 and e.value.expected == 1 << 20
 
     asyncio.run(main())
+
+
+def test_a_round_allows_the_time_its_transfers_take_at_the_caps_in_play() -> None:
+    from types import SimpleNamespace
+
+    from gossip.group_round import GroupAverager
+    from gossip.partition import Partition
+    from protocol.records import RoundEntry
+
+    def averager(limits: RateLimits) -> GroupAverager:
+        exchange = SimpleNamespace(transport=SimpleNamespace(limits=limits))
+        return GroupAverager(None, None, exchange, "run", "me", None, gather_timeout=30.0, fetch_timeout=30.0,  # type: ignore[arg-type]
+                             partition=Partition(), aggregation="mean")
+
+    group = [RoundEntry("me", 1, "fp16"), RoundEntry("a", 1, "fp16"), RoundEntry("b", 1, "fp16")]
+    capped = averager(RateLimits.from_mbit(2, None))
+    assert capped.up_mbit == pytest.approx(2.0)
+    assert capped.transfer_slack(1_000_000, group) == pytest.approx(8.0)  # 2 MB out at 2 Mbit/s
+    assert capped.deadline.value == pytest.approx(38.0)  # the next rendezvous allows for it, past the ceiling
+    assert capped.transfer_slack(1_000_000, group[:1]) == 0.0  # alone: nothing moves
+    free = averager(RateLimits())
+    assert free.up_mbit == 0.0 and free.transfer_slack(1_000_000, group) == 0.0
+    slow_peer = [*group[:2], RoundEntry("b", 1, "fp16", up_mbit=1.0)]  # b announced its cap: the others wait for it
+    assert free.transfer_slack(1_000_000, slow_peer) == pytest.approx(16.0)
+    assert RoundEntry.from_value(slow_peer[2].to_value()).up_mbit == 1.0
+    assert RoundEntry.from_value({"peer_id": "old", "samples": 1, "codec": "fp16"}).up_mbit == 0.0  # older peers announce none
+    with pytest.raises(Exception, match="up_mbit"):
+        RoundEntry.from_value({"peer_id": "x", "samples": 1, "codec": "fp16", "up_mbit": -1})
