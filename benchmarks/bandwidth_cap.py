@@ -41,9 +41,12 @@ def _full_rounds(info: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in info.get("rounds", []) if r.get("contributors") == 2 and r.get("in_sync")]
 
 
-def measure(workdir: Path, cap_mbit: float, seconds: float, tag: str = "cap") -> dict[str, Any]:
+def measure(workdir: Path, cap_mbit: float, seconds: float, tag: str = "cap", min_rounds: int = 0,
+            max_seconds: float = 600.0) -> dict[str, Any]:
     """Run the two nodes, sample the capped node's traffic for ``seconds`` after their first common
-    round, and return the measurement (rates in Mbit/s, 10^6 bits per second)."""
+    round (longer until ``min_rounds`` more rounds completed, ``max_seconds`` at most), and return the
+    measurement (rates in Mbit/s, 10^6 bits per second)."""
+    began = time.monotonic()
     with NatTopology(homes=0, public_hosts=2, tag=tag) as net:
         nodes: list[NsNode] = []
         try:
@@ -56,20 +59,21 @@ def measure(workdir: Path, cap_mbit: float, seconds: float, tag: str = "cap") ->
             nodes.append(capped)
             capped.wait(lambda i: len(_full_rounds(i)) >= 1, 180, "a first round with the other node")
             ns = net.public[1].netns
+            ready_s = time.monotonic() - began
             start_info = capped.info()
+            done = len(_full_rounds(start_info))
             t0, (tx0, rx0) = time.monotonic(), tx_rx_bytes(ns)
             samples = []
-            while time.monotonic() - t0 < seconds:
+            while time.monotonic() - t0 < seconds or (len(_full_rounds(capped.info())) < done + min_rounds
+                                                     and time.monotonic() - t0 < max_seconds):
                 time.sleep(1.0)
                 if capped.process.poll() is not None or free.process.poll() is not None:
                     raise AssertionError(f"a node exited during the measurement:\n{capped.log()[-2000:]}\n{free.log()[-2000:]}")
                 tx, rx = tx_rx_bytes(ns)
                 samples.append({"t": round(time.monotonic() - t0, 2), "tx_bytes": tx - tx0, "rx_bytes": rx - rx0})
             t1, (tx1, rx1) = time.monotonic(), tx_rx_bytes(ns)
-            end_info = capped.info()
-            for node in nodes:
-                node.stop()
-        finally:
+            end_info, free_info = capped.info(), free.info()
+        finally:  # a clean stop is not what this measures
             for node in nodes:
                 node.kill()
     window = t1 - t0
@@ -77,6 +81,7 @@ def measure(workdir: Path, cap_mbit: float, seconds: float, tag: str = "cap") ->
     own = end_info.get("bytes_sent", 0) - start_info.get("bytes_sent", 0)  # streams are counted when they close
     return {
         "cap_mbit": cap_mbit,
+        "ready_s": round(ready_s, 1),  # from building the namespaces to the first common round
         "window_s": round(window, 2),
         "wire_tx_mbit": round((tx1 - tx0) * 8 / window / 1e6, 4),
         "wire_rx_mbit": round((rx1 - rx0) * 8 / window / 1e6, 4),
@@ -88,7 +93,7 @@ def measure(workdir: Path, cap_mbit: float, seconds: float, tag: str = "cap") ->
         "rounds_total": len(_full_rounds(end_info)),
         "train_loss_first": end_info.get("train_loss_first"),
         "train_loss_last": end_info.get("train_loss_last"),
-        "free_rounds_total": len(_full_rounds(free.info())),
+        "free_rounds_total": len(_full_rounds(free_info)),
         "samples": samples,
     }
 

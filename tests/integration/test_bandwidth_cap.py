@@ -20,8 +20,8 @@ CAP_MBIT = 2.0
 
 
 def test_a_capped_node_sends_at_most_its_cap_and_its_rounds_complete(tmp_path) -> None:
-    run = measure(tmp_path, CAP_MBIT, seconds=12, tag="bwcap")
+    run = measure(tmp_path, CAP_MBIT, seconds=12, tag="bwcap", min_rounds=2, max_seconds=90)
     summary = {k: v for k, v in run.items() if k != "samples"}
     assert run["wire_tx_mbit"] <= CAP_MBIT * 1.10, summary
-    assert run["rounds_in_window"] >= 2, summary  # a round takes ~3.5 s at the cap (micro's update is ~0.9 MB)
+    assert run["rounds_in_window"] >= 2, summary  # a round moves ~0.9 MB (micro): ~3.5 s at the cap
     assert run["train_loss_last"] < run["train_loss_first"], summary
