@@ -26,6 +26,11 @@ from typing import Any
 
 from benchmarks.nat_topology import NatTopology, NsNode, missing_tools
 
+try:
+    from hivemind.p2p import P2P, PeerID
+except ImportError:  # the benchmark's CLI help works without hivemind
+    P2P = PeerID = None  # type: ignore[assignment,misc]
+
 MODEL_ARGS = ["--model", "micro", "--batch-size", "8", "--inner-steps", "10", "--threads", "1", "--warmup-steps", "5",
               "--eval-batches", "2", "--eval-every", "0", "--averaging-timeout", "20", "--run-id", "cap"]
 
@@ -35,6 +40,21 @@ def tx_rx_bytes(netns: str, dev: str = "wan") -> tuple[int, int]:
     out = subprocess.run(["ip", "-n", netns, "-j", "-s", "link", "show", "dev", dev], capture_output=True, text=True, check=True)
     stats = json.loads(out.stdout)[0]["stats64"]
     return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
+
+
+def identities(workdir: Path) -> tuple[Path, Path]:
+    """Two identity files, the one of the smaller peer id first. When the two nodes' weights differ (a
+    joiner's first round can split them: it may average with a round its peer already closed alone),
+    the tie goes to the smaller peer id and the other node downloads its state. The uncapped node
+    must be that one: a download from the capped node crawls at its cap while it runs rounds alone,
+    faster than the download, and the other node never catches up (seen here; see README)."""
+    keys = []
+    for name in ("a", "b"):
+        path = workdir / f"{name}.key"
+        P2P.generate_identity(str(path))
+        keys.append((PeerID.from_identity(path.read_bytes()).to_base58(), path))
+    keys.sort(key=lambda k: k[0])
+    return keys[0][1], keys[1][1]
 
 
 def _full_rounds(info: dict[str, Any]) -> list[dict[str, Any]]:
@@ -47,15 +67,18 @@ def measure(workdir: Path, cap_mbit: float, seconds: float, tag: str = "cap", mi
     round (longer until ``min_rounds`` more rounds completed, ``max_seconds`` at most), and return the
     measurement (rates in Mbit/s, 10^6 bits per second)."""
     began = time.monotonic()
+    workdir.mkdir(parents=True, exist_ok=True)
+    free_key, capped_key = identities(workdir)
     with NatTopology(homes=0, public_hosts=2, tag=tag) as net:
         nodes: list[NsNode] = []
         try:
-            free = NsNode(net, net.public[0], workdir, "free", [*MODEL_ARGS, "--seed", "0"], [])
+            free = NsNode(net, net.public[0], workdir, "free", [*MODEL_ARGS, "--seed", "0", "--identity", str(free_key)], [])
             nodes.append(free)
             info = free.wait(lambda i: i.get("state") == "training", 120, "startup")
             boot = next(a for a in info["multiaddrs"] if f"/ip4/{net.public[0].address}/" in a)
             extra = ["--max-upload-mbit", str(cap_mbit)] if cap_mbit > 0 else []
-            capped = NsNode(net, net.public[1], workdir, "capped", [*MODEL_ARGS, "--seed", "1", *extra], [boot])
+            capped = NsNode(net, net.public[1], workdir, "capped", [*MODEL_ARGS, "--seed", "1", "--identity", str(capped_key), *extra],
+                            [boot])
             nodes.append(capped)
             capped.wait(lambda i: len(_full_rounds(i)) >= 1, 180, "a first round with the other node")
             ns = net.public[1].netns
@@ -73,6 +96,7 @@ def measure(workdir: Path, cap_mbit: float, seconds: float, tag: str = "cap", mi
                 samples.append({"t": round(time.monotonic() - t0, 2), "tx_bytes": tx - tx0, "rx_bytes": rx - rx0})
             t1, (tx1, rx1) = time.monotonic(), tx_rx_bytes(ns)
             end_info, free_info = capped.info(), free.info()
+            logs = {node.name: node.log()[-2500:] for node in nodes}
         finally:  # a clean stop is not what this measures
             for node in nodes:
                 node.kill()
@@ -95,6 +119,7 @@ def measure(workdir: Path, cap_mbit: float, seconds: float, tag: str = "cap", mi
         "train_loss_last": end_info.get("train_loss_last"),
         "free_rounds_total": len(_full_rounds(free_info)),
         "samples": samples,
+        "logs": logs,  # their tails, for a failed check
     }
 
 
@@ -111,6 +136,7 @@ def main() -> None:
     for cap in args.cap_mbit:
         with tempfile.TemporaryDirectory() as d:
             run = measure(Path(d), cap, args.seconds, tag=f"bw{int(cap * 10)}")
+        run.pop("logs")
         print(json.dumps({k: v for k, v in run.items() if k != "samples"}), flush=True)
         runs.append(run)
     report = {"commit": commit, "command": " ".join(["python -m benchmarks.bandwidth_cap", *sys.argv[1:]]), "runs": runs}

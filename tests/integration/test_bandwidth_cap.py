@@ -9,6 +9,8 @@ Needs root (namespaces): skipped with one line otherwise. The minute-long measur
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.bandwidth_cap import measure
@@ -21,7 +23,7 @@ CAP_MBIT = 2.0
 
 def test_a_capped_node_sends_at_most_its_cap_and_its_rounds_complete(tmp_path) -> None:
     run = measure(tmp_path, CAP_MBIT, seconds=12, tag="bwcap", min_rounds=2, max_seconds=90)
-    summary = {k: v for k, v in run.items() if k != "samples"}
+    summary = json.dumps({k: v for k, v in run.items() if k != "samples"}, indent=1)  # with the nodes' log tails
     assert run["wire_tx_mbit"] <= CAP_MBIT * 1.10, summary
     assert run["rounds_in_window"] >= 2, summary  # a round moves ~0.9 MB (micro): ~3.5 s at the cap
     assert run["train_loss_last"] < run["train_loss_first"], summary
