@@ -83,14 +83,10 @@ class GroupAverager:
         member sends its payload to, and receives one about as large from, each other member at its own
         caps; each capped member sends its payload to every other member at the cap it announced. Fetch
         timeouts and the next rendezvous deadline add it (0 when nobody is capped)."""
-        others = len(group) - 1
-        if others <= 0 or payload <= 0:
-            return 0.0
-        moved = payload * others
+        moved = payload * max(0, len(group) - 1)
         theirs = [moved / mbit_to_bytes_per_s(e.up_mbit) for e in group if e.peer_id != self.peer_id and e.up_mbit > 0]
-        slack = max([self.limits.seconds_for(moved, moved), *theirs])
-        self.deadline.slack = slack
-        return slack
+        self.deadline.slack = max([self.limits.seconds_for(moved, moved), *theirs])
+        return self.deadline.slack
 
     def claimed(self, samples: int) -> int:
         """A member's sample count as it may weigh: its claim, capped at what a round of the run can hold."""

@@ -182,6 +182,7 @@ def test_a_round_allows_the_time_its_transfers_take_at_the_caps_in_play() -> Non
     assert capped.transfer_slack(1_000_000, group) == pytest.approx(8.0)  # 2 MB out at 2 Mbit/s
     assert capped.deadline.value == pytest.approx(38.0)  # the next rendezvous allows for it, past the ceiling
     assert capped.transfer_slack(1_000_000, group[:1]) == 0.0  # alone: nothing moves
+    assert capped.deadline.value == 30.0  # and the next deadline drops back
     free = averager(RateLimits())
     assert free.up_mbit == 0.0 and free.transfer_slack(1_000_000, group) == 0.0
     slow_peer = [*group[:2], RoundEntry("b", 1, "fp16", up_mbit=1.0)]  # b announced its cap: the others wait for it
@@ -190,3 +191,18 @@ def test_a_round_allows_the_time_its_transfers_take_at_the_caps_in_play() -> Non
     assert RoundEntry.from_value({"peer_id": "old", "samples": 1, "codec": "fp16"}).up_mbit == 0.0  # older peers announce none
     with pytest.raises(Exception, match="up_mbit"):
         RoundEntry.from_value({"peer_id": "x", "samples": 1, "codec": "fp16", "up_mbit": -1})
+
+
+def test_the_caps_are_flags_in_mbit_and_must_be_positive(capsys) -> None:
+    import typer
+
+    from node.cli.app import parse_join_args
+
+    cfg = parse_join_args(["--max-upload-mbit", "2.5", "--max-download-mbit", "10"])
+    limits = RateLimits.from_mbit(cfg.max_upload_mbit, cfg.max_download_mbit)
+    assert limits.up is not None and limits.up.rate == 312_500 and limits.down is not None and limits.down.rate == 1_250_000
+    assert parse_join_args([]).max_upload_mbit is None
+    for bad in ("0", "-1"):
+        with pytest.raises((SystemExit, typer.Exit)):
+            parse_join_args(["--max-upload-mbit", bad])
+        assert "--max-upload-mbit: Input should be greater than 0" in capsys.readouterr().err
