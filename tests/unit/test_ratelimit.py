@@ -206,3 +206,31 @@ def test_the_caps_are_flags_in_mbit_and_must_be_positive(capsys) -> None:
         with pytest.raises((SystemExit, typer.Exit)):
             parse_join_args(["--max-upload-mbit", bad])
         assert "--max-upload-mbit: Input should be greater than 0" in capsys.readouterr().err
+
+
+def test_a_relay_circuit_between_paced_streams_moves_at_the_cap() -> None:
+    """What ``protocol.relay.serve_hop`` splices are paced streams (both legs come from ``limits.pace``):
+    the relay's bytes in and out count against its caps like its own."""
+    from protocol.frames import FramedStream
+    from protocol.relay import splice
+    from tests.helpers.memory_transport import Sink as FrameSink
+
+    payload = b"y" * 150_000
+
+    async def main() -> tuple[tuple[int, int], float, bytes]:
+        loop = asyncio.get_running_loop()
+        limits = RateLimits(TokenBucket(300_000, clock=loop.time), TokenBucket(300_000, clock=loop.time))
+        client_in, target_in = asyncio.StreamReader(), asyncio.StreamReader()
+        client_in.feed_data(payload)
+        client_in.feed_eof()  # the client's EOF ends the circuit (the target's side stays open)
+        target_out = FrameSink()
+        client = FramedStream(*limits.pace(client_in, FrameSink()), peer="client")
+        target = FramedStream(*limits.pace(target_in, target_out), peer="target")
+        started = loop.time()
+        moved = await asyncio.wait_for(splice(client, target, 1 << 30, max_seconds=30, idle_seconds=10), 20)
+        return moved, loop.time() - started, bytes(target_out.data)
+
+    moved, took, relayed = asyncio.run(main())
+    assert moved == (len(payload), 0) and relayed == payload
+    # read at the download cap, then written at the upload cap: at least the rate's time less one burst
+    assert took >= (len(payload) - 75_000) / 300_000
