@@ -220,7 +220,7 @@ class NodeBase:
         record = PeerRecord(**{
             "peer_id": s.peer_id, "role": self.role, "device": self.device.type, "model": cfg.model, "algorithm": self.algorithm,
             "compression": cfg.codec, "round": self.round, "loss": self._current_loss(), "maddrs": s.multiaddrs,
-            "protocols": s.protocols, "version": __version__, "reachability": s.reachability,
+            "protocols": s.protocols, "version": __version__, "reachability": s.reachability, "up_mbit": cfg.max_upload_mbit or 0.0,
             "started_at": time.time() - (time.monotonic() - self.started), **self._record_fields()})
         await reconnect_routing_table(net.dht, [info.peer_id for info in await net.p2p.list_peers()])
         for run_id in self._record_runs():

@@ -234,3 +234,28 @@ def test_a_relay_circuit_between_paced_streams_moves_at_the_cap() -> None:
     assert moved == (len(payload), 0) and relayed == payload
     # read at the download cap, then written at the upload cap: at least the rate's time less one burst
     assert took >= (len(payload) - 75_000) / 300_000
+
+
+def test_a_state_download_allows_for_the_joiners_and_the_sources_caps() -> None:
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from node.replica.joiner import Joiner
+    from protocol.records import PeerRecord
+
+    def joiner(limits: RateLimits) -> Joiner:
+        return Joiner(net=SimpleNamespace(transport=SimpleNamespace(limits=limits)), run_id="r", peer_id="me", settings={},  # type: ignore[arg-type]
+                      layout=lambda: {}, adopt=lambda _: None, announce=None, metrics=None, event=lambda *a, **k: None,  # type: ignore[arg-type]
+                      stop=threading.Event(), join_timeout=1.0)
+
+    layout = {"params": [((1000, 250), torch.float32)], "outer_momentum": [((1000, 250), torch.float32)]}  # 2 MB
+    assert joiner(RateLimits())._capped_seconds(layout, ["a"]) == 0.0
+    assert joiner(RateLimits.from_mbit(None, 4))._capped_seconds(layout, ["a"]) == pytest.approx(4.0)
+    free = joiner(RateLimits())
+    free.up_caps = {"a": 2.0, "b": 0.0}  # a announced a 2 Mbit/s upload cap in its record
+    assert free._capped_seconds(layout, ["a"]) == pytest.approx(8.0)
+    assert free._capped_seconds(layout, ["a", "b"]) == pytest.approx(4.0)  # a sends half the state
+    assert PeerRecord.from_value(PeerRecord("a", up_mbit=2.0).to_value()).up_mbit == 2.0
+    assert PeerRecord.from_value({"peer_id": "old"}).up_mbit == 0.0
