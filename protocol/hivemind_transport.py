@@ -3,7 +3,8 @@
 Each service is registered with ``P2P.add_binary_stream_handler`` under its protocol id, so any
 libp2p implementation that can open a stream to the peer can speak it (the light client does).
 A handler receives a :class:`FramedStream`; exceptions it raises are logged, counted through
-``on_error`` and reported to the peer as an error frame, and never take the node down.
+``on_error`` and reported to the peer as an error frame, and never take the node down. Every
+stream's bytes, served, opened or relayed, pass the node's bandwidth caps (:mod:`protocol.ratelimit`).
 """
 
 from __future__ import annotations
