@@ -47,7 +47,7 @@ def identities(workdir: Path) -> tuple[Path, Path]:
     joiner's first round can split them: it may average with a round its peer already closed alone),
     the tie goes to the smaller peer id and the other node downloads its state. The uncapped node
     must be that one: a download from the capped node crawls at its cap while it runs rounds alone,
-    faster than the download, and the other node never catches up (seen here; see README)."""
+    faster than the download, and the other node never catches up (seen here under load)."""
     keys = []
     for name in ("a", "b"):
         path = workdir / f"{name}.key"
