@@ -10,6 +10,10 @@ alive but late by about one deadline (after a resync on a slow link, say) would 
 just after the others left, every round, and the swarm would stay split into members averaging
 alone (seen at 5 Mbit/s: two DiLoCo nodes alone for 15 rounds in a row). A dead member's record
 expires, so it stops being expected and costs no more than the first miss.
+
+Under bandwidth caps (``--max-upload-mbit``, a member's announced cap) members reach a round later by
+the time their last transfers took; ``slack``, that time, is added to every deadline, past the
+ceiling too, so a capped member is not dropped every round.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class AdaptiveDeadline:
         self.waits: deque[float] = deque(maxlen=window)
         self.back_off = back_off
         self.misses = 0  # rounds in a row that closed without every expected member
+        self.slack = 0.0  # seconds the last round's transfers took at least under the bandwidth caps in play
 
     @classmethod
     def for_timeout(cls, ceiling: float, back_off: bool = False) -> "AdaptiveDeadline":
@@ -55,6 +60,6 @@ class AdaptiveDeadline:
     @property
     def value(self) -> float:
         if not self.waits:
-            return self.ceiling
+            return self.ceiling + self.slack
         base = max(self.floor, self.multiplier * statistics.median(self.waits))
-        return min(self.ceiling, base * 2**self.misses)
+        return min(self.ceiling, base * 2**self.misses) + self.slack

@@ -78,6 +78,7 @@ class _Round:
     deadline_s: float = 0.0  # the rendezvous deadline this round waited under
     gathered: float = 0.0  # time.monotonic() when the rendezvous ended
     exchanged: float = 0.0  # time.monotonic() when the contributions were fetched
+    fetch_timeout: float = 0.0  # the run's fetch timeout plus the time the group's transfers take at its caps
 
     @property
     def tag(self) -> str:
@@ -226,7 +227,7 @@ class DiLoCoAverager(GroupAverager):
     async def _rendezvous(self, rnd: _Round) -> list[RoundEntry]:
         """Register in the round's DHT rendezvous (this member's group's, if grouped) and wait for the
         group, up to the adaptive deadline (which learns from this wait). Returns the group, self included."""
-        entry = RoundEntry(peer_id=self.peer_id, samples=rnd.samples, codec=rnd.wire)
+        entry = RoundEntry(peer_id=self.peer_id, samples=rnd.samples, codec=rnd.wire, up_mbit=self.up_mbit)
         rnd.deadline_s, registered = self.deadline.value, time.monotonic()
         group, complete = await gather_group(self.dht, self.validator, self.run_id, rnd.number, entry,
                                              self._rendezvous_view(rnd.number, rnd.members, rnd.grouping),
@@ -254,7 +255,8 @@ class DiLoCoAverager(GroupAverager):
         self._plan_reduce_scatter(rnd, group, specs)
         owners = rnd.owners or {}
         others = [e.peer_id for e in group if e.peer_id != self.peer_id]
-        got, failures = await self.exchange.gather(others, rnd.number, self.fetch_timeout, parts=owners.get(self.peer_id))
+        rnd.fetch_timeout = self.fetch_timeout + self.transfer_slack(sum(len(b) for b in rnd.blobs), group)
+        got, failures = await self.exchange.gather(others, rnd.number, rnd.fetch_timeout, parts=owners.get(self.peer_id))
         rnd.exchanged = time.monotonic()
         mine = owners.get(self.peer_id, range(len(specs)))
         contributions = {self.peer_id: Contribution(rnd.number, rnd.samples, rnd.fingerprint, "", [rnd.blobs[i] for i in mine],
@@ -299,7 +301,7 @@ class DiLoCoAverager(GroupAverager):
             return
         update = await self._reduce_scatter(rnd.number, rnd.owners, contributions, rnd.decoded,  # type: ignore[arg-type]
                                             result.contributors, rnd.fingerprint, result,
-                                            self._weights_method(rnd, len(result.contributors)))  # in sync: my φ is the majority's
+                                            self._weights_method(rnd, len(result.contributors)), rnd.fetch_timeout)  # in sync: my φ is the majority's
         result.exchange_s = time.monotonic() - rnd.gathered
         result.update_norm = sum(float(t.pow(2).sum()) for t in update) ** 0.5
         await self._apply(rnd, update)
@@ -336,10 +338,12 @@ class DiLoCoAverager(GroupAverager):
 
     async def _reduce_scatter(self, round_no: int, owners: dict[str, list[int]], contributions: dict[str, Contribution],
                               my_decoded: list[torch.Tensor], used: list[str], majority_fp: str, result: RoundResult,
-                              method: str | None = None) -> list[torch.Tensor]:
+                              method: str | None = None, fetch_timeout: float | None = None) -> list[torch.Tensor]:
         """Reduce this member's parts, serve them, and collect every other owner's: the round's whole
         averaged update, part by part (bit-identical on every member that got each part from its owner).
-        ``method``: the aggregation, if not the run's (``_weights_method``)."""
+        ``method``: the aggregation, if not the run's (``_weights_method``); ``fetch_timeout``: the round's
+        (the run's, stretched by bandwidth caps)."""
+        fetch_timeout = fetch_timeout or self.fetch_timeout
         specs = self.exchange.layout(round_no)
         mine = owners[self.peer_id]
         update: dict[int, torch.Tensor] = {}
@@ -358,7 +362,7 @@ class DiLoCoAverager(GroupAverager):
         sources = {o: parts for o, parts in owners.items() if o != self.peer_id and parts}
         # an owner waits for every member's parts before it serves, so its answer may take a whole fetch
         # timeout; an owner that cannot be reached is not waited for: its parts are fetched directly
-        shares, failed = await self.exchange.gather(list(sources), round_no, 2 * self.fetch_timeout, reduced=sources,
+        shares, failed = await self.exchange.gather(list(sources), round_no, 2 * fetch_timeout, reduced=sources,
                                                     retry_for=min(5.0, self.fetch_timeout / 4))
         for owner, got in shares.items():
             assert isinstance(got, ReducedShare)
@@ -370,7 +374,7 @@ class DiLoCoAverager(GroupAverager):
                 result.failures.setdefault(owner, f"reduce_{reason}")
             parts = sorted(i for owner in failed for i in sources[owner])
             members = [p for p in used if p != self.peer_id]  # a failed owner may still serve its own update
-            got_parts, _ = await self.exchange.gather(members, round_no, self.fetch_timeout, parts=parts)
+            got_parts, _ = await self.exchange.gather(members, round_no, fetch_timeout, parts=parts)
             direct = {self.peer_id: [my_decoded[i] for i in parts],
                       **{p: c.decoded for p, c in got_parts.items() if isinstance(c, Contribution)}}
             senders = sorted(direct)

@@ -21,6 +21,8 @@ from gossip.byzantine import Attacker
 from gossip.deadline import AdaptiveDeadline
 from gossip.exchange import RoundExchange
 from gossip.partition import Partition
+from protocol.ratelimit import RateLimits, mbit_to_bytes_per_s
+from protocol.records import RoundEntry
 
 
 @dataclass
@@ -64,6 +66,27 @@ class GroupAverager:
         self.fetch_timeout, self.partition, self.aggregation = fetch_timeout, partition, aggregation
         self.max_samples, self.attacker = max_samples, attacker
         self.deadline = AdaptiveDeadline.for_timeout(gather_timeout, back_off=self.back_off)
+
+    @property
+    def limits(self) -> RateLimits:
+        """This node's bandwidth caps (none on a transport without them)."""
+        return getattr(self.exchange.transport, "limits", None) or RateLimits()
+
+    @property
+    def up_mbit(self) -> float:
+        """The upload cap this member announces in its rendezvous entries (0: none)."""
+        up = self.limits.up
+        return 0.0 if up is None else up.rate * 8 / 1e6
+
+    def transfer_slack(self, payload: int, group: Sequence[RoundEntry]) -> float:
+        """Seconds a round moving ``payload`` bytes per member takes at least under the caps in play: this
+        member sends its payload to, and receives one about as large from, each other member at its own
+        caps; each capped member sends its payload to every other member at the cap it announced. Fetch
+        timeouts and the next rendezvous deadline add it (0 when nobody is capped)."""
+        moved = payload * max(0, len(group) - 1)
+        theirs = [moved / mbit_to_bytes_per_s(e.up_mbit) for e in group if e.peer_id != self.peer_id and e.up_mbit > 0]
+        self.deadline.slack = max([self.limits.seconds_for(moved, moved), *theirs])
+        return self.deadline.slack
 
     def claimed(self, samples: int) -> int:
         """A member's sample count as it may weigh: its claim, capped at what a round of the run can hold."""

@@ -124,6 +124,7 @@ class NoLoCoAverager(GroupAverager):
                          max_samples, attacker)
         self.outer: NoLoCoOuter = outer
         self.group_size, self.poll_interval = group_size, poll_interval
+        self.entries: dict[str, RoundEntry] = {}  # the last rendezvous read: members' announced upload caps
 
     async def _match(self, round_no: int, deadline_s: float) -> tuple[list[str], bool]:
         """Poll the rendezvous until this member's group is settled; returns (group, complete)."""
@@ -131,6 +132,7 @@ class NoLoCoAverager(GroupAverager):
         seed = zlib.crc32(f"{self.run_id}/{round_no}/{self.peer_id}".encode())
         while True:
             entries = await read_round_entries(self.dht, self.run_id, round_no)
+            self.entries = {peer: entry for peer, (entry, _) in entries.items()}
             arrivals = [(expiration - ENTRY_TTL_S, peer) for peer, (_, expiration) in entries.items()]
             if self.peer_id not in entries:  # our own store has not propagated to our own view yet
                 arrivals.append((float("inf"), self.peer_id))
@@ -167,14 +169,16 @@ class NoLoCoAverager(GroupAverager):
         if before_gather is not None:
             await before_gather()
 
-        entry = RoundEntry(peer_id=self.peer_id, samples=samples, codec=self.exchange.wire)
+        entry = RoundEntry(peer_id=self.peer_id, samples=samples, codec=self.exchange.wire, up_mbit=self.up_mbit)
         await register_round(self.dht, self.validator, self.run_id, round_no, entry, ENTRY_TTL_S)
         deadline, registered = self.deadline.value, time.monotonic()
         group, complete = await self._match(round_no, deadline)
         gathered = time.monotonic()
         self.deadline.observe(gathered - registered, complete)
         others = [p for p in group if p != self.peer_id]
-        got, failures = await self.exchange.gather(others, round_no, self.fetch_timeout)
+        members_entries = [self.entries.get(p, RoundEntry(p, 0, "")) for p in group]
+        slack = self.transfer_slack(sum(len(b) for b in blobs), members_entries)
+        got, failures = await self.exchange.gather(others, round_no, self.fetch_timeout + slack)
         exchanged = time.monotonic()
 
         contributions = {self.peer_id: mine, **got}

@@ -3,7 +3,8 @@
 Each service is registered with ``P2P.add_binary_stream_handler`` under its protocol id, so any
 libp2p implementation that can open a stream to the peer can speak it (the light client does).
 A handler receives a :class:`FramedStream`; exceptions it raises are logged, counted through
-``on_error`` and reported to the peer as an error frame, and never take the node down.
+``on_error`` and reported to the peer as an error frame, and never take the node down. Every
+stream's bytes, served, opened or relayed, pass the node's bandwidth caps (:mod:`protocol.ratelimit`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from protocol import ids, relay
 from protocol.auth import client_hello, server_hello
 from protocol.errors import ProtocolError
 from protocol.frames import DEFAULT_MAX_FRAME, FramedStream
+from protocol.ratelimit import RateLimits
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ class Transport:
         carrying HMAC-SHA256(key, role | protocol | client id | server id) in both directions; libp2p
         already authenticates the peer ids, so a proof cannot be replayed by anyone else (see
         ``protocol.auth``). Peers without the key are refused before any handler runs.
+    :param limits: the node's upload/download caps (``protocol.ratelimit``): every stream's bytes, served,
+        opened and relayed, pass through the same two buckets
     """
 
     def __init__(
@@ -53,7 +57,9 @@ class Transport:
         on_error: Callable[[str, str, str], None] | None = None,
         swarm_key: bytes | None = None,
         idle_timeout: float = 30.0,
+        limits: RateLimits | None = None,
     ) -> None:
+        self.limits = limits or RateLimits()
         self.p2p = p2p
         self.idle_timeout = idle_timeout
         self.swarm_key = swarm_key
@@ -77,6 +83,7 @@ class Transport:
 
         async def _on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = info.peer_id.to_base58()
+            reader, writer = self.limits.pace(reader, writer)
             stream = FramedStream(reader, writer, peer=peer, max_frame=self.max_frame, idle_timeout=self.idle_timeout)
             stream.remote_addr = str(info.addr)
             try:
@@ -156,6 +163,7 @@ class Transport:
 
     async def _open_direct(self, peer_id: str, protocol: str) -> FramedStream:
         info, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
+        reader, writer = self.limits.pace(reader, writer)
         # client side: the caller bounds the whole exchange (a server may legitimately wait for its own data)
         stream = FramedStream(reader, writer, peer=peer_id, max_frame=self.max_frame)
         stream.remote_addr = str(info.addr)

@@ -58,6 +58,7 @@ class PeerRecord:
     queue: int = 0  # requests waiting at a stage server
     grad_norm: float = 0.0  # a stage server's last gradient norm
     stage_since: float = 0.0  # when it began serving that stage (unix time)
+    up_mbit: float = 0.0  # its --max-upload-mbit (0: none): a joiner downloading from it waits that much longer
     reachability: str = "unknown"  # public | private | unknown: whether others can dial it (private: through relays)
 
     def to_value(self) -> dict[str, Any]:
@@ -88,11 +89,14 @@ class PeerRecord:
             grad_norm=float(_typed(value, "grad_norm", number, 0.0)),
             stage_since=float(_typed(value, "stage_since", number, 0.0)),
             reachability=_typed(value, "reachability", str, "unknown"),
+            up_mbit=float(_typed(value, "up_mbit", number, 0.0)),
         )
         if not all(isinstance(x, str) for x in rec.maddrs + rec.protocols):
             raise SchemaError("record fields 'maddrs' and 'protocols' must hold strings")
         if rec.reachability not in ("public", "private", "unknown"):
             raise SchemaError(f"record reachability must be public, private or unknown, got {rec.reachability!r}")
+        if not 0 <= rec.up_mbit < float("inf"):
+            raise SchemaError("record up_mbit must be a non-negative number")
         if rec.round < 0 or rec.inner_step < 0 or rec.queue < 0 or rec.stage < -1:
             raise SchemaError("record round, inner_step and queue must be non-negative, stage ≥ -1")
         return rec
@@ -100,11 +104,13 @@ class PeerRecord:
 
 @dataclass
 class RoundEntry:
-    """A member's entry in a round rendezvous: who it is and how many samples its update carries."""
+    """A member's entry in a round rendezvous: who it is, how many samples its update carries, and its
+    upload cap (``--max-upload-mbit``, 0: none), so the others wait long enough for its update."""
 
     peer_id: str
     samples: int
     codec: str
+    up_mbit: float = 0.0
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,8 +120,11 @@ class RoundEntry:
         if not isinstance(value, dict):
             raise SchemaError(f"round entry must be a map, got {type(value).__name__}")
         entry = cls(
-            peer_id=_typed(value, "peer_id", str), samples=_typed(value, "samples", int), codec=_typed(value, "codec", str)
+            peer_id=_typed(value, "peer_id", str), samples=_typed(value, "samples", int), codec=_typed(value, "codec", str),
+            up_mbit=float(_typed(value, "up_mbit", (int, float), 0.0)),
         )
         if entry.samples < 0:
             raise SchemaError("round entry samples must be non-negative")
+        if not 0 <= entry.up_mbit < float("inf"):
+            raise SchemaError("round entry up_mbit must be a non-negative number")
         return entry

@@ -31,6 +31,7 @@ from protocol import ids
 from protocol.auth import client_hello
 from protocol.errors import SchemaError
 from protocol.frames import FramedStream, require
+from protocol.ratelimit import RateLimits
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class RelayHost(Protocol):
     max_frame: int
     idle_timeout: float
     relay_limits: "RelayLimits | None"
+    limits: RateLimits  # the node's upload/download caps: relayed bytes count against them like any other
     handlers: dict[str, Callable[[FramedStream], Awaitable[None]]]
 
     def account(self, protocol: str, stream: FramedStream) -> None: ...
@@ -141,6 +143,7 @@ async def serve_hop(transport: RelayHost, stream: FramedStream) -> None:
                 transport.p2p.call_binary_stream_handler(PeerID.from_base58(target), ids.RELAYED), 10)
         except Exception as e:
             raise SchemaError(f"relay could not reach {target}: {type(e).__name__}") from None
+        reader, writer = transport.limits.pace(reader, writer)
         leg = FramedStream(reader, writer, peer=target, max_frame=transport.max_frame, idle_timeout=transport.idle_timeout)
         leg.remote_addr = str(info.addr)
         try:
@@ -178,6 +181,7 @@ async def serve_relayed(transport: RelayHost, stream: FramedStream) -> None:
 async def open_via(transport: RelayHost, relay: str, target: str, protocol: str) -> FramedStream:
     """A client stream to ``target`` speaking ``protocol``, carried by ``relay``."""
     info, reader, writer = await transport.p2p.call_binary_stream_handler(PeerID.from_base58(relay), ids.RELAY)
+    reader, writer = transport.limits.pace(reader, writer)
     stream = FramedStream(reader, writer, peer=relay, max_frame=transport.max_frame)
     stream.remote_addr = str(info.addr)
     try:

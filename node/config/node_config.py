@@ -44,6 +44,13 @@ class NodeConfig(BaseModel):
     relay: Literal["on", "off"] = option(
         "on", "on | off: a public node relays circuits for peers behind NAT, capped at 16 circuits per peer and 1 GiB or "
         "30 min per circuit", SWARM)
+    max_upload_mbit: float | None = option(
+        None, "Cap on what this node sends, in Mbit/s (1 Mbit = 10^6 bits): every locomesh stream (updates, state, "
+        "activations, relayed traffic) is paced below it, and round and state-download timeouts grow to fit; the DHT's "
+        "own traffic in p2pd and TCP/IP headers (a few %) are not counted", SWARM, default_text="none: uncapped", gt=0)
+    max_download_mbit: float | None = option(
+        None, "Cap on what this node receives, in Mbit/s (10^6 bits/s), like --max-upload-mbit", SWARM,
+        default_text="none: uncapped", gt=0)
     # ---- training ------------------------------------------------------------------------------------
     device: Literal["auto", "cpu", "cuda"] = option("auto", "auto | cpu | cuda; auto uses CUDA when present (bf16 autocast)", TRAIN)
     model: str = option("tiny", "Model preset: byte GPTs nano, micro, tiny, small, medium; Llama llama-tiny, llama-20m, "

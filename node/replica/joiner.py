@@ -9,6 +9,7 @@ training loop and these transitions stay apart.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
@@ -24,12 +25,14 @@ from node.runtime.metrics import NodeMetrics
 from node.runtime.network import NetworkThread
 from node.runtime.settings import settings_mismatch
 from protocol.errors import RemoteError
+from protocol.ratelimit import RateLimits, mbit_to_bytes_per_s
 
 from node.errors import JoinRefused
 
 logger = logging.getLogger("locomesh.node")
 STRIPE_PEERS = 4  # a joiner downloads from up to this many peers at once, an even share from each
 VERIFY_PEERS = 5  # a joiner asks up to this many peers for their state's digests before it downloads
+STATE_TIMEOUT_S = 120.0  # a whole state download, plus what --max-download-mbit adds
 
 Layout = dict[str, list[tuple[tuple[int, ...], torch.dtype]]]
 
@@ -55,9 +58,11 @@ class Joiner:
         self.net, self.run_id, self.peer_id, self.settings = net, run_id, peer_id, settings
         self.layout, self.adopt, self.announce, self.held = layout, adopt, announce, held
         self.metrics, self.event, self.stop, self.join_timeout = metrics, event, stop, join_timeout
+        self.up_caps: dict[str, float] = {}  # peers' announced --max-upload-mbit, from their last records read
 
     def _trainers(self) -> list[Any]:
         peers = self.net.call(list_peers(self.net.dht, self.run_id), timeout=30)
+        self.up_caps = {p: rec.up_mbit for p, rec in peers.items()}
         return [rec for p, rec in peers.items() if p != self.peer_id and rec.role == "trainer"]
 
     def _sources(self, candidates: list[Any]) -> tuple[list[list[str]], dict[str, str] | None]:
@@ -173,7 +178,9 @@ class Joiner:
 
         try:
             held = self.held() if offer_held and self.held is not None else None
-            got = self.net.call(download_state(self.net.transport, peer, self.run_id, self.layout(), progress, held, trusted), timeout=120)
+            layout = self.layout()
+            got = self.net.call(download_state(self.net.transport, peer, self.run_id, layout, progress, held, trusted),
+                                timeout=STATE_TIMEOUT_S + self._capped_seconds(layout, [peer] if isinstance(peer, str) else peer))
         finally:
             if bar is not None:
                 bar.stop()
@@ -184,10 +191,24 @@ class Joiner:
         self.metrics.state_downloads.labels("ok").inc()
         return got
 
+    def _capped_seconds(self, layout: Layout, sources: list[str]) -> float:
+        """How long receiving a whole state of ``layout`` from ``sources`` (an even share each) takes at
+        least under this node's ``--max-download-mbit`` and the upload caps the sources announced."""
+        limits = getattr(self.net.transport, "limits", None) or RateLimits()
+        size = sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for tensors in layout.values() for shape, dtype in tensors)
+        share = size / max(1, len(sources))
+        theirs = [share / mbit_to_bytes_per_s(self.up_caps[p]) for p in sources if self.up_caps.get(p, 0) > 0]
+        return max([limits.seconds_for(0, size), *theirs])
+
     def resync(self, peer: str | None, failed_round: int) -> None:
         """Re-download the group's state after drifting (the peer publishes it right after its round)."""
         if peer is None:
             return
+        if peer not in self.up_caps:  # its upload cap stretches the download's timeout
+            try:
+                self._trainers()
+            except Exception as e:
+                logger.info("could not read %s's record before resyncing: %s", peer, e)
         for _ in range(20):
             try:
                 got = self.download_from(peer)

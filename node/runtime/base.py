@@ -43,6 +43,7 @@ from node.runtime.resume import ResumeRefused, check_resumable
 from node.runtime.settings import run_settings
 from node.runtime.status_service import StatusService
 from node.runtime.summary import Summary, count_steps, count_traffic, write_info
+from protocol.ratelimit import RateLimits
 from protocol.records import PeerRecord
 
 logger = logging.getLogger("locomesh.node")
@@ -219,7 +220,7 @@ class NodeBase:
         record = PeerRecord(**{
             "peer_id": s.peer_id, "role": self.role, "device": self.device.type, "model": cfg.model, "algorithm": self.algorithm,
             "compression": cfg.codec, "round": self.round, "loss": self._current_loss(), "maddrs": s.multiaddrs,
-            "protocols": s.protocols, "version": __version__, "reachability": s.reachability,
+            "protocols": s.protocols, "version": __version__, "reachability": s.reachability, "up_mbit": cfg.max_upload_mbit or 0.0,
             "started_at": time.time() - (time.monotonic() - self.started), **self._record_fields()})
         await reconnect_routing_table(net.dht, [info.peer_id for info in await net.p2p.list_peers()])
         for run_id in self._record_runs():
@@ -363,6 +364,7 @@ class NodeBase:
                 swarm_key=read_swarm_key(cfg.swarm_key) if cfg.swarm_key else None, stream_timeout=cfg.stream_timeout,
                 join_timeout=cfg.join_timeout, stop=self.stop, reachability=cfg.reachability,
                 relay_service=cfg.relay == "on",
+                limits=RateLimits.from_mbit(cfg.max_upload_mbit, cfg.max_download_mbit),
             )
         except UserError:
             self.net.shutdown()

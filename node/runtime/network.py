@@ -24,6 +24,7 @@ from node.errors import UserError
 from node.runtime.orphans import guard_child, release
 from protocol import ids
 from protocol.hivemind_transport import Transport
+from protocol.ratelimit import RateLimits
 from protocol.relay import relay_routes
 from gossip.rendezvous import watch_records
 
@@ -121,12 +122,14 @@ class NetworkThread:
         stop: threading.Event | None = None,
         reachability: str = "auto",
         relay_service: bool = True,
+        limits: RateLimits | None = None,
     ) -> None:
         """Start p2pd and join the DHT (bootstrapping from ``initial_peers`` when given).
 
         ``reachability`` ``auto`` asks an initial peer to dial this node back (:mod:`node.runtime.reachability`)
         and restarts p2pd as a private, relayed peer when it could not; ``public``/``private`` skip the
-        check. ``relay_service`` lets a public node relay circuits for private peers.
+        check. ``relay_service`` lets a public node relay circuits for private peers. ``limits``: the node's
+        upload/download caps, shared by every stream (``protocol.ratelimit``).
 
         A bootstrap peer may be restarting: failed attempts are retried with backoff (a log line each,
         naming every peer and why it failed) for ``join_timeout`` seconds, then :class:`UserError`
@@ -142,7 +145,7 @@ class NetworkThread:
             if child is not None:
                 self._watchdog = guard_child(child.pid)
             self.transport = Transport(self.p2p, on_bytes=on_bytes, on_error=on_error, swarm_key=swarm_key,
-                                       idle_timeout=stream_timeout)
+                                       idle_timeout=stream_timeout, limits=limits)
             await self.transport.serve(ids.DIALBACK, reach.serve_dialback)
             await self.transport.enable_relays(serve_relay=relay_service and mode != "private")
 
