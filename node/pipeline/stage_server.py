@@ -113,7 +113,8 @@ class StageServer:
         self.metrics.stage.set(index)
         self.publish_state()
         if rebuilt is None:
-            self.event("stage_joined" if previous is None else "stage_moved", stage=index, previous=previous, source=source, round=self.round)
+            self.event("stage_joined" if previous is None else "stage_moved", stage=index, previous=previous, source=source, round=self.round,
+                       schedule_step=self.schedule_step)
         return True
 
     def leave(self) -> None:
