@@ -166,7 +166,7 @@ def main() -> None:
         row = run_one(s, optimizer, schedule, codec, seed, corpus, val)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    env.update(load_after=os.getloadavg(), seconds=round(time.time() - started, 1))
+    env.update(load_after=os.getloadavg(), seconds=round(time.time() - started, 1), cpu_seconds=round(time.process_time(), 1))
     result = {"command": "python -m benchmarks.inner_optimizer " + " ".join(sys.argv[1:]), "environment": env,
               "settings": asdict(s), "runs": rows, "summary": summarize(rows)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
