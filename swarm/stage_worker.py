@@ -3,8 +3,9 @@
 Requests are stateless: a backward request carries the stage's input again and the worker recomputes
 the forward pass under autograd (activation recomputation), so any replica of a stage can take any
 microbatch's backward pass and a trainer can retry a failed call on another replica. Every backward
-(or loss) request is one optimizer step of this stage; the gradient norm of that step is kept for
-gradient-weighted stage recovery.
+(or loss) request is one optimizer step of this stage, and one step of its lr schedule (``steps`` is the
+schedule position; a replica that joins the stage takes it from the state it downloads); the gradient
+norm of that step is kept for gradient-weighted stage recovery.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Sequence
 
 import torch
 
+from swarm.inner_optimizer import build_inner_optimizer
+from swarm.lr_schedule import LrSchedule
 from swarm.stages import Stage
 
 
@@ -22,18 +25,16 @@ class StageWorker:
     """Runs one stage's requests (call from one thread at a time; a lock guards weight swaps)."""
 
     def __init__(self, stage: Stage, device: torch.device, lr: float = 1e-3, weight_decay: float = 0.1, warmup_steps: int = 50,
-                 clip: float = 1.0, slowdown: float = 1.0) -> None:
+                 clip: float = 1.0, slowdown: float = 1.0, schedule: LrSchedule | None = None, inner_optimizer: str = "adamw",
+                 steps: int = 0) -> None:
         self.stage = stage.to(device)
         self.device = device
-        self.base_lr, self.warmup_steps, self.clip = lr, warmup_steps, clip
+        self.base_lr, self.clip = lr, clip
+        self.schedule = schedule if schedule is not None else LrSchedule("constant", warmup_steps)
         self.slowdown = slowdown  # experiments: emulate slower hardware
-        decay = [p for p in self.stage.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.stage.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95)
-        )
+        self.optimizer = build_inner_optimizer(self.stage.named_parameters(), inner_optimizer, lr, weight_decay)
         self.lock = threading.Lock()
-        self.steps = 0
+        self.steps = steps
         self.samples = 0
         self.last_grad_norm = 0.0
         self.last_loss = float("nan")
@@ -85,9 +86,9 @@ class StageWorker:
             return self.last_loss, self._step(inp, len(x))
 
     def _step(self, inp: torch.Tensor, samples: int) -> torch.Tensor | None:
-        warm = min(1.0, (self.steps + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+        lr = self.base_lr * self.schedule.factor(self.steps)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.base_lr * warm
+            group["lr"] = lr
         self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.stage.parameters(), self.clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from node.config.defaults import (
@@ -18,6 +20,9 @@ from node.config.defaults import (
     outer_default_text, option,
 )
 from node.errors import UserError
+
+if TYPE_CHECKING:
+    from swarm.lr_schedule import LrSchedule
 
 
 class ConfigError(UserError, ValueError):
@@ -75,9 +80,20 @@ class NodeConfig(BaseModel):
     round_steps: int = option(None, "With --inner-steps auto: steps the swarm's median-speed peer takes per round", TRAIN,
                               default_text=by_algorithm(DEFAULT_INNER_STEPS), ge=1, le=1_000_000)
     batch_size: int = option(16, "Sequences per inner step", TRAIN, ge=1, le=65536)
-    lr: float = option(1e-3, "Inner AdamW learning rate", TRAIN, gt=0, le=10)
+    lr: float = option(1e-3, "Inner learning rate (AdamW's; Muon's update is scaled to match AdamW's RMS, so the same value serves both)",
+                       TRAIN, gt=0, le=10)
     warmup_steps: int = option(50, "Linear warmup of the inner lr, steps", TRAIN, ge=0)
-    weight_decay: float = option(0.1, "Inner AdamW weight decay", TRAIN, ge=0)
+    lr_schedule: Literal["constant", "cosine", "wsd"] = option(
+        "constant", "constant | cosine | wsd: the inner lr after warm-up: constant, cosine down to --lr-floor at --total-steps, "
+        "or stable then linear down to the floor over the last 20% (wsd); the position is the swarm's, so joiners continue it",
+        TRAIN)
+    total_steps: int | None = option(None, "Length of the lr schedule in inner steps (cosine, wsd)", TRAIN, default_text="--max-steps",
+                                     ge=1)
+    lr_floor: float = option(0.1, "Where cosine and wsd end, as a fraction of --lr", TRAIN, ge=0, le=1)
+    inner_optimizer: Literal["adamw", "muon"] = option(
+        "adamw", "adamw | muon: muon steps the blocks' 2-D weight matrices with torch.optim.Muon (RMS matched to AdamW) and the "
+        "embeddings, head, norms and biases with AdamW (MuLoCo)", TRAIN)
+    weight_decay: float = option(0.1, "Inner weight decay (decoupled, on matrices)", TRAIN, ge=0)
     micro_batch_size: int | None = option(
         None, "Sequences per forward/backward pass: each batch runs in pieces of at most this many, gradients accumulated, so "
         "the update is the whole batch's with less memory", TRAIN, default_text="the whole batch", ge=1, le=65536)
@@ -260,6 +276,11 @@ class NodeConfig(BaseModel):
         if self.micro_batch_size is not None and self.micro_batch_size > self.batch_size:
             raise ValueError(f"--micro-batch-size {self.micro_batch_size} is larger than --batch-size {self.batch_size}: it cuts each batch "
                              f"into pieces, so use at most {self.batch_size} (or raise --batch-size)")
+        if self.algorithm == "zo" and (self.lr_schedule != "constant" or self.inner_optimizer != "adamw"):
+            raise ValueError("--lr-schedule and --inner-optimizer do not apply to --algorithm zo: every replica replays the swarm's "
+                             "steps at the agreed --zo-lr; use the defaults (constant, adamw)")
+        if self.lr_schedule != "constant":
+            self.schedule()  # raises naming what is missing (the run's length) or out of range
         if self.algorithm == "zo":
             for wrong, why in ((self.fragments > 1, "--fragments"), (self.overlap, "--overlap"),
                                (self.compression not in (None, "none"), "--compression")):
@@ -365,6 +386,13 @@ class NodeConfig(BaseModel):
             return self.outer_warmup_rounds
         lossy = self.codec not in LOSSLESS_CODECS and not self.codec.startswith("seed:")
         return LOSSY_WARMUP_ROUNDS if self.algorithm == "diloco" and lossy else 0
+
+    def schedule(self) -> "LrSchedule":
+        """The inner lr schedule in force (``swarm.lr_schedule``); its length is --total-steps, else --max-steps."""
+        from swarm.lr_schedule import LrSchedule
+
+        return LrSchedule(self.lr_schedule, self.warmup_steps, self.total_steps if self.total_steps is not None else self.max_steps,
+                          self.lr_floor)
 
     @property
     def model_seed(self) -> int:

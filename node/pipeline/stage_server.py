@@ -30,6 +30,7 @@ from node.runtime.metrics import NodeMetrics
 from node.runtime.network import NetworkThread
 from node.runtime.summary import Summary, count_steps, write_info
 from protocol.records import PeerRecord
+from swarm.lr_schedule import SCHEDULE_STEP, schedule_position
 from swarm.models.presets import ModelConfig
 from swarm.service import StageService
 from swarm.stage_worker import StageWorker
@@ -62,6 +63,7 @@ class StageServer:
         self.last_loss = math.nan
         self.stage_since = 0.0  # wall-clock time the node began serving its stage
         self.counted = 0  # the worker's steps already in the summary
+        self.schedule_step = 0  # where the next worker's lr schedule starts (the stage's, downloaded with its state)
         self.pending: tuple[concurrent.futures.Future, StageWorker] | None = None  # the round in flight
         transport, first = net.transport, stage_run(cfg.run_id, 0)
         self.service = StageService(transport, cfg.run_id, lambda: self.worker, cfg.activation_compression, queue_limit=cfg.stage_queue)
@@ -88,11 +90,14 @@ class StageServer:
         sub = stage_run(cfg.run_id, index)
         self.outer = NesterovOuter(*cfg.outer_hyper)
         self.round = 0
+        self.schedule_step = 0
         source = None
         if rebuilt is None and (cfg.initial_peers or previous is not None):
             source = self._download(module, sub, net.call(list_peers(net.dht, sub), timeout=30))
             if source is None and self._run_has_trained():
                 return False
+        elif rebuilt is not None:
+            self.schedule_step = self._stages_schedule_step()  # a rebuilt stage continues the pipeline's lr schedule
         self.phi = [p.detach().to("cpu", torch.float32).clone() for p in module.parameters()]
         self.round = max(self.round, int(time.time() // cfg.sync_every))  # first averaging at the next boundary
         self.state_server.run_id = sub
@@ -100,14 +105,16 @@ class StageServer:
         self.averager.run_id, self.averager.outer = sub, self.outer
         self.stage = index
         self.service.reset_throughput()
-        self.worker = StageWorker(module, self.device, cfg.lr * lr_scale, cfg.weight_decay, cfg.warmup_steps, slowdown=cfg.slowdown)
-        self.counted = 0
+        self.worker = StageWorker(module, self.device, cfg.lr * lr_scale, cfg.weight_decay, slowdown=cfg.slowdown, schedule=cfg.schedule(),
+                                  inner_optimizer=cfg.inner_optimizer, steps=self.schedule_step)
+        self.counted = self.schedule_step
         self.summary.stage = index
         self.stage_since = time.time()
         self.metrics.stage.set(index)
         self.publish_state()
         if rebuilt is None:
-            self.event("stage_joined" if previous is None else "stage_moved", stage=index, previous=previous, source=source, round=self.round)
+            self.event("stage_joined" if previous is None else "stage_moved", stage=index, previous=previous, source=source, round=self.round,
+                       schedule_step=self.schedule_step)
         return True
 
     def leave(self) -> None:
@@ -120,6 +127,11 @@ class StageServer:
         worth more than the run's initialisation)."""
         records = self.net.call(list_peers(self.net.dht, self.cfg.run_id), timeout=30)
         return any(r.inner_step > 0 for p, r in records.items() if p != self.summary.peer_id)
+
+    def _stages_schedule_step(self) -> int:
+        """The furthest lr schedule position (backward steps) any stage server of the run announces."""
+        records = self.net.call(list_peers(self.net.dht, self.cfg.run_id), timeout=30)
+        return max((r.inner_step for p, r in records.items() if p != self.summary.peer_id and r.role == "stage"), default=0)
 
     def new_stage(self, index: int) -> Stage:
         """Stage ``index`` as the run initialises it."""
@@ -159,6 +171,7 @@ class StageServer:
             if adopt:
                 self.outer.load_state_tensors(got.snapshot.tensors["outer_momentum"])
                 self.round = got.snapshot.round
+                self.schedule_step = schedule_position(got.snapshot.meta, 0, self.schedule_step)
             self.metrics.state_downloads.labels("ok").inc()
             return rec.peer_id
         return None
@@ -169,7 +182,8 @@ class StageServer:
             round=self.round,
             tensors={"params": [t.clone() for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
             fingerprint=fingerprint(self.phi),
-            meta={"model": self.cfg.model, "stage": self.stage, "stages": self.cfg.stages},
+            meta={"model": self.cfg.model, "stage": self.stage, "stages": self.cfg.stages,
+                  SCHEDULE_STEP: self.worker.steps if self.worker is not None else self.schedule_step},
         ))
 
     # ---- serving ---------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from node.runtime.mfu import flops_per_token, mfu, peak_flops, peak_memory_mb
 from node.runtime.settings import run_settings
 from node.runtime.status_service import StatusService
 from protocol.records import PeerRecord
+from swarm.lr_schedule import SCHEDULE_STEP, schedule_position
 
 logger = logging.getLogger("locomesh.node")
 
@@ -74,7 +75,8 @@ class Daemon(NodeBase):
         self._prepare_local()
         device, model_cfg, work = self.device, self.model_cfg, self.workload
         self.trainer = LocalTrainer(cfg=model_cfg, device=device, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                    warmup_steps=cfg.warmup_steps, seed=cfg.model_seed, micro_batch_size=cfg.micro_batch_size,
+                                    schedule=cfg.schedule(), inner_optimizer=cfg.inner_optimizer, seed=cfg.model_seed,
+                                    micro_batch_size=cfg.micro_batch_size,
                                     activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
         if work.init_weights is not None:  # a joiner still takes the swarm's state, a resumed node its checkpoint
             self.trainer.load_weights(work.init_weights)
@@ -187,6 +189,7 @@ class Daemon(NodeBase):
         self.round = snap.round
         self.round_target = self._round_steps()
         self.inner_step = min(got.inner_step, self.round_target - 1)
+        self.trainer.steps = schedule_position(snap.meta, self.inner_step, self.trainer.steps)
         self.metrics.outer_round.set(self.round)
 
     def _resume(self) -> bool:
@@ -329,7 +332,8 @@ class Daemon(NodeBase):
             round=self.round,
             tensors={"params": [t.to("cpu", copy=True) for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
             fingerprint=fingerprint(self.phi),
-            meta={**run_settings(self.cfg), "error_feedback_decay": self.cfg.feedback_decay()},
+            meta={**run_settings(self.cfg), "error_feedback_decay": self.cfg.feedback_decay(),
+                  SCHEDULE_STEP: self.trainer.steps - self.inner_step},
         )
         self.state_server.publish(snap)
 

@@ -1,4 +1,5 @@
-"""Local training: the model on its device, the inner AdamW optimizer, bf16 autocast on CUDA, evaluation.
+"""Local training: the model on its device, the inner optimizer (AdamW or Muon + AdamW, ``swarm.inner_optimizer``)
+stepped on an lr schedule (``swarm.lr_schedule``), bf16 autocast on CUDA, evaluation.
 
 Memory and speed for real workloads, all optional and none changing the update:
 
@@ -22,6 +23,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from swarm.inner_optimizer import build_inner_optimizer
+from swarm.lr_schedule import LrSchedule
 from swarm.models.presets import GPTConfig, build_model
 
 logger = logging.getLogger("locomesh.node")
@@ -57,7 +60,9 @@ def checkpoint_blocks(model: torch.nn.Module) -> int:
 
 
 class LocalTrainer:
-    """A model plus its inner optimizer (AdamW, betas (0.9, 0.95), linear warmup then constant lr).
+    """A model plus its inner optimizer (``inner_optimizer``: adamw or muon) on the lr ``schedule`` (default:
+    linear warmup over ``warmup_steps``, then constant). ``steps`` is the schedule position: a joiner or a
+    resumed node sets it to the swarm's (its checkpoint's) so the schedule continues.
 
     The inner optimizer state is local and never synchronised (DiLoCo). ``self.model`` is always the
     plain module (parameter names, state dict, checkpoints); training runs through ``self.train_model``,
@@ -77,6 +82,8 @@ class LocalTrainer:
         lr: float,
         weight_decay: float = 0.1,
         warmup_steps: int = 50,
+        schedule: LrSchedule | None = None,
+        inner_optimizer: str = "adamw",
         seed: int = 0,
         micro_batch_size: int | None = None,
         activation_checkpointing: bool = False,
@@ -88,15 +95,10 @@ class LocalTrainer:
         torch.manual_seed(seed)
         self.device = device
         self.model = build_model(cfg).to(device)
-        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr,
-            betas=(0.9, 0.95),
-            fused=device.type == "cuda",
-        )
-        self.base_lr, self.warmup_steps = lr, warmup_steps
+        self.optimizer = build_inner_optimizer(self.model.named_parameters(), inner_optimizer, lr, weight_decay,
+                                               fused=device.type == "cuda")
+        self.base_lr = lr
+        self.schedule = schedule if schedule is not None else LrSchedule("constant", warmup_steps)
         self.lr_scale = 1.0
         self.steps = 0
         self.autocast = (
@@ -113,8 +115,7 @@ class LocalTrainer:
         return [p for p in self.model.parameters()]
 
     def current_lr(self) -> float:
-        warm = min(1.0, (self.steps + 1) / self.warmup_steps) if self.warmup_steps else 1.0
-        return self.base_lr * warm * self.lr_scale
+        return self.base_lr * self.schedule.factor(self.steps) * self.lr_scale
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One inner step on a batch; returns the loss (nats per byte). Non-finite losses raise."""

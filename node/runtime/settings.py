@@ -13,17 +13,19 @@ from node.config import NodeConfig
 
 SETTINGS_FLAGS = {"run_id": "--run-id", "model": "--model", "algorithm": "--algorithm", "compression": "--compression",
                   "fragments": "--fragments", "stages": "--stages", "tokenizer": "--data with tokenizer",
-                  "max_group_size": "--max-group-size"}
+                  "max_group_size": "--max-group-size", "inner_optimizer": "--inner-optimizer"}
 SWARM_KEYS = ("model", "algorithm", "compression", "fragments", "tokenizer", "max_group_size")  # in a state download's meta (the run id is the request's)
 
 
 def run_settings(cfg: NodeConfig) -> dict[str, Any]:
     """What shapes the training run: peers and checkpoints with other values cannot be mixed (the model is
-    its preset's name or a digest of its architecture file; the tokenizer ``bytes`` or its hash)."""
+    its preset's name or a digest of its architecture file; the tokenizer ``bytes`` or its hash). The inner
+    optimizer is local to each peer, so the swarm leaves it out (not in ``SWARM_KEYS``), but a checkpoint holds
+    its state, which only the same optimizer can resume."""
     from node.runtime.workload import identity
 
     return {"run_id": cfg.run_id, "algorithm": cfg.algorithm, "compression": cfg.codec, "fragments": cfg.fragments,
-            "stages": cfg.stages, "max_group_size": cfg.max_group_size, **identity(cfg)}
+            "stages": cfg.stages, "max_group_size": cfg.max_group_size, "inner_optimizer": cfg.inner_optimizer, **identity(cfg)}
 
 
 def settings_from_saved_config(config: dict[str, Any]) -> dict[str, Any]:
