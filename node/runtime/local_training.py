@@ -72,6 +72,9 @@ class LocalTrainer:
         the last micro-batch may be smaller); None = the whole batch at once
     :param activation_checkpointing: recompute each block's activations in the backward pass
     :param compile: ``torch.compile`` the model (``compile_backend``); eager with one warning if that fails
+    :param accelerated: the CUDA recipe (bf16 autocast, fused optimizer kernels); None = on CUDA devices only.
+        True on the CPU runs the same code path there (torch has CPU bf16 autocast and fused AdamW), which is
+        how the tests cover it on machines without a GPU
     """
 
     def __init__(
@@ -89,21 +92,21 @@ class LocalTrainer:
         activation_checkpointing: bool = False,
         compile: bool = False,
         compile_backend: str | Callable[..., Any] = "inductor",
+        accelerated: bool | None = None,
     ) -> None:
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
         torch.manual_seed(seed)
         self.device = device
         self.model = build_model(cfg).to(device)
+        self.accelerated = device.type == "cuda" if accelerated is None else accelerated
         self.optimizer = build_inner_optimizer(self.model.named_parameters(), inner_optimizer, lr, weight_decay,
-                                               fused=device.type == "cuda")
+                                               fused=self.accelerated)
         self.base_lr = lr
         self.schedule = schedule if schedule is not None else LrSchedule("constant", warmup_steps)
         self.lr_scale = 1.0
         self.steps = 0
-        self.autocast = (
-            torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-        )
+        self.autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if self.accelerated else nullcontext()
         self.micro_batch_size = micro_batch_size
         if activation_checkpointing:
             checkpoint_blocks(self.model)

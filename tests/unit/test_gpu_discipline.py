@@ -351,3 +351,24 @@ def test_a_daemon_trains_with_micro_batches_checkpointing_and_outer_state_on_its
     assert info["steps"] == 12 and info["outer_rounds"] == 2
     assert info["tokens_per_s"] > 0 and info["mfu"] is None and info["peak_mem_mb"] > 10
     assert math.isfinite(info["val_loss"])
+
+
+# ---- the CUDA recipe, run on the CPU ------------------------------------------------------------
+@pytest.mark.parametrize("name,optimizer", list(zip(FAMILIES, ["adamw", "muon"])))
+def test_the_cuda_recipe_runs_on_the_cpu(name: str, optimizer: str) -> None:
+    """bf16 autocast and fused optimizer kernels, the path a GPU node takes, exercised where there is no GPU:
+    it trains, its numbers differ from fp32 (so autocast is really on) by no more than bf16 rounding, and
+    evaluation runs under it too."""
+    kwargs = dict(cfg=preset(name), device=CPU, lr=3e-3, warmup_steps=0, seed=0, inner_optimizer=optimizer)
+    fast, plain = LocalTrainer(**kwargs, accelerated=True), LocalTrainer(**kwargs)
+    assert not plain.accelerated and LocalTrainer(**kwargs, accelerated=None).accelerated is False  # the CPU default
+    adamw = fast.optimizer if optimizer == "adamw" else fast.optimizer.adamw
+    assert all(group["fused"] for group in adamw.param_groups)
+    x, y = _batch(name, 4)
+    fast_losses = [fast.step(x, y) for _ in range(4)]
+    plain_losses = [plain.step(x, y) for _ in range(4)]
+    assert fast_losses[-1] < fast_losses[0] - 0.05  # it learns the batch
+    assert fast_losses[0] != plain_losses[0] and fast_losses[0] == pytest.approx(plain_losses[0], rel=0.02)
+    assert fast_losses[-1] == pytest.approx(plain_losses[-1], rel=0.05)
+    evaluated = fast.evaluate([(x, y)])
+    assert evaluated == pytest.approx(plain.evaluate([(x, y)]), rel=0.05) and math.isfinite(evaluated)
