@@ -103,6 +103,16 @@ class Stage(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def stage_flops_per_token(stage: Stage) -> float:
+    """Training FLOPs per token of the work a stage does for a microbatch in the normal order, as
+    ``swarm.models.presets.model_flops_per_token`` counts them for a whole model: 6·N of its blocks (and
+    of the head on the last stage; embeddings are lookups, CheckFree+ replicas idle) plus the attention
+    term of its blocks. The backward request's recomputed forward pass is not model FLOPs."""
+    used = list(stage.blocks.parameters()) + (list(stage.ln_f.parameters()) + list(stage.head.parameters()) if stage.last else [])
+    n = sum(p.numel() for p in used)
+    return float(6 * n + 12 * len(stage.blocks) * stage.cfg.d_model * stage.cfg.context)
+
+
 def _untied_head(full: nn.Module) -> nn.Linear:
     """A head of its own, starting from the full model's (for a tied model: the token embedding)."""
     head = nn.Linear(full.head.in_features, full.head.out_features, bias=False)
