@@ -36,18 +36,14 @@ from node.runtime.metrics import NodeMetrics
 from node.runtime.mfu import mfu, peak_flops, peak_memory_mb
 from node.runtime.network import NetworkThread
 from node.runtime.summary import Summary, count_steps, write_info
+from node.runtime.workload import identity
 from protocol.records import PeerRecord
 from swarm.models.presets import ModelConfig
 from swarm.service import StageService
 from swarm.stage_worker import StageWorker
-from swarm.stages import Stage, model_seed, stage_flops_per_token
+from swarm.stages import Stage, model_seed, stage_flops_per_token, stage_run
 
 logger = logging.getLogger("locomesh.pipeline")
-
-
-def stage_run(run_id: str, stage: int) -> str:
-    """The sub-run in which the replicas of one stage average and share state."""
-    return f"{run_id}.s{stage}"
 
 
 def stage_init_seed(cfg: NodeConfig) -> int:
@@ -197,7 +193,8 @@ class StageServer:
             tensors={"params": [t.to("cpu", copy=True) for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
             fingerprint=fingerprint(self.phi),
             meta={"model": self.cfg.model, "stage": self.stage, "stages": self.cfg.stages, "first_round": self.outer.first_round,
-                  "model_config": self.model_cfg.to_dict()},
+                  "model_config": self.model_cfg.to_dict(), "checkfree_plus": self.cfg.checkfree_plus,
+                  "tokenizer": identity(self.cfg)["tokenizer"]},
         ))
 
     # ---- serving ---------------------------------------------------------------------------------------
