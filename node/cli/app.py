@@ -290,7 +290,7 @@ def export_cmd(
     out: Annotated[Path, typer.Option(help="Folder to create (must not exist, or be empty)")],
     checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint of a --model llama-* run (checkpoint.pt, or its --checkpoint-dir)")] = None,
     weights: Annotated[str, typer.Option(help="phi (the swarm's agreed weights) or theta (the node's last local weights)")] = "phi",
-    initial_peers: Annotated[Optional[list[str]], typer.Option("--initial-peers", help="Instead of --checkpoint: export a live pipeline run (--stages > 1), asking a server of each stage for its weights; the multiaddr of any of its peers (repeatable)")] = None,
+    initial_peers: Annotated[Optional[list[str]], typer.Option("--initial-peers", metavar="<maddr>", help="Instead of --checkpoint: export a live pipeline run (--stages > 1), asking a server of each stage for its weights; the multiaddr of any of its peers (repeatable)")] = None,
     run_id: Annotated[str, typer.Option(help="With --initial-peers: the pipeline's run")] = "locomesh-demo",
     data: Annotated[Optional[Path], typer.Option(help="With --initial-peers: the token shard folder the run trains on (its tokenizer.json goes into the export)")] = None,
     swarm_key_file: Annotated[Optional[Path], typer.Option("--swarm-key-file", help="Secret file of the run's private swarm", envvar=_env("swarm_key"))] = None,

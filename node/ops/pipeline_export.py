@@ -131,7 +131,18 @@ def export_pipeline(*, run_id: str, initial_peers: list[str], out: Path, data: P
     Raises :class:`UserError` naming what is missing."""
     if not initial_peers:
         raise UserError("give --initial-peers: the multiaddr of any peer of the pipeline run")
-    stages = asyncio.run(_fetch_all(run_id, initial_peers, swarm_key, timeout))
+    for maddr in initial_peers:
+        if not maddr.startswith("/") or "/p2p/" not in maddr:
+            raise UserError(f"--initial-peers {maddr!r} is not a node multiaddr like /ip4/HOST/tcp/PORT/p2p/PEER_ID; "
+                            "use one a node prints (its --info-file 'multiaddrs')")
+    try:
+        stages = asyncio.run(_fetch_all(run_id, initial_peers, swarm_key, timeout))
+    except UserError:
+        raise
+    except Exception as e:  # p2pd or the DHT could not start or reach the peers
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise UserError(f"could not reach the swarm through {' '.join(initial_peers)}: {reason}; check the multiaddr and "
+                        "that the node runs") from None
     cfg, tensors = assemble(stages)
     tokenizer = _tokenizer(str(stages[0].meta.get("tokenizer", "bytes")), data)
     rounds = ",".join(str(s.round) for s in stages)
