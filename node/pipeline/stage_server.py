@@ -27,7 +27,6 @@ from gossip.group_round import RoundResult
 from gossip.exchange import RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter
-from gossip.partition import part_shapes
 from gossip.placement import OuterPlacement
 from gossip.rendezvous import list_peers
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
@@ -85,8 +84,9 @@ class StageServer:
                                        aggregation=cfg.aggregation, member_role="stage", max_group_size=cfg.max_group_size,
                                        weight_codec="none" if cfg.codec == "none" else "fp16")
 
-    def _new_outer(self, first_round: int = 0) -> NesterovOuter:
-        return NesterovOuter(*self.cfg.outer_hyper, warmup_rounds=self.cfg.outer_warmup, first_round=first_round)
+    def _new_outer(self) -> NesterovOuter:
+        """The stage's outer optimizer; its warm-up's first round is set once the stage's rounds are known."""
+        return NesterovOuter(*self.cfg.outer_hyper, warmup_rounds=self.cfg.outer_warmup)
 
     @property
     def services(self) -> list[Any]:
@@ -113,7 +113,7 @@ class StageServer:
         self.round = max(self.round, int(time.time() // cfg.sync_every))  # first averaging at the next boundary
         if source is None:  # the stage starts here: its outer lr warms up from its first round
             self.outer.first_round = self.round + 1
-        parts = part_shapes([p.shape for p in self.phi])
+        parts = self.averager.partition.shapes([p.shape for p in self.phi])
         decay = cfg.feedback_decay()
         self.feedback = [ErrorFeedback(decay) for _ in parts] if decay > 0 else None
         self.state_server.run_id = sub
