@@ -66,20 +66,24 @@ class NesterovOuter(_IndexedState):
     :param nesterov: Nesterov (default, as in DiLoCo) or heavy-ball momentum
     :param warmup_rounds: W: round r (counted from the run's start, the same on every member) steps at
         η·min(1, (r + 1)/W); 0 steps at η from the first round
+    :param first_round: the number of the run's first round (pipeline stages number their rounds by
+        wall-clock epoch, so their warm-up counts from the epoch the stage first averaged in)
     """
 
-    def __init__(self, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, warmup_rounds: int = 0) -> None:
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, warmup_rounds: int = 0,
+                 first_round: int = 0) -> None:
         super().__init__()
         if lr <= 0 or not 0 <= momentum < 1 or warmup_rounds < 0:
             raise ValueError(f"outer lr must be > 0, momentum in [0, 1) and warm-up rounds ≥ 0, got lr={lr}, "
                              f"momentum={momentum}, warmup_rounds={warmup_rounds}")
         self.lr, self.momentum, self.nesterov, self.warmup_rounds = lr, momentum, nesterov, warmup_rounds
+        self.first_round = first_round
 
     def lr_at(self, round_no: int | None) -> float:
         """η in force in round ``round_no`` (None: after the warm-up)."""
         if round_no is None or not self.warmup_rounds:
             return self.lr
-        return self.lr * min(1.0, (max(round_no, 0) + 1) / self.warmup_rounds)
+        return self.lr * min(1.0, (max(round_no - self.first_round, 0) + 1) / self.warmup_rounds)
 
     @torch.no_grad()
     def step(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], indices: Sequence[int] | None = None,

@@ -216,6 +216,25 @@ async def state_headers(transport: Transport, peers: Sequence[str], run_id: str,
     return {p: r for p, r in zip(peers, results) if isinstance(r, tuple)}
 
 
+async def state_header(transport: Transport, peer: str, run_id: str, timeout: float = 10.0) -> dict[str, Any]:
+    """One peer's snapshot header (round, meta, layout, ...), unchecked: for a client that learns from the meta what
+    to expect before it downloads (:func:`download_state` then checks the layout against that)."""
+
+    async def one() -> dict[str, Any]:
+        stream = await transport.open(peer, ids.STATE)
+        try:
+            await stream.send("get_state", {"run_id": run_id, "header_only": True})
+            body = (await stream.recv(expect="state")).body
+            await stream.recv(expect="end")
+            require(body, "meta", dict)
+            return body
+        finally:
+            transport.account(ids.STATE, stream)
+            await stream.close()
+
+    return await asyncio.wait_for(one(), timeout)
+
+
 def majority_state(headers: dict[str, tuple[int, dict[str, str]]]) -> tuple[int, dict[str, str], list[str]] | None:
     """The (round, digests) most peers report, and those peers; None without a strict majority of at least
     two peers when more than one answered (ties are no majority: nobody's id decides)."""
@@ -339,4 +358,4 @@ async def download_state(
 
 
 __all__ = ["DownloadedState", "PoisonedState", "StateServer", "StateSnapshot", "chunk_plan", "download_state", "majority_state",
-           "state_headers", "stripe_of"]
+           "state_header", "state_headers", "stripe_of"]

@@ -97,12 +97,17 @@ class StageWorker:
         return None if inp.grad is None else inp.grad.detach().float().cpu()
 
     @torch.no_grad()
-    def load_weights(self, tensors: Sequence[torch.Tensor]) -> None:
+    def load_weights(self, tensors: Sequence[torch.Tensor], keep: float = 0.0) -> None:
+        """θ ← (1 − keep)·tensors + keep·θ (``--fragment-alpha``; 0 replaces the weights)."""
         with self.lock:
             for p, t in zip(self.parameters(), tensors):
-                p.copy_(t.to(p.device, p.dtype))
+                if keep:
+                    p.mul_(keep).add_(t.to(p.device, p.dtype), alpha=1 - keep)
+                else:
+                    p.copy_(t.to(p.device, p.dtype))
 
     @torch.no_grad()
-    def snapshot(self) -> list[torch.Tensor]:
+    def snapshot(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """fp32 copies of the weights on ``device`` (where the stage's φ lives: ``--outer-device``)."""
         with self.lock:
-            return [p.detach().to("cpu", torch.float32).clone() for p in self.parameters()]
+            return [p.detach().to(device, torch.float32, copy=True) for p in self.parameters()]

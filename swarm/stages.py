@@ -33,6 +33,11 @@ def block_range(n_layer: int, index: int, count: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
+def stage_run(run_id: str, stage: int) -> str:
+    """The sub-run in which the replicas of one stage average and share state."""
+    return f"{run_id}.s{stage}"
+
+
 def model_seed(run_id: str) -> int:
     """The seed every replica of every stage initialises from (the same for the whole run)."""
     return zlib.crc32(run_id.encode()) & 0x7FFFFFFF
@@ -101,6 +106,33 @@ class Stage(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def whole_model_names(stage: Stage) -> list[str | None]:
+    """The name in the whole model of each of the stage's parameters (``parameters()`` order, blocks renumbered),
+    None for a CheckFree+ replica of another stage's embeddings or head."""
+    start, _ = block_range(stage.cfg.n_layer, stage.index, stage.count)
+    names: list[str | None] = []
+    for name, _ in stage.named_parameters():
+        top = name.split(".", 1)[0]
+        if top == "blocks":
+            _, j, rest = name.split(".", 2)
+            names.append(f"blocks.{start + int(j)}.{rest}")
+        elif top in ("tok_emb", "pos_emb"):
+            names.append(name if stage.first else None)
+        else:  # the final norm and the head
+            names.append(name if stage.last else None)
+    return names
+
+
+def stage_flops_per_token(stage: Stage) -> float:
+    """Training FLOPs per token of the work a stage does for a microbatch in the normal order, as
+    ``swarm.models.presets.model_flops_per_token`` counts them for a whole model: 6·N of its blocks (and
+    of the head on the last stage; embeddings are lookups, CheckFree+ replicas idle) plus the attention
+    term of its blocks. The backward request's recomputed forward pass is not model FLOPs."""
+    used = list(stage.blocks.parameters()) + (list(stage.ln_f.parameters()) + list(stage.head.parameters()) if stage.last else [])
+    n = sum(p.numel() for p in used)
+    return float(6 * n + 12 * len(stage.blocks) * stage.cfg.d_model * stage.cfg.context)
 
 
 def _untied_head(full: nn.Module) -> nn.Linear:

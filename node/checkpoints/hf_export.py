@@ -1,4 +1,5 @@
-"""Hugging Face interop: ``node export`` writes a locomesh Llama checkpoint as a ``LlamaForCausalLM``
+"""Hugging Face interop: ``node export`` writes a locomesh Llama checkpoint (or, with
+:func:`write_hf_folder`, a live pipeline's stages: ``node.ops.pipeline_export``) as a ``LlamaForCausalLM``
 folder, and :func:`load_hf_folder` reads such a folder back (``node join --init-from DIR``).
 
 The folder holds ``config.json``, ``model.safetensors`` (fp32, Hugging Face tensor names),
@@ -58,17 +59,28 @@ def export_checkpoint(checkpoint: Path, out: Path, weights: str = "phi") -> Path
     tokenizer = state.get("tokenizer")
     if isinstance(tokenizer, bytes):
         tokenizer = tokenizer.decode("utf-8")
+    write_hf_folder(out, cfg, tensors, tokenizer, {"round": str(state.get("round", "")), "weights": weights}, f"--checkpoint {file}")
+    logger.info("exported %s (%s, round %s) to %s", file, weights, state.get("round"), out)
+    return out
+
+
+def write_hf_folder(out: Path, cfg: LlamaConfig, tensors: dict[str, torch.Tensor], tokenizer: str | None,
+                    provenance: dict[str, str], source: str) -> Path:
+    """Write the Hugging Face folder ``out`` atomically (nothing there until it is complete) from fp32 tensors by
+    Hugging Face name and a tokenizer.json text (None for a byte-level model: a byte-level one is written);
+    ``source`` names where the weights came from in error messages. Raises :class:`UserError`."""
+    out = Path(out).expanduser()
     if not tokenizer and cfg.vocab_size == 256:  # trained on plain text: its tokens are the UTF-8 bytes
         from node.data.tokenizer import byte_level_tokenizer_json
 
         tokenizer = byte_level_tokenizer_json()
-    special = _special_tokens(tokenizer, cfg, file) if tokenizer else {}
+    special = _special_tokens(tokenizer, cfg, source) if tokenizer else {}
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} already exists and is not an empty folder; choose a new folder or remove it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        _write_folder(tmp, cfg, tensors, tokenizer, special, {"round": str(state.get("round", "")), "weights": weights})
+        _write_folder(tmp, cfg, tensors, tokenizer, special, provenance)
         if out.is_dir():
             out.rmdir()  # empty (checked above)
         os.rename(tmp, out)
@@ -76,7 +88,6 @@ def export_checkpoint(checkpoint: Path, out: Path, weights: str = "phi") -> Path
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("exported %s (%s, round %s) to %s", file, weights, state.get("round"), out)
     return out
 
 
@@ -87,7 +98,8 @@ def _llama_config(state: dict[str, Any], file: Path) -> LlamaConfig:
     config = state.get("config") if isinstance(state.get("config"), dict) else {}
     if "stage" in state or max(int(settings.get("stages", 1) or 1), int(config.get("stages", 1) or 1)) > 1:
         raise UserError(f"--checkpoint {file} is a pipeline stage's (--stages > 1) and holds only part of the model; "
-                        "export the checkpoint of a whole-model node (--stages 1)")
+                        "export the checkpoint of a whole-model node (--stages 1), or a live pipeline's stages with "
+                        "node export --run-id RUN --initial-peers ADDR")
     try:
         cfg = config_from_dict(state["model_config"])
     except (ValueError, TypeError) as e:
@@ -114,16 +126,16 @@ def _named_tensors(state: dict[str, Any], weights: str, cfg: LlamaConfig, file: 
     return out
 
 
-def _special_tokens(tokenizer_json: str, cfg: LlamaConfig, file: Path) -> dict[str, Any]:
+def _special_tokens(tokenizer_json: str, cfg: LlamaConfig, source: str) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
     try:
         tok = Tokenizer.from_str(tokenizer_json)
     except Exception as e:
-        raise UserError(f"--checkpoint {file}: its tokenizer is not readable ({' '.join(str(e).split())})") from None
+        raise UserError(f"{source}: its tokenizer is not readable ({' '.join(str(e).split())})") from None
     size = tok.get_vocab_size(with_added_tokens=True)
     if size > cfg.vocab_size:
-        raise UserError(f"--checkpoint {file}: its tokenizer has {size} tokens but the model only {cfg.vocab_size}")
+        raise UserError(f"{source}: its tokenizer has {size} tokens but the model only {cfg.vocab_size}")
     eos = next((t for t in EOS_NAMES if tok.token_to_id(t) is not None), None)
     bos = next((t for t in BOS_NAMES if tok.token_to_id(t) is not None), eos)
     return {"bos_token": bos, "eos_token": eos,

@@ -287,14 +287,30 @@ def eval_cmd(
 
 @app.command("export")
 def export_cmd(
-    checkpoint: Annotated[Path, typer.Option(help="Checkpoint of a --model llama-* run (checkpoint.pt, or its --checkpoint-dir)")],
     out: Annotated[Path, typer.Option(help="Folder to create (must not exist, or be empty)")],
+    checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint of a --model llama-* run (checkpoint.pt, or its --checkpoint-dir)")] = None,
     weights: Annotated[str, typer.Option(help="phi (the swarm's agreed weights) or theta (the node's last local weights)")] = "phi",
+    initial_peers: Annotated[Optional[list[str]], typer.Option("--initial-peers", metavar="<maddr>", help="Instead of --checkpoint: export a live pipeline run (--stages > 1), asking a server of each stage for its weights; the multiaddr of any of its peers (repeatable)")] = None,
+    run_id: Annotated[str, typer.Option(help="With --initial-peers: the pipeline's run")] = "locomesh-demo",
+    data: Annotated[Optional[Path], typer.Option(help="With --initial-peers: the token shard folder the run trains on (its tokenizer.json goes into the export)")] = None,
+    swarm_key_file: Annotated[Optional[Path], typer.Option("--swarm-key-file", help="Secret file of the run's private swarm", envvar=_env("swarm_key"))] = None,
 ) -> None:
-    """Write a checkpoint as a Hugging Face LlamaForCausalLM folder (config, safetensors, tokenizer)."""
-    from node.checkpoints.hf_export import export_checkpoint
+    """Write a checkpoint, or a live pipeline's stages, as a Hugging Face LlamaForCausalLM folder (config, safetensors, tokenizer)."""
+    if (checkpoint is None) == (not initial_peers):
+        raise UserError("give either --checkpoint (a node's checkpoint) or --initial-peers (a live pipeline run), not both")
+    if initial_peers:
+        from node.config import read_swarm_key
+        from node.ops.pipeline_export import export_pipeline
 
-    print(f"wrote {export_checkpoint(checkpoint, out, weights)}: load it with transformers' AutoModelForCausalLM.from_pretrained")
+        if weights != "phi":
+            raise UserError("a live pipeline's servers share each stage's agreed weights: leave out --weights with --initial-peers")
+        key = read_swarm_key(swarm_key_file) if swarm_key_file else None
+        written = export_pipeline(run_id=run_id, initial_peers=initial_peers, out=out, data=data, swarm_key=key)
+    else:
+        from node.checkpoints.hf_export import export_checkpoint
+
+        written = export_checkpoint(checkpoint, out, weights)  # type: ignore[arg-type]
+    print(f"wrote {written}: load it with transformers' AutoModelForCausalLM.from_pretrained")
 
 
 @app.command()

@@ -25,6 +25,18 @@ if TYPE_CHECKING:
     from swarm.lr_schedule import LrSchedule
 
 
+def _int_or(value: Any, default: int) -> int:
+    """``value`` as an int (a config file's or flag's raw value), else ``default`` (its own validator says why)."""
+    try:
+        return int(value) if value is not None else default
+    except (TypeError, ValueError):
+        return default
+
+
+def _default(name: str) -> Any:
+    return NodeConfig.model_fields[name].default
+
+
 class ConfigError(UserError, ValueError):
     """A configuration value is missing, malformed or out of range."""
 
@@ -185,7 +197,7 @@ class NodeConfig(BaseModel):
     init_seed: int | None = option(None, "Seed of the model's initialisation; node swarm gives every node the same one", TRAIN,
                                    default_text="--seed")
     eval_batches: int = option(16, "Validation batches per evaluation", OPS, ge=1)
-    eval_every: int = option(5, "Evaluate on the held-out split every N outer rounds, 0 = only at exit", OPS, ge=0)
+    eval_every: int = option(5, "Evaluate on the held-out split every N outer rounds (a pipeline trainer: every 10·N steps), 0 = only at exit", OPS, ge=0)
     info_file: Path | None = option(None, "Write a JSON summary here when up, after every round, and on exit", OPS)
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "debug | info | warning | error", OPS)
 
@@ -210,6 +222,11 @@ class NodeConfig(BaseModel):
         """H (and the auto mode's median H) default by algorithm: see ``DEFAULT_INNER_STEPS``."""
         if isinstance(data, dict):
             steps = DEFAULT_INNER_STEPS.get(data.get("algorithm") or "diloco", 50)
+            # a value other than the default (a dump of a whole config, or an assignment, holds the default)
+            set_steps = [f"--{n.replace('_', '-')}" for n in ("inner_steps", "round_steps") if data.get(n) not in (None, steps, str(steps))]
+            if set_steps and _int_or(data.get("stages"), 1) > 1:
+                raise ValueError(f"{' and '.join(set_steps)} {'count' if len(set_steps) > 1 else 'counts'} a whole-model replica's steps per round; pipeline stages average "
+                                 "every --sync-every seconds: set that instead (--stages > 1)")
             data = {**data}
             for name in ("inner_steps", "round_steps"):
                 if data.get(name) is None:
@@ -296,6 +313,13 @@ class NodeConfig(BaseModel):
             raise ValueError("--fragments works with diloco and sparseloco; noloco sends whole models (use --fragments 1)")
         if self.attack is not None and (self.stages > 1 or self.algorithm == "zo"):
             raise ValueError("--attack rewrites a replica's pseudo-gradient: use it with diloco, noloco or sparseloco and --stages 1")
+        if self.stages > 1:
+            self._pipeline_refusals()
+        if self.algorithm != "zo" and (self.zo_eps, self.zo_lr) != (_default("zo_eps"), _default("zo_lr")):
+            raise ValueError("--zo-eps and --zo-lr are the steps of --algorithm zo; other algorithms take --lr and --outer-lr")
+        if self.algorithm != "noloco" and (self.group_size != _default("group_size") or self.noloco_pull is not None):
+            raise ValueError("--group-size and --noloco-pull shape noloco's rounds; diloco and sparseloco groups are bounded by "
+                             "--max-group-size")
         if self.stages > 1 and self.init_from is not None:
             raise ValueError("--init-from starts whole-model replicas (--stages 1); a pipeline's stages start from the run's seed")
         if self.model_config_file is not None and self.init_from is not None:
@@ -313,6 +337,17 @@ class NodeConfig(BaseModel):
         if self.fragments > steps:
             raise ValueError(f"--fragments {self.fragments} needs at least as many inner steps per round, got {steps}")
         return self
+
+    def _pipeline_refusals(self) -> None:
+        """Replica flags that mean nothing to a pipeline (--stages > 1), each refused with what to use instead."""
+        for wrong, why in (
+            (self.overlap, "--overlap: a pipeline's stage servers always keep serving while their stage averages"),
+            (self.overlap_mode != "asap", "--overlap-mode: a stage server applies each round's result when it arrives (asap)"),
+            (self.fragments > 1, "--fragments streams a whole-model replica's rounds; a pipeline averages each stage on its "
+                                 "own, every --sync-every seconds"),
+        ):
+            if wrong:
+                raise ValueError(f"{why}; leave it out with --stages > 1")
 
     def _layers(self) -> int:
         """Transformer blocks of the architecture in force (a config file that cannot be read is refused later, with its reason)."""

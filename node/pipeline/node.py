@@ -34,7 +34,7 @@ from typing import Any
 from gossip.rendezvous import list_peers, list_peers_with_expiry
 from node.config import NodeConfig
 from node.pipeline.recovery import StageRecoverer
-from node.pipeline.stage_server import StageServer, stage_run
+from node.pipeline.stage_server import StageServer, stage_init_seed, stage_run
 from node.pipeline.trainer import PipelineTrainer
 from node.runtime.base import HEARTBEAT_S, NodeBase
 from node.runtime.status_service import StatusService
@@ -43,7 +43,7 @@ from swarm.checkfree import recoverable
 from swarm.claims import claim_stage
 from swarm.rebalance import plan_move
 from swarm.stage_map import choose_role, refreshed_records
-from swarm.stages import Stage, model_seed
+from swarm.stages import Stage
 
 logger = logging.getLogger("locomesh.pipeline")
 __all__ = ["PipelineNode", "run_pipeline_node", "stage_run"]
@@ -88,7 +88,7 @@ class PipelineNode(NodeBase):
         cfg, net, server = self.cfg, self.net, self.server
         peer_id = self.summary.peer_id
         self.recoverer = StageRecoverer(
-            stages=cfg.stages, model_cfg=self.model_cfg, seed=model_seed(cfg.run_id), plus=cfg.checkfree_plus,
+            stages=cfg.stages, model_cfg=self.model_cfg, seed=stage_init_seed(cfg), plus=cfg.checkfree_plus,
             grace=cfg.recovery_grace, fetch_stage=server.fetch_stage, new_stage=server.new_stage, become=self._serve_rebuilt,
             claim=lambda stage: net.call(claim_stage(net.dht, net.validator, cfg.run_id, stage, peer_id), timeout=30),
             refresh=lambda: net.call(list_peers(net.dht, cfg.run_id), timeout=30), metrics=self.metrics, event=self.event,

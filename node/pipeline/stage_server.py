@@ -2,6 +2,10 @@
 forward/backward service on ``/locomesh/stage/1.0`` (a bounded queue, ``swarm.service``), the stage's
 state for replicas that join or move in, and the DiLoCo rounds with the other replicas of the stage
 (over the stage's sub-run ``<run>.s<i>``, on a shared wall-clock schedule, while it keeps serving).
+The rounds are the replicas' (``gossip.diloco``): error feedback (``--error-feedback-decay``) for a
+lossy codec, the outer lr warmed up over ``--outer-warmup-rounds`` counted from the stage's first
+round, bounded groups (``--max-group-size``), φ on ``--outer-device``, a round's result merged with
+``--fragment-alpha``; MFU of the stage's compute is reported as a replica's (``--peak-tflops``).
 
 :class:`StageServer` serves whichever stage the pipeline node gives it (:meth:`StageServer.become`);
 which stage, when to move and when to rebuild a lost one is the node's choice (``node.pipeline.node``).
@@ -17,31 +21,35 @@ from typing import Any, Callable
 
 import torch
 
+from compression import ErrorFeedback
 from gossip.diloco import DiLoCoAverager
 from gossip.group_round import RoundResult
 from gossip.exchange import RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter
-from gossip.partition import part_shapes
+from gossip.placement import OuterPlacement
 from gossip.rendezvous import list_peers
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from node.config import NodeConfig
 from node.runtime.metrics import NodeMetrics
+from node.runtime.mfu import mfu, peak_flops, peak_memory_mb
 from node.runtime.network import NetworkThread
 from node.runtime.summary import Summary, count_steps, write_info
+from node.runtime.workload import identity
 from protocol.records import PeerRecord
 from swarm.lr_schedule import SCHEDULE_STEP, schedule_position
 from swarm.models.presets import ModelConfig
 from swarm.service import StageService
 from swarm.stage_worker import StageWorker
-from swarm.stages import Stage, model_seed
+from swarm.stages import Stage, model_seed, stage_flops_per_token, stage_run
 
 logger = logging.getLogger("locomesh.pipeline")
 
 
-def stage_run(run_id: str, stage: int) -> str:
-    """The sub-run in which the replicas of one stage average and share state."""
-    return f"{run_id}.s{stage}"
+def stage_init_seed(cfg: NodeConfig) -> int:
+    """The seed every replica of every stage initialises from: ``--init-seed``, else one derived from the
+    run id (not ``--seed``, which differs from node to node)."""
+    return cfg.init_seed if cfg.init_seed is not None else model_seed(cfg.run_id)
 
 
 class StageServer:
@@ -65,14 +73,22 @@ class StageServer:
         self.counted = 0  # the worker's steps already in the summary
         self.schedule_step = 0  # where the next worker's lr schedule starts (the stage's, downloaded with its state)
         self.pending: tuple[concurrent.futures.Future, StageWorker] | None = None  # the round in flight
+        self.placement = OuterPlacement.choose(device, cfg.outer_device)  # where φ and the outer momentum live
+        self.feedback: list[ErrorFeedback] | None = None  # error feedback of each wire part (lossy codecs)
+        self.flops_per_token, self.peak_flops = 0.0, peak_flops(device, cfg.peak_tflops)
         transport, first = net.transport, stage_run(cfg.run_id, 0)
         self.service = StageService(transport, cfg.run_id, lambda: self.worker, cfg.activation_compression, queue_limit=cfg.stage_queue)
         self.state_server = StateServer(transport, first, progress=lambda: 0)
-        self.outer = NesterovOuter(*cfg.outer_hyper)
+        self.outer = self._new_outer()
         self.exchange = RoundExchange(transport, first, cfg.codec, [(1,)], serve_timeout=cfg.averaging_timeout * 2)
         self.averager = DiLoCoAverager(net.dht, net.validator, self.exchange, first, summary.peer_id, self.outer,
                                        gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout,
-                                       aggregation=cfg.aggregation, member_role="stage")
+                                       aggregation=cfg.aggregation, member_role="stage", max_group_size=cfg.max_group_size,
+                                       weight_codec="none" if cfg.codec == "none" else "fp16")
+
+    def _new_outer(self) -> NesterovOuter:
+        """The stage's outer optimizer; its warm-up's first round is set once the stage's rounds are known."""
+        return NesterovOuter(*self.cfg.outer_hyper, warmup_rounds=self.cfg.outer_warmup)
 
     @property
     def services(self) -> list[Any]:
@@ -88,7 +104,7 @@ class StageServer:
         previous, self.worker = self.stage, None
         module = rebuilt if rebuilt is not None else self.new_stage(index)
         sub = stage_run(cfg.run_id, index)
-        self.outer = NesterovOuter(*cfg.outer_hyper)
+        self.outer = self._new_outer()
         self.round = 0
         self.schedule_step = 0
         source = None
@@ -98,15 +114,21 @@ class StageServer:
                 return False
         elif rebuilt is not None:
             self.schedule_step = self._stages_schedule_step()  # a rebuilt stage continues the pipeline's lr schedule
-        self.phi = [p.detach().to("cpu", torch.float32).clone() for p in module.parameters()]
+        self.phi = self.placement.copy_of(list(module.parameters()))
         self.round = max(self.round, int(time.time() // cfg.sync_every))  # first averaging at the next boundary
+        if source is None:  # the stage starts here: its outer lr warms up from its first round
+            self.outer.first_round = self.round + 1
+        parts = self.averager.partition.shapes([p.shape for p in self.phi])
+        decay = cfg.feedback_decay()
+        self.feedback = [ErrorFeedback(decay) for _ in parts] if decay > 0 else None
         self.state_server.run_id = sub
-        self.exchange.run_id, self.exchange.layout = sub, RoundExchange(net.transport, sub, cfg.codec, part_shapes([p.shape for p in self.phi])).layout
+        self.exchange.run_id, self.exchange.layout = sub, RoundExchange(net.transport, sub, cfg.codec, parts).layout
         self.averager.run_id, self.averager.outer = sub, self.outer
         self.stage = index
         self.service.reset_throughput()
         self.worker = StageWorker(module, self.device, cfg.lr * lr_scale, cfg.weight_decay, slowdown=cfg.slowdown, schedule=cfg.schedule(),
                                   inner_optimizer=cfg.inner_optimizer, steps=self.schedule_step)
+        self.flops_per_token = stage_flops_per_token(module)
         self.counted = self.schedule_step
         self.summary.stage = index
         self.stage_since = time.time()
@@ -135,7 +157,7 @@ class StageServer:
 
     def new_stage(self, index: int) -> Stage:
         """Stage ``index`` as the run initialises it."""
-        return Stage(self.model_cfg, index, self.cfg.stages, model_seed(self.cfg.run_id), plus=self.cfg.checkfree_plus)
+        return Stage(self.model_cfg, index, self.cfg.stages, stage_init_seed(self.cfg), plus=self.cfg.checkfree_plus)
 
     def fetch_stage(self, index: int) -> tuple[Stage, PeerRecord | None]:
         """A neighbour stage's current weights, downloaded from one of its replicas."""
@@ -170,6 +192,7 @@ class StageServer:
                         p.copy_(t)
             if adopt:
                 self.outer.load_state_tensors(got.snapshot.tensors["outer_momentum"])
+                self.outer.first_round = int(got.snapshot.meta.get("first_round", 0))  # the replicas' warm-up, not a new one
                 self.round = got.snapshot.round
                 self.schedule_step = schedule_position(got.snapshot.meta, 0, self.schedule_step)
             self.metrics.state_downloads.labels("ok").inc()
@@ -180,9 +203,11 @@ class StageServer:
         """Offer the stage's averaged weights and outer momentum to replicas that join or move in."""
         self.state_server.publish(StateSnapshot(
             round=self.round,
-            tensors={"params": [t.clone() for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
+            tensors={"params": [t.to("cpu", copy=True) for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
             fingerprint=fingerprint(self.phi),
-            meta={"model": self.cfg.model, "stage": self.stage, "stages": self.cfg.stages,
+            meta={"model": self.cfg.model, "stage": self.stage, "stages": self.cfg.stages, "first_round": self.outer.first_round,
+                  "model_config": self.model_cfg.to_dict(), "checkfree_plus": self.cfg.checkfree_plus,
+                  "tokenizer": identity(self.cfg)["tokenizer"],
                   SCHEDULE_STEP: self.worker.steps if self.worker is not None else self.schedule_step},
         ))
 
@@ -201,7 +226,7 @@ class StageServer:
                 self.last_loss = loss
         self.throughput = self.service.throughput
         self.summary.microbatches_served, self.summary.refused_busy = self.service.microbatches, self.service.refused_busy
-        self.metrics.tokens_per_second.set(self.throughput * self.model_cfg.context)
+        self._record_throughput(self.throughput * self.model_cfg.context)
         self.metrics.stage_queue.set(self.service.queue_length)
         if self.pending is not None and self.pending[0].done():
             self._apply_round(self.pending[0].result(), self.pending[1])
@@ -211,11 +236,19 @@ class StageServer:
             # replicas of a stage average on a shared wall-clock schedule, so they meet at the
             # rendezvous however unevenly the router spread the microbatches among them
             self.round = epoch
-            theta = worker.snapshot()
+            theta = worker.snapshot(self.placement.device)
             samples = max(1, worker.samples)
             worker.samples = 0
-            self.pending = (self.net.submit(self.averager.run_round(epoch, self.phi, theta, samples)), worker)
+            self.pending = (self.net.submit(self.averager.run_round(epoch, self.phi, theta, samples, feedback=self.feedback)), worker)
         return self.pending is not None
+
+    def _record_throughput(self, tokens_per_s: float) -> None:
+        """The stage's tokens per second, its MFU (``node.runtime.mfu``, with the stage's own FLOPs per token) and peak memory."""
+        value = mfu(self.flops_per_token, tokens_per_s, self.peak_flops)
+        self.metrics.tokens_per_second.set(tokens_per_s)
+        self.metrics.mfu.set(math.nan if value is None else value)
+        self.summary.tokens_per_s, self.summary.mfu = tokens_per_s, value
+        self.summary.peak_mem_mb = round(peak_memory_mb(self.device), 1)
 
     def drain(self, timeout: float) -> None:
         """Apply the round still in flight when the node stops, if it finishes within ``timeout``."""
@@ -238,7 +271,7 @@ class StageServer:
         if result.in_sync and worker is self.worker:
             self.summary.outer_rounds += 1
             m.outer_rounds.labels("alone" if len(result.contributors) == 1 else "completed").inc()
-            worker.load_weights(self.phi)
+            worker.load_weights(self.phi, keep=self.cfg.fragment_alpha)
             self.publish_state()
         elif worker is self.worker and self.stage is not None:
             m.outer_rounds.labels("failed").inc()
@@ -247,7 +280,7 @@ class StageServer:
             peers = self.net.call(list_peers(self.net.dht, sub), timeout=30)
             preferred = {p: r for p, r in peers.items() if p == result.sync_peer} or peers
             if self._download(worker.stage, sub, preferred, serving=worker):
-                self.phi = worker.snapshot()
+                self.phi = worker.snapshot(self.placement.device)
                 self.round = max(self.round, result.round)
                 self.publish_state()
         record["fingerprint"] = fingerprint(self.phi)
