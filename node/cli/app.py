@@ -339,6 +339,11 @@ from node.cli.data import data_app  # noqa: E402
 
 app.add_typer(data_app, name="data")
 
+# `node service install | remove` (node/cli/service.py): a systemd user unit around `node join`
+from node.cli.service import service_app  # noqa: E402
+
+app.add_typer(service_app, name="service")
+
 
 def _debug_requested(args: list[str]) -> bool:
     level = os.environ.get("LOCOMESH_LOG_LEVEL", "")

@@ -22,6 +22,7 @@ in flight. ``tests/integration/test_memory.py`` checks the estimate against real
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -123,9 +124,16 @@ def architecture(cfg: NodeConfig) -> Any:
     return replace(model_cfg, context=cfg.context) if cfg.context is not None else model_cfg
 
 
+@functools.lru_cache(maxsize=256)
+def num_params(model_cfg: Any) -> int:
+    """Parameters of a model config (built on the meta device once per config: the suggestions ask often)."""
+    from swarm.models.presets import num_params as count
+
+    return count(model_cfg)
+
+
 def _params(model_cfg: Any, stage: tuple[int, int] | None = None) -> int:
     """Parameters of the whole model, or of stage ``(index, count)`` (its blocks, and the embeddings or head it holds)."""
-    from swarm.models.presets import num_params
     from swarm.stages import block_range
 
     total = num_params(model_cfg)
@@ -278,7 +286,7 @@ def _suggest(cfg: NodeConfig, model_cfg: Any, device: str, free: tuple[int, int 
 def _smaller_model(cfg: NodeConfig, model_cfg: Any, device: str, free: tuple[int, int | None], vram_total: int) -> str | None:
     """The largest preset of the same family, with fewer parameters, that fits (at the smallest micro-batch
     with checkpointing when those apply)."""
-    from swarm.models.presets import PRESETS, num_params, with_vocab
+    from swarm.models.presets import PRESETS, with_vocab
 
     own = num_params(model_cfg)
     update: dict[str, Any] = {}
