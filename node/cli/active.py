@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from node.config.active_hours import ActiveHours, parse_active_hours
+from node.errors import UserError
 
 SUPERVISED_ENV = "LOCOMESH_SUPERVISED"  # set for the supervisor's child: it runs its window without supervising
 POLL_S = 1.0  # how often the clock is read: a DST change or a suspended laptop is noticed within this
@@ -57,6 +58,17 @@ def supervise(active_hours: str, args: list[str] | None = None) -> int:
             logger.error("the node exited with code %d while leaving at the end of --active-hours %s", code, hours.text)
             return code
     return 0
+
+
+def check_memory_apart(args: list[str] | None = None) -> None:
+    """``node join``'s memory check, run as ``node join ... --dry-run`` in a process of its own: asking CUDA for
+    its free memory here would keep a CUDA context in the supervisor for as long as it runs."""
+    args = list(args if args is not None else invocation or sys.argv[1:])
+    out = subprocess.run([sys.executable, "-m", "node", *args, "--dry-run"], capture_output=True, text=True,
+                         env={**os.environ, SUPERVISED_ENV: "1"})
+    if out.returncode != 0:
+        lines = (out.stdout.strip() or out.stderr.strip()).splitlines()
+        raise UserError(lines[-1].removeprefix("error: ") if lines else f"the memory check failed (exit {out.returncode})")
 
 
 def _wait_for_window(hours: ActiveHours, now: datetime, stop: threading.Event) -> None:
