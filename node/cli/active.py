@@ -20,6 +20,7 @@ import threading
 from datetime import datetime
 from typing import Any
 
+from node.config import NodeConfig
 from node.config.active_hours import ActiveHours, parse_active_hours
 from node.errors import UserError
 
@@ -60,9 +61,16 @@ def supervise(active_hours: str, args: list[str] | None = None) -> int:
     return 0
 
 
-def check_memory_apart(args: list[str] | None = None) -> None:
-    """``node join``'s memory check, run as ``node join ... --dry-run`` in a process of its own: asking CUDA for
-    its free memory here would keep a CUDA context in the supervisor for as long as it runs."""
+def check_memory(cfg: NodeConfig, args: list[str] | None = None) -> None:
+    """``node join``'s memory check for a supervisor. On a GPU it runs as ``node join ... --dry-run`` in a
+    process of its own: asking CUDA for its free memory here would keep a CUDA context in the supervisor
+    for as long as it runs."""
+    from node.cli.preflight import check_memory as check_here
+    from node.ops.memory import device_of
+
+    if device_of(cfg) != "cuda":
+        check_here(cfg)
+        return
     args = list(args if args is not None else invocation or sys.argv[1:])
     out = subprocess.run([sys.executable, "-m", "node", *args, "--dry-run"], capture_output=True, text=True,
                          env={**os.environ, SUPERVISED_ENV: "1"})

@@ -66,18 +66,18 @@ def join(
     if dry_run:
         raise typer.Exit(check_memory(cfg, show=True))
     setup_logging(cfg.log_level, log_format)
-    from node.cli.active import SUPERVISED_ENV, check_memory_apart, supervise
+    from node.cli import active
 
-    supervising = cfg.active_hours is not None and not os.environ.get(SUPERVISED_ENV)
+    supervising = cfg.active_hours is not None and not os.environ.get(active.SUPERVISED_ENV)
     if supervising:
-        check_memory_apart()
+        active.check_memory(cfg)
     else:
         check_memory(cfg)  # out of memory hours later becomes one line now
     lock = preflight(cfg)  # bad paths, ports and devices fail here, before anything starts
     if supervising:
         if lock is not None:
             lock.release()  # each window's `node join` takes it
-        raise typer.Exit(supervise(str(cfg.active_hours)))
+        raise typer.Exit(active.supervise(str(cfg.active_hours)))
     if cfg.stages > 1:  # the one place that picks the kind of node: no kind imports another
         from node.pipeline.node import PipelineNode as Node
     elif cfg.algorithm == "zo":

@@ -18,6 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from node.cli import command_group
+from node.config import NodeConfig, load_config, read_swarm_key
 from node.errors import UserError
 
 service_app = command_group("service", "Run `node join` as a systemd user service: install | remove.")
@@ -85,6 +86,24 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _join_config(ctx: typer.Context, args: list[str]) -> NodeConfig:
+    """``args`` read by ``node join``'s own parser and config, as ``node join`` reads them (ConfigError: one line)."""
+    join = ctx.find_root().command.commands["join"]  # type: ignore[attr-defined]
+    try:
+        params = dict(join.make_context("join", list(args), resilient_parsing=False).params)
+    except Exception as e:  # click's UsageError (typer vendors click, so match by its API)
+        if not hasattr(e, "format_message"):
+            raise
+        raise UserError(f"{e.format_message()} (see `node join --help`)") from None
+    config = params.pop("config", None)
+    for own in ("log_format", "dry_run"):
+        params.pop(own, None)
+    cfg = load_config(params, config)
+    if cfg.swarm_key is not None:
+        read_swarm_key(cfg.swarm_key)
+    return cfg
+
+
 @service_app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                                        "help_option_names": ["-h", "--help"]})
 def install(
@@ -97,11 +116,10 @@ def install(
 
     Example: node service install --run-id myrun --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo... --active-hours 22-07
     """
-    from node.cli.app import parse_join_args
     from node.cli.preflight import check_data
 
     args = list(ctx.args)
-    cfg = parse_join_args(args)
+    cfg = _join_config(ctx, args)
     check_data(cfg.data)
     if cfg.checkpoint_dir is None:
         args += ["--checkpoint-dir", str(default_checkpoint_dir(cfg.run_id))]
