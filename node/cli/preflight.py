@@ -96,6 +96,7 @@ def check_memory(cfg: NodeConfig, show: bool = False) -> int:
     naming what does not fit and the largest settings that do."""
     from node.ops.memory import check_fit, refusal, render
 
+    check_device(cfg.device)  # before asking CUDA for its free memory
     try:
         est = check_fit(cfg)
     except (ValueError, OSError) as e:  # an unreadable architecture file: the workload says why when the node starts
