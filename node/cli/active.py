@@ -35,15 +35,11 @@ def supervise(active_hours: str, args: list[str] | None = None) -> int:
     hours = parse_active_hours(active_hours)
     args = list(args if args is not None else invocation or sys.argv[1:])
     stop = threading.Event()
-    child: list[subprocess.Popen[Any]] = []
 
     def handler(signum: int, _frame: Any) -> None:
         if not stop.is_set():
             logger.info("received %s: stopping", signal.Signals(signum).name)
             stop.set()
-        for proc in child:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
@@ -52,11 +48,11 @@ def supervise(active_hours: str, args: list[str] | None = None) -> int:
         if not hours.contains(now):
             _wait_for_window(hours, now, stop)
             continue
-        code, closed = _run_window(hours, args, stop, child)
+        code, closed = _run_window(hours, args, stop)
         if not closed and not stop.is_set():
             return code  # the node stopped by itself: finished, refused or failed
         if code != 0:
-            logger.error("the node exited with code %d while leaving at the end of --active-hours %s", code, hours.text)
+            logger.error("the node exited with code %d while leaving (--active-hours %s)", code, hours.text)
             return code
     return 0
 
@@ -86,25 +82,21 @@ def _wait_for_window(hours: ActiveHours, now: datetime, stop: threading.Event) -
         stop.wait(POLL_S)
 
 
-def _run_window(hours: ActiveHours, args: list[str], stop: threading.Event,
-                child: list[subprocess.Popen[Any]]) -> tuple[int, bool]:
+def _run_window(hours: ActiveHours, args: list[str], stop: threading.Event) -> tuple[int, bool]:
     """One ``node join`` from now to the window's end; (its exit code, whether the window's end stopped it)."""
     end = hours.end_after(datetime.now())
     logger.info("inside --active-hours %s until %s: joining", hours.text, end.strftime("%H:%M"))
     proc = subprocess.Popen([sys.executable, "-m", "node", *args], env={**os.environ, SUPERVISED_ENV: "1"})
-    child[:] = [proc]
     closed = False
     while proc.poll() is None:
-        if stop.is_set() and not closed:
-            closed = True  # the handler has passed SIGTERM on: wait for the node's clean leave
-        if not closed and not hours.contains(datetime.now()):
-            logger.info("--active-hours %s ended: leaving the swarm until %s", hours.text,
-                        hours.next_start(datetime.now()).strftime("%H:%M"))
-            proc.send_signal(signal.SIGTERM)
+        if not closed and (stop.is_set() or not hours.contains(datetime.now())):
+            if not stop.is_set():
+                logger.info("--active-hours %s ended: leaving the swarm until %s", hours.text,
+                            hours.next_start(datetime.now()).strftime("%H:%M"))
+            proc.send_signal(signal.SIGTERM)  # the node leaves by its own path; then wait for it
             closed = True
         try:
             proc.wait(timeout=POLL_S)
         except subprocess.TimeoutExpired:
             pass
-    child.clear()
     return proc.returncode, closed

@@ -1,4 +1,5 @@
-"""The ``node`` command line: ``join`` a swarm, launch a local ``swarm``, ``status`` of a run, ``eval`` a checkpoint.
+"""The ``node`` command line: ``join`` a swarm, launch a local ``swarm``, ``status`` of a run, ``eval`` a checkpoint,
+install a ``service``.
 
 Every ``join`` option can also come from a ``LOCOMESH_<NAME>`` environment variable or a ``--config``
 TOML file; flags win over env over file over defaults.
