@@ -187,7 +187,7 @@ def estimate(cfg: NodeConfig, model_cfg: Any, device: str, free: tuple[int, int 
     stage: tuple[int, int] | None = None
     if cfg.stages > 1:
         if cfg.role == "trainer":
-            return Estimate(rows, device, *free, setting=f"pipeline trainer of {cfg.model}")
+            return Estimate(rows, device, *free, setting=f"pipeline trainer of {_label(cfg)}")
         from swarm.stages import block_range
 
         count = cfg.stages
@@ -223,11 +223,21 @@ def estimate(cfg: NodeConfig, model_cfg: Any, device: str, free: tuple[int, int 
     if device == "cuda":
         rows.append(Row("CUDA context, workspaces, allocator slack", "VRAM", int(CUDA_SLACK * vram_total)))
     where = f"stage {stage[0]} of {stage[1]}" if stage else "whole model"
-    setting = f"{cfg.model} ({params / 1e6:.1f} M parameters, {where}) on {device}"
+    setting = f"{_label(cfg)} ({params / 1e6:.1f} M parameters, {where}) on {device}"
     return Estimate(rows, device, *free, setting=setting)
 
 
+def _label(cfg: NodeConfig) -> str:
+    """The model as the user named it: the preset, or the file or folder its architecture comes from."""
+    from node.checkpoints.contents import is_hf_folder
+
+    if cfg.init_from is not None and is_hf_folder(cfg.init_from):
+        return f"--init-from {cfg.init_from}"
+    return f"--model-config {cfg.model_config_file}" if cfg.model_config_file is not None else cfg.model
+
+
 def device_of(cfg: NodeConfig) -> str:
+    """cpu or cuda: the device a node of ``cfg`` trains on."""
     if cfg.device != "auto":
         return cfg.device
     import torch
