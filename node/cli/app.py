@@ -1,4 +1,5 @@
-"""The ``node`` command line: ``join`` a swarm, launch a local ``swarm``, ``status`` of a run, ``eval`` a checkpoint.
+"""The ``node`` command line: ``join`` a swarm, launch a local ``swarm``, ``status`` of a run, ``eval`` a checkpoint,
+install a ``service``.
 
 Every ``join`` option can also come from a ``LOCOMESH_<NAME>`` environment variable or a ``--config``
 TOML file; flags win over env over file over defaults.
@@ -54,16 +55,30 @@ def _config_or_exit(flags: dict[str, Any], config: Optional[Path]) -> NodeConfig
 @app.command(context_settings={"help_option_names": ["-h", "--help"]})
 def join(
     log_format: Annotated[str, typer.Option("--log-format", help="text | json", rich_help_panel=OPS, envvar=_env("log_format"), show_envvar=True)] = "text",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the memory estimate of these options against this machine's free RAM/VRAM and exit: 0 if it fits, 2 if not; joins nothing", rich_help_panel=OPS)] = False,
     **kwargs: Any,
 ) -> None:
     """Start a volunteer daemon: join (or start) a swarm and train."""
     flags, config = join_flags(**kwargs)
     cfg = _config_or_exit(flags, config)
     from node.logs import setup_logging
-    from node.cli.preflight import preflight
+    from node.cli.preflight import check_memory, preflight
 
+    if dry_run:
+        raise typer.Exit(check_memory(cfg, show=True))
     setup_logging(cfg.log_level, log_format)
+    from node.cli import active
+
+    supervising = cfg.active_hours is not None and not os.environ.get(active.SUPERVISED_ENV)
+    if supervising:
+        active.check_memory(cfg)
+    else:
+        check_memory(cfg)  # out of memory hours later becomes one line now
     lock = preflight(cfg)  # bad paths, ports and devices fail here, before anything starts
+    if supervising:
+        if lock is not None:
+            lock.release()  # each window's `node join` takes it
+        raise typer.Exit(active.supervise(str(cfg.active_hours)))
     if cfg.stages > 1:  # the one place that picks the kind of node: no kind imports another
         from node.pipeline.node import PipelineNode as Node
     elif cfg.algorithm == "zo":
@@ -102,6 +117,7 @@ def parse_join_args(args: list[str]) -> NodeConfig:
         raise typer.Exit(2) from None
     params = dict(ctx.params)
     params.pop("log_format", None)
+    params.pop("dry_run", None)
     flags, config = join_flags(**params)
     return _config_or_exit(flags, config)
 
@@ -344,6 +360,11 @@ from node.cli.data import data_app  # noqa: E402
 
 app.add_typer(data_app, name="data")
 
+# `node service install | remove` (node/cli/service.py): a systemd user unit around `node join`
+from node.cli.service import service_app  # noqa: E402
+
+app.add_typer(service_app, name="service")
+
 
 def _debug_requested(args: list[str]) -> bool:
     level = os.environ.get("LOCOMESH_LOG_LEVEL", "")
@@ -365,6 +386,9 @@ def main(args: Optional[list[str]] = None) -> None:
     """Run ``node``: a mistake in the user's input or environment prints one ``error:`` line and exits 2;
     a traceback only with ``--log-level debug``."""
     args = list(sys.argv[1:] if args is None else args)
+    from node.cli import active
+
+    active.invocation = args  # --active-hours runs `node join` again with them, once per window
     try:
         code = app(args=args, prog_name="node", standalone_mode=False)
     except UserError as e:

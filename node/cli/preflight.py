@@ -88,3 +88,24 @@ def preflight(cfg: NodeConfig) -> FolderLock | None:
         return None
     check_writable_folder("--checkpoint-dir", Path(cfg.checkpoint_dir))
     return FolderLock(Path(cfg.checkpoint_dir)).acquire()
+
+
+def check_memory(cfg: NodeConfig, show: bool = False) -> int:
+    """The memory estimate of ``cfg`` against this machine's free RAM and VRAM (``node.ops.memory``): with
+    ``show``, print it as a table and return 0 if it fits, else 2; without, raise one :class:`UserError` line
+    naming what does not fit and the largest settings that do."""
+    from node.ops.memory import check_fit, refusal, render
+
+    check_device(cfg.device)  # before asking CUDA for its free memory
+    try:
+        est = check_fit(cfg)
+    except (ValueError, OSError) as e:  # an unreadable architecture file: the workload says why when the node starts
+        if show:
+            raise UserError(f"cannot estimate the memory of these options: {e}") from None
+        return 0
+    if show:
+        render(est)
+        return 0 if est.fits else 2
+    if not est.fits:
+        raise UserError(refusal(est))
+    return 0

@@ -199,6 +199,9 @@ class NodeConfig(BaseModel):
     eval_batches: int = option(16, "Validation batches per evaluation", OPS, ge=1)
     eval_every: int = option(5, "Evaluate on the held-out split every N outer rounds (a pipeline trainer: every 10·N steps), 0 = only at exit", OPS, ge=0)
     info_file: Path | None = option(None, "Write a JSON summary here when up, after every round, and on exit", OPS)
+    active_hours: str | None = option(
+        None, "Take part only within these local hours, e.g. 22-07 (across midnight) or 9-17: outside them the node leaves "
+        "cleanly (final checkpoint) and waits, then rejoins", OPS, default_text="always")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "debug | info | warning | error", OPS)
 
     @field_validator("initial_peers", "listen", "announce")
@@ -208,6 +211,13 @@ class NodeConfig(BaseModel):
             if not addr.startswith("/"):
                 raise ValueError(f"{addr!r} is not a multiaddr (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...)")
         return value
+
+    @field_validator("active_hours")
+    @classmethod
+    def _active_hours(cls, value: str | None) -> str | None:
+        from node.config.active_hours import parse_active_hours
+
+        return None if value is None else parse_active_hours(value).text  # raises ValueError saying the form
 
     @field_validator("compression")
     @classmethod

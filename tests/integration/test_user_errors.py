@@ -103,7 +103,8 @@ def test_help_reads_whole_at_80_columns():
     from node.cli.app import join_flags
     from node.config import FLAG_OF
 
-    commands = ["join", "swarm", "status", "probe", "eval", "doctor", "export", "data", "data tokenizer", "data prepare"]
+    commands = ["join", "swarm", "status", "probe", "eval", "doctor", "export", "data", "data tokenizer", "data prepare",
+                "service", "service install", "service remove"]
     results = batch([[*cmd.split(), "--help"] for cmd in commands], env={**ENV, "COLUMNS": "80"})
     for cmd, result in zip(commands, results):
         assert result["code"] == 0, (cmd, result["stderr"])
