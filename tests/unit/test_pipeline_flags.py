@@ -115,6 +115,7 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "eval_batches": (2, ("applied", [(WORKLOAD, "cfg.eval_batches")])),
     "eval_every": (2, ("applied", [(TRAINER, "cfg.eval_every * 10")])),
     "info_file": (Path("info.json"), ("applied", [(SERVER, "write_info(self.cfg.info_file"), (BASE, "write_info(self.cfg.info_file")])),
+    "active_hours": ("22-07", ("applied", [(CLI, "supervising = cfg.active_hours is not None")])),
     "log_level": ("debug", ("applied", [(CLI, "cfg.log_level")])),
 }
 COMPANIONS = {"stage": {"role": "stage"}, "micro_batch_size": {"batch_size": 4}, "lr_schedule": {"max_steps": 100}}  # what a value needs to be valid at all
