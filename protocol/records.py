@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from protocol.errors import SchemaError
+from protocol.version import protocol_version
 
 
 def peers_key(run_id: str) -> str:
@@ -59,6 +60,7 @@ class PeerRecord:
     grad_norm: float = 0.0  # a stage server's last gradient norm
     stage_since: float = 0.0  # when it began serving that stage (unix time)
     reachability: str = "unknown"  # public | private | unknown: whether others can dial it (private: through relays)
+    protocol: int = 1  # protocol version (protocol.version); records without one are from before it existed
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +90,7 @@ class PeerRecord:
             grad_norm=float(_typed(value, "grad_norm", number, 0.0)),
             stage_since=float(_typed(value, "stage_since", number, 0.0)),
             reachability=_typed(value, "reachability", str, "unknown"),
+            protocol=_typed(value, "protocol", int, 1),
         )
         if not all(isinstance(x, str) for x in rec.maddrs + rec.protocols):
             raise SchemaError("record fields 'maddrs' and 'protocols' must hold strings")
@@ -105,6 +108,7 @@ class RoundEntry:
     peer_id: str
     samples: int
     codec: str
+    protocol: int = field(default_factory=protocol_version)  # the member's protocol version (protocol.version)
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,7 +118,8 @@ class RoundEntry:
         if not isinstance(value, dict):
             raise SchemaError(f"round entry must be a map, got {type(value).__name__}")
         entry = cls(
-            peer_id=_typed(value, "peer_id", str), samples=_typed(value, "samples", int), codec=_typed(value, "codec", str)
+            peer_id=_typed(value, "peer_id", str), samples=_typed(value, "samples", int), codec=_typed(value, "codec", str),
+            protocol=_typed(value, "protocol", int, 1),
         )
         if entry.samples < 0:
             raise SchemaError("round entry samples must be non-negative")
