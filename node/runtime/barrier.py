@@ -19,7 +19,7 @@ from gossip.rendezvous import list_peers_with_expiry
 from node.errors import JoinRefused, NotStarted
 from node.runtime.network import Interrupted, NetworkThread
 from protocol.records import PeerRecord
-from protocol.version import compatible, incompatibility
+from protocol.version import compatible, protocol_version
 
 logger = logging.getLogger("locomesh.node")
 LOG_EVERY_S = 10.0
@@ -67,9 +67,10 @@ def stopped_message(run_id: str, left: list[str]) -> str:
 
 
 def incompatible_message(run_id: str, peers: dict[str, PeerRecord]) -> str:
-    """Why a node refuses a run whose every peer runs another protocol version (the first one's line)."""
-    peer, rec = next(iter(peers.items()))
-    return f"no peer of run {run_id!r} runs a compatible locomesh: {incompatibility(peer, rec.version, rec.protocol)}"
+    """Why a node refuses a run whose every peer runs another protocol version (each peer's own line,
+    naming both versions, was logged once when its record was read)."""
+    return (f"no peer of run {run_id!r} runs this node's protocol version {protocol_version()}: "
+            f"{', '.join(short(p) for p in peers)} refused (the line above says which version to upgrade)")
 
 
 def wait_for_peers(net: NetworkThread, run_id: str, me: str, wanted: int, timeout: float, stop: threading.Event) -> int:
