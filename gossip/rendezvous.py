@@ -195,12 +195,6 @@ async def list_peers(dht: DHTNode, run_id: str) -> dict[str, PeerRecord]:
     return {peer: record for peer, (record, _) in (await list_peers_with_expiry(dht, run_id)).items()}
 
 
-async def list_incompatible(dht: DHTNode, run_id: str) -> dict[str, PeerRecord]:
-    """Live members of ``run_id`` that run another protocol version (never chosen for anything)."""
-    peers = await list_peers_with_expiry(dht, run_id, compatible_only=False)
-    return {peer: rec for peer, (rec, _) in peers.items() if not compatible(rec.protocol)}
-
-
 _record_watchers: "weakref.WeakKeyDictionary[DHTNode, list[Callable[[dict[str, PeerRecord]], None]]]" = weakref.WeakKeyDictionary()
 
 
