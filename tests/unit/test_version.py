@@ -106,3 +106,20 @@ def test_records_and_round_entries_carry_the_protocol() -> None:
     assert PeerRecord.from_value(PeerRecord(peer_id="p", protocol=PROTOCOL_VERSION).to_value()).protocol == PROTOCOL_VERSION
     assert RoundEntry(peer_id="p", samples=1, codec="none").protocol == protocol_version()
     assert RoundEntry.from_value({"peer_id": "p", "samples": 1, "codec": "none"}).protocol == 1
+
+
+def test_node_status_shows_versions_and_flags_outdated_peers() -> None:
+    from rich.console import Console
+
+    from node.ops.status import compatibility, status_table
+
+    assert [compatibility(p) for p in (1, PROTOCOL_VERSION, PROTOCOL_VERSION + 1)] == ["outdated", "ok", "newer"]
+    row = {"role": "trainer", "device": "cpu", "reachability": "public", "tokens_per_s": 10.0, "round": 3, "inner_step": 4,
+           "loss": 2.5, "record_age_s": 1.0, "stage": -1}
+    result = {"run_id": "r", "stages": [], "version_hint": "1 peer(s) run another protocol version", "peers": [
+        {**row, "peer_id": "12D3KooWcurrent", "version": "0.2.0", "protocol": PROTOCOL_VERSION, "compatibility": "ok"},
+        {**row, "peer_id": "12D3KooWstale01", "version": "0.1.0", "protocol": 1, "compatibility": "outdated"}]}
+    console = Console(width=200, record=True)
+    console.print(status_table(result))
+    text = console.export_text()
+    assert f"0.2.0 p{PROTOCOL_VERSION}" in text and "0.1.0 p1 outdated" in text and "another protocol version" in text
