@@ -85,7 +85,8 @@ def test_node_swarm_holds_the_first_node_until_the_others_are_in(tmp_path):
     for node in data["nodes"]:
         assert node["exit_code"] == 0 and node["steps"] == 60, node
         info = json.loads((tmp_path / f"node{node['index']}" / "info.json").read_text())
-        assert [r["contributors"] for r in info["rounds"]][:3] == [2, 2, 2], info["rounds"]  # both, from the first round
+        # both, from the first round (the last round, at --max-steps, may lose the node that finished first)
+        assert [r["contributors"] for r in info["rounds"]][:2] == [2, 2], info["rounds"]
         assert any(e["event"] == "peers_ready" and e["peers"] == 2 for e in info["events"]), info["events"]
     log0 = (tmp_path / "node0" / "log.txt").read_text()
     assert "waiting for --min-peers 2 before the first step: 1 in run" in log0
