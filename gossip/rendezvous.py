@@ -217,8 +217,8 @@ async def list_peers_with_expiry(dht: DHTNode, run_id: str, compatible_only: boo
         if record.peer_id != peer:
             logger.warning("ignoring peer record of %s that claims to be %s", peer, record.peer_id)
             continue
-        if note_incompatible(peer, record.version, record.protocol) is not None and compatible_only:
-            continue
+        if compatible_only and note_incompatible(peer, record.version, record.protocol) is not None:
+            continue  # node status (compatible_only=False) shows it in its table instead of a log line
         peers[peer] = (record, expiration)
     for callback in _record_watchers.get(dht, []):
         callback({p: r for p, (r, _) in peers.items() if compatible(r.protocol)})
