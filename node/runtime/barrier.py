@@ -19,7 +19,7 @@ from gossip.rendezvous import list_peers_with_expiry
 from node.errors import JoinRefused, NotStarted
 from node.runtime.network import Interrupted, NetworkThread
 from protocol.records import PeerRecord
-from protocol.version import compatible, protocol_version
+from protocol.version import compatible, note_incompatible, protocol_version
 
 logger = logging.getLogger("locomesh.node")
 LOG_EVERY_S = 10.0
@@ -53,6 +53,7 @@ def census(net: NetworkThread, run_id: str, me: str) -> Census:
         if peer == me:
             continue
         if not compatible(rec.protocol):
+            note_incompatible(peer, rec.version, rec.protocol)  # its line, once per peer
             out.incompatible[peer] = rec
         elif rec.role == "leaving":
             out.leaving.append(peer)
