@@ -3,7 +3,8 @@
 Every member keeps a signed PeerRecord under ``peers_key(run)`` (subkey = its peer id + public key,
 so nobody else can overwrite it). For outer round r each member stores a RoundEntry under
 ``round_key(run, r)`` and polls until every live member that announced round r has registered, or
-the gather deadline passes; late or dead members are left out of that round.
+the gather deadline passes; late or dead members are left out of that round. Records and round
+entries of peers of another protocol version are left out of everything (``protocol.version``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hivemind.utils import get_dht_time
 
 from protocol.errors import SchemaError
 from protocol.records import PeerRecord, RoundEntry, peers_key, round_key
+from protocol.version import compatible, note_incompatible
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +190,8 @@ async def publish_peer(dht: DHTNode, validator: RSASignatureValidator, run_id: s
 
 
 async def list_peers(dht: DHTNode, run_id: str) -> dict[str, PeerRecord]:
-    """Live members of ``run_id`` with valid records (malformed records are dropped and logged)."""
+    """Live members of ``run_id`` with valid records of this node's protocol version (malformed records
+    are dropped and logged; incompatible ones are dropped and logged once per peer, see ``protocol.version``)."""
     return {peer: record for peer, (record, _) in (await list_peers_with_expiry(dht, run_id)).items()}
 
 
@@ -201,8 +204,9 @@ def watch_records(dht: DHTNode, callback: Callable[[dict[str, PeerRecord]], None
     _record_watchers.setdefault(dht, []).append(callback)
 
 
-async def list_peers_with_expiry(dht: DHTNode, run_id: str) -> dict[str, tuple[PeerRecord, float]]:
-    """Like :func:`list_peers`, with each record's DHT expiration time."""
+async def list_peers_with_expiry(dht: DHTNode, run_id: str, compatible_only: bool = True) -> dict[str, tuple[PeerRecord, float]]:
+    """Like :func:`list_peers`, with each record's DHT expiration time (``compatible_only=False``:
+    peers of other protocol versions too, for ``node status``)."""
     peers: dict[str, tuple[PeerRecord, float]] = {}
     for peer, (value, expiration) in (await read_subkeys(dht, peers_key(run_id))).items():
         try:
@@ -213,9 +217,11 @@ async def list_peers_with_expiry(dht: DHTNode, run_id: str) -> dict[str, tuple[P
         if record.peer_id != peer:
             logger.warning("ignoring peer record of %s that claims to be %s", peer, record.peer_id)
             continue
+        if compatible_only and note_incompatible(peer, record.version, record.protocol) is not None:
+            continue  # node status (compatible_only=False) shows it in its table instead of a log line
         peers[peer] = (record, expiration)
     for callback in _record_watchers.get(dht, []):
-        callback({p: r for p, (r, _) in peers.items()})
+        callback({p: r for p, (r, _) in peers.items() if compatible(r.protocol)})
     return peers
 
 
@@ -234,7 +240,7 @@ async def read_round_entries(dht: DHTNode, run_id: str, round_no: int, group: st
         except SchemaError as e:
             logger.warning("ignoring malformed round entry of %s: %s", peer, e)
             continue
-        if candidate.peer_id == peer:
+        if candidate.peer_id == peer and compatible(candidate.protocol):  # another version never joins a round
             entries[peer] = (candidate, expiration)
     return entries
 

@@ -1,3 +1,3 @@
 """locomesh node: the volunteer daemon, its CLI, local training, data, checkpoints and metrics."""
 
-__version__ = "0.1.0"
+from protocol.version import LOCOMESH_VERSION as __version__  # noqa: F401 (pyproject.toml says the same)

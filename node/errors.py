@@ -13,3 +13,8 @@ class UserError(Exception):
 
 class JoinRefused(Exception):
     """Every peer of the run refused this node's credentials, or the run trains with other settings."""
+
+
+class NotStarted(Exception):
+    """The node could not start training: --min-peers did not come within --join-timeout, or the run's
+    peers have stopped. The message says which and what to do."""

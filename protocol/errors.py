@@ -40,6 +40,11 @@ class VersionMismatch(ProtocolError):
     code = "version"
 
 
+class IncompatiblePeer(VersionMismatch):
+    """The peer runs another protocol version (``protocol.version``): the message is the one line that
+    names both versions and what to do, already logged once for that peer."""
+
+
 class SchemaError(ProtocolError):
     """A well-formed message whose fields have the wrong kind, type, shape or value."""
 

@@ -9,16 +9,15 @@ major version. An error reply is the envelope kind ``"error"`` with ``{"code", "
 from __future__ import annotations
 
 import asyncio
-import hmac
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import msgpack
 
 from protocol.errors import (
-    AuthError,
     FrameTooLarge,
+    IncompatiblePeer,
     MalformedFrame,
     ProtocolError,
     RemoteError,
@@ -28,9 +27,10 @@ from protocol.errors import (
     VersionMismatch,
 )
 from protocol.ids import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from protocol.version import OLD_VERSION, note_incompatible
 
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
-HELLO_MAX_FRAME = 4096  # a private swarm's first frame, read before the peer has proved it holds the key
+HELLO_MAX_FRAME = 4096  # a stream's first frame (the hello), read before the peer has proved it holds a private swarm's key
 # Arrays and maps one envelope may hold: each costs a byte on the wire but ~56 bytes and a little time
 # as a Python object, so 16 MiB of nested empty arrays would be a memory bomb decoded on the event
 # loop. Envelopes carry tensors as bin fields and hold a few hundred containers at most.
@@ -148,7 +148,9 @@ class FramedStream:
         self.idle_timeout = idle_timeout
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.expected_hello: bytes | None = None  # set by a client of a private swarm: the server's proof
+        # set by a client's hello (protocol.auth): checks the server's hello, the first frame it reads
+        self.pending_hello: Callable[[Message], None] | None = None
+        self.unread: Message | None = None  # a first request a server read while looking for a hello
         self.remote_addr = ""  # the connection's remote multiaddr, when the transport knows it
         self.relay = ""  # the peer id of the locomesh relay carrying this stream, if any
 
@@ -207,14 +209,21 @@ class FramedStream:
         """Receive one envelope; an error envelope raises :class:`RemoteError`, an unexpected kind
         raises :class:`SchemaError`. ``max_size`` caps this frame below the stream's ``max_frame``
         (a private swarm's hello, read before the peer is authenticated)."""
-        if self.expected_hello is not None:
-            proof, self.expected_hello = self.expected_hello, None
-            hello = await self.recv(expect="hello", max_size=HELLO_MAX_FRAME)
-            if not isinstance(hello.body.get("mac"), bytes) or not hmac.compare_digest(hello.body["mac"], proof):
-                raise AuthError(f"peer {self.peer} did not prove it holds the swarm key")
-        data = await self._next_frame(self.max_frame if max_size is None else min(max_size, self.max_frame))
-        self.bytes_received += len(data) + _LENGTH.size
-        msg = decode_message(data, self.max_frame)
+        if self.pending_hello is not None:
+            check, self.pending_hello = self.pending_hello, None
+            try:
+                hello = await self.recv(expect="hello", max_size=HELLO_MAX_FRAME)
+            except RemoteError as e:  # a server older than the hello read ours as an unknown request
+                if e.remote_code == "schema" and "got 'hello'" in str(e):
+                    raise IncompatiblePeer(note_incompatible(self.peer, OLD_VERSION, 1) or str(e)) from None
+                raise
+            check(hello)
+        if self.unread is not None:
+            msg, self.unread = self.unread, None
+        else:
+            data = await self._next_frame(self.max_frame if max_size is None else min(max_size, self.max_frame))
+            self.bytes_received += len(data) + _LENGTH.size
+            msg = decode_message(data, self.max_frame)
         if msg.kind == ERROR_KIND:
             raise RemoteError(str(msg.body.get("code", "?")), str(msg.body.get("message", "")))
         if expect is not None:

@@ -18,7 +18,7 @@ from hivemind.p2p import P2P, PeerID
 
 from protocol import ids, relay
 from protocol.auth import client_hello, server_hello
-from protocol.errors import ProtocolError
+from protocol.errors import IncompatiblePeer, ProtocolError
 from protocol.frames import DEFAULT_MAX_FRAME, FramedStream
 from protocol.ratelimit import RateLimits
 
@@ -41,10 +41,11 @@ class Transport:
     :param on_error: ``(protocol_id, code, peer)`` callback for every refused or failed exchange
     :param idle_timeout: on served streams, a client that sends no complete frame for this long is
         refused (slow-loris guard)
-    :param swarm_key: shared secret of a private swarm. Each stream then opens with ``hello`` frames
-        carrying HMAC-SHA256(key, role | protocol | client id | server id) in both directions; libp2p
-        already authenticates the peer ids, so a proof cannot be replayed by anyone else (see
-        ``protocol.auth``). Peers without the key are refused before any handler runs.
+    :param swarm_key: shared secret of a private swarm. Every stream opens with ``hello`` frames in
+        both directions (``protocol.auth``): each side's versions (a peer of another protocol version is
+        refused before any handler runs) and, with a key, HMAC-SHA256(key, role | protocol | client id |
+        server id); libp2p already authenticates the peer ids, so a proof cannot be replayed by anyone
+        else. Peers without the key are refused before any handler runs.
     :param limits: the node's upload/download caps (``protocol.ratelimit``): every stream's bytes, served,
         opened and relayed, pass through the same two buckets
     """
@@ -117,12 +118,12 @@ class Transport:
 
     async def _handle_counted(self, protocol: str, handler: Handler, stream: FramedStream, client: str) -> None:
         try:
-            if self.swarm_key is not None:
-                await server_hello(stream, self.swarm_key, protocol, client, self.peer_id)
+            await server_hello(stream, self.swarm_key, protocol, client, self.peer_id)
             await handler(stream)
             await stream.wait_peer_closed()
         except ProtocolError as e:
-            logger.warning("refused %s request from %s: %s", protocol, client, e)
+            if not isinstance(e, IncompatiblePeer):  # that one's line is logged once per peer, not per stream
+                logger.warning("refused %s request from %s: %s", protocol, client, e)
             self.on_error(protocol, e.code, client)
             await stream.refuse(e)
         except (ConnectionError, EOFError, asyncio.IncompleteReadError) as e:
@@ -167,8 +168,7 @@ class Transport:
         # client side: the caller bounds the whole exchange (a server may legitimately wait for its own data)
         stream = FramedStream(reader, writer, peer=peer_id, max_frame=self.max_frame)
         stream.remote_addr = str(info.addr)
-        if self.swarm_key is not None:
-            await client_hello(stream, self.swarm_key, protocol, self.peer_id, peer_id)
+        await client_hello(stream, self.swarm_key, protocol, self.peer_id, peer_id)
         return stream
 
     async def _connected_directly(self, peer_id: str) -> bool:

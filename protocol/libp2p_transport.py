@@ -200,7 +200,7 @@ class Libp2pTransport:
         return peer
 
     async def open(self, peer_id: str, protocol: str) -> Libp2pStream:
-        """Open a stream to a connected ``peer_id`` speaking ``protocol`` (the hello is sent if keyed)."""
+        """Open a stream to a connected ``peer_id`` speaking ``protocol`` (opened with the version hello, and the key proof if keyed)."""
         try:
             raw = await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
         except trio.Cancelled:
@@ -209,8 +209,7 @@ class Libp2pTransport:
             raise ConnectionError(f"{peer_id} did not open a {protocol} stream: {type(e).__name__} {e}".strip()) from None
         # client side: the caller bounds the whole exchange, as with the daemon's transport
         stream = Libp2pStream(raw, peer=peer_id, max_frame=self.max_frame)
-        if self.swarm_key is not None:
-            await client_hello(stream, self.swarm_key, protocol, self.peer_id, peer_id)
+        await client_hello(stream, self.swarm_key, protocol, self.peer_id, peer_id)
         return stream
 
 

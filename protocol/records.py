@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from protocol.errors import SchemaError
+from protocol.version import protocol_version
 
 
 def peers_key(run_id: str) -> str:
@@ -60,6 +61,7 @@ class PeerRecord:
     stage_since: float = 0.0  # when it began serving that stage (unix time)
     up_mbit: float = 0.0  # its --max-upload-mbit (0: none): a joiner downloading from it waits that much longer
     reachability: str = "unknown"  # public | private | unknown: whether others can dial it (private: through relays)
+    protocol: int = 1  # protocol version (protocol.version); records without one are from before it existed
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,6 +92,7 @@ class PeerRecord:
             stage_since=float(_typed(value, "stage_since", number, 0.0)),
             reachability=_typed(value, "reachability", str, "unknown"),
             up_mbit=float(_typed(value, "up_mbit", number, 0.0)),
+            protocol=_typed(value, "protocol", int, 1),
         )
         if not all(isinstance(x, str) for x in rec.maddrs + rec.protocols):
             raise SchemaError("record fields 'maddrs' and 'protocols' must hold strings")
@@ -111,6 +114,7 @@ class RoundEntry:
     samples: int
     codec: str
     up_mbit: float = 0.0
+    protocol: int = field(default_factory=protocol_version)  # the member's protocol version (protocol.version)
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,6 +126,7 @@ class RoundEntry:
         entry = cls(
             peer_id=_typed(value, "peer_id", str), samples=_typed(value, "samples", int), codec=_typed(value, "codec", str),
             up_mbit=float(_typed(value, "up_mbit", (int, float), 0.0)),
+            protocol=_typed(value, "protocol", int, 1),
         )
         if entry.samples < 0:
             raise SchemaError("round entry samples must be non-negative")

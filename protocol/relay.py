@@ -9,7 +9,7 @@ state and activations go through this relay instead:
   direct connection (a private peer keeps one to each relay it announces) and sends
   ``relayed {from, protocol}``; the target answers ``relay_ok``, the relay answers ``relay_ok`` to
   the client, and from then on the relay copies bytes both ways until either side closes.
-- The client then speaks ``protocol`` end to end, private-swarm ``hello`` included: the target checks
+- The client then speaks ``protocol`` end to end, the version ``hello`` included: the target checks
   the client's proof for (client, target, protocol), so the relay cannot impersonate the client
   without the key, and the target serves the request with the same handler as a direct stream.
 - Caps: circuits per client and in all, and bytes per circuit. Refusals are error frames with a
@@ -149,8 +149,7 @@ async def serve_hop(transport: RelayHost, stream: FramedStream) -> None:
         try:
             if "/p2p-circuit" in leg.remote_addr:
                 raise SchemaError(f"relay reaches {target} only through another relay")
-            if transport.swarm_key is not None:
-                await client_hello(leg, transport.swarm_key, ids.RELAYED, transport.peer_id, target)
+            await client_hello(leg, transport.swarm_key, ids.RELAYED, transport.peer_id, target)
             await leg.send("relayed", {"from": stream.peer, "protocol": protocol})
             await asyncio.wait_for(leg.recv(expect="relay_ok"), 10)
             await stream.send("relay_ok", {})
@@ -185,13 +184,11 @@ async def open_via(transport: RelayHost, relay: str, target: str, protocol: str)
     stream = FramedStream(reader, writer, peer=relay, max_frame=transport.max_frame)
     stream.remote_addr = str(info.addr)
     try:
-        if transport.swarm_key is not None:
-            await client_hello(stream, transport.swarm_key, ids.RELAY, transport.peer_id, relay)
+        await client_hello(stream, transport.swarm_key, ids.RELAY, transport.peer_id, relay)
         await stream.send("relay", {"target": target, "protocol": protocol})
         await asyncio.wait_for(stream.recv(expect="relay_ok"), 20)
         stream.peer, stream.relay = target, relay
-        if transport.swarm_key is not None:
-            await client_hello(stream, transport.swarm_key, protocol, transport.peer_id, target)
+        await client_hello(stream, transport.swarm_key, protocol, transport.peer_id, target)
         return stream
     except BaseException:
         await stream.close()

@@ -152,9 +152,11 @@ class NodeConfig(BaseModel):
         None, "Start a new run from existing weights: a locomesh checkpoint (a checkpoint.pt a node wrote, or its "
         "--checkpoint-dir) or a Hugging Face Llama folder (config.json, model.safetensors, tokenizer.json; node export writes "
         "one). Joiners still take the swarm's state", TRAIN)
-    min_peers: int = option(1, "zo: wait until this many peers (this one included) are in the run before the first step, at "
-                            "most --join-timeout seconds", SWARM, ge=1, le=1024)
-    join_timeout: float = option(60.0, "How long a joiner keeps trying to download the swarm's state, seconds", SWARM, gt=0)
+    min_peers: int = option(1, "Wait until this many peers (this one included) are in the run before the first step, at most "
+                            "--join-timeout seconds, then exit; a run that already trains is joined at once (node swarm: "
+                            "--nodes)", SWARM, ge=1, le=1024)
+    join_timeout: float = option(60.0, "How long a joiner keeps trying to reach the swarm and download its state, and how "
+                                 "long --min-peers waits, seconds", SWARM, gt=0)
     stream_timeout: float = option(30.0, "Refuse a peer that stalls mid-request this long, seconds", OPS, gt=0)
     averaging_timeout: float = option(30.0, "Longest wait for late peers in a round, seconds; the deadline adapts below it to "
                                       "recent rounds", AVG, gt=0)
@@ -313,8 +315,6 @@ class NodeConfig(BaseModel):
                                (self.compression not in (None, "none"), "--compression")):
                 if wrong:
                     raise ValueError(f"{why} does not apply to --algorithm zo (it sends one byte per step and never a model)")
-        elif self.min_peers > 1:
-            raise ValueError("--min-peers is used by --algorithm zo; other algorithms start at once and let peers join")
         elif self.zo_seed_pool:
             raise ValueError("--zo-seed-pool is used by --algorithm zo; other algorithms send pseudo-gradients, not seeds")
         if self.overlap_mode == "eager" and self.algorithm == "noloco":
@@ -339,6 +339,8 @@ class NodeConfig(BaseModel):
             raise ValueError(f"--stages {self.stages}: model {self.model!r} has only {layers} blocks to split")
         if self.stage is not None and self.stage >= self.stages:
             raise ValueError(f"--stage {self.stage} does not exist in a {self.stages}-stage pipeline (stages are 0..{self.stages - 1})")
+        if self.stages > 1 and self.min_peers > 1:
+            raise ValueError("--min-peers holds whole-model replicas (--stages 1); a pipeline waits for its stages on its own")
         if self.stages > 1 and self.algorithm != "diloco":
             raise ValueError("pipeline stages average with --algorithm diloco (any --compression)")
         if self.fragments > layers:

@@ -1,6 +1,7 @@
 """``node swarm``: N real daemons on 127.0.0.1 as separate processes, live progress, a JSON report.
 
-Node 0 bootstraps the swarm; the others join through its multiaddr. Progress is read from each
+Node 0 bootstraps the swarm; the others join through its multiaddr. Every node gets ``--min-peers
+<nodes>`` unless the user sets it (replicas only): none starts training before all are in the run. Progress is read from each
 node's Prometheus endpoint. At the end every node gets SIGTERM (then SIGKILL of its process group
 after a grace period), and the report collects each node's exit summary plus launcher events.
 """
@@ -129,6 +130,8 @@ class SwarmLauncher:
         if self.config.stages > 1 and "--role" not in own:
             role = pipeline_role(node.index, len(self.nodes), self.config.stages)
             args += ["--role", "trainer"] if role is None else ["--role", "stage", "--stage", str(role)]
+        if self.config.stages == 1 and self.config.min_peers == 1 and not _has_flag(own, "--min-peers"):
+            args += ["--min-peers", str(len(self.nodes))]  # no node trains alone while the others start
         if "--threads" not in own:
             args += ["--threads", str(max(1, (os.cpu_count() or 1) // len(self.nodes)))]
         for peer in initial_peers:
@@ -141,7 +144,7 @@ class SwarmLauncher:
         deadline = time.time() + timeout
         while time.time() < deadline:
             info = node.read_info()
-            if info.get("state") == "training" and info.get("multiaddrs"):
+            if info.get("state") in ("waiting", "training") and info.get("multiaddrs"):  # waiting: for --min-peers
                 return [f"{a}/p2p/{info['peer_id']}" if "/p2p/" not in a else a for a in info["multiaddrs"]]
             if node.process is not None and node.process.poll() is not None:
                 raise RuntimeError(f"node {node.index} exited with code {node.process.returncode} before it was ready; see {node.directory / 'log.txt'}")

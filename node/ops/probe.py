@@ -31,7 +31,7 @@ def _explain_remote(e: RemoteError, peer: str, key: str | None) -> ProbeError:
         if key is None:
             return ProbeError(f"{peer} is in a private swarm and refused us: pass its key with --swarm-key-file PATH")
         return ProbeError(f"{peer} refused {key}: it is not this swarm's key")
-    if key is not None and e.remote_code == "schema" and "hello" in str(e):
+    if key is not None and e.remote_code == "schema" and "not in a private swarm" in str(e):
         return ProbeError(f"{peer} is not in a private swarm: probe it without --swarm-key-file")
     return ProbeError(f"{peer} refused the status request: {e}")
 

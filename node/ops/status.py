@@ -1,4 +1,5 @@
-"""``node status``: join the DHT as a client, list the run's peers and ask each for its live status."""
+"""``node status``: join the DHT as a client, list the run's peers and ask each for its live status.
+Each peer's locomesh and protocol versions are shown; one of another protocol is flagged outdated or newer."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from node.runtime.network import learn_routes
 from node.runtime.status_service import fetch_status
 from swarm.stage_map import missing_roles
 from protocol.hivemind_transport import Transport
+from protocol.version import UPGRADE, package_version, protocol_version
 
 
 class StatusClient:
@@ -49,7 +51,7 @@ class StatusClient:
         from node.runtime.base import RECORD_TTL_S
 
         assert self.dht is not None
-        records = await asyncio.wait_for(list_peers_with_expiry(self.dht, self.run_id), timeout=30)
+        records = await asyncio.wait_for(list_peers_with_expiry(self.dht, self.run_id, compatible_only=False), timeout=30)
         now = get_dht_time()
 
         async def one(peer: str) -> dict[str, Any] | None:
@@ -67,6 +69,7 @@ class StatusClient:
                 "inner_step": rec.inner_step, "loss": rec.loss, "record_age_s": max(0.0, RECORD_TTL_S - (expiration - now)),
                 "maddrs": rec.maddrs, "protocols": rec.protocols, "reachable": st is not None, "live": st,
                 "stage": rec.stage, "queue": rec.queue, "reachability": rec.reachability,
+                "version": rec.version, "protocol": rec.protocol, "compatibility": compatibility(rec.protocol),
             })
         stages = max((st.get("stages", 0) for st in live if isinstance(st, dict) and isinstance(st.get("stages"), int)), default=0)
         result = {"run_id": self.run_id, "time": time.time(), "peers": sorted(rows, key=lambda r: r["peer_id"]),
@@ -75,6 +78,11 @@ class StatusClient:
             result["missing"] = missing_roles([rec for rec, _ in records.values()], stages)
         if not rows:
             result["hint"] = await self._other_runs_hint()
+        odd = [r for r in rows if r["compatibility"] != "ok"]
+        if odd:
+            result["version_hint"] = (f"{len(odd)} peer(s) run another protocol version than this client's {protocol_version()} "
+                                      f"(locomesh {package_version()}) and train apart: upgrade the outdated side with "
+                                      f"`{UPGRADE}`")
         return result
 
     async def _other_runs_hint(self) -> str:
@@ -97,6 +105,12 @@ class StatusClient:
         if runs:
             return f"no peers of run {self.run_id} are announced yet; {next(iter(runs))} serves it: retry in a few seconds"
         return f"no peers of run {self.run_id}, and no initial peer answered: check the multiaddr and that the node runs"
+
+
+def compatibility(protocol: int) -> str:
+    """How a peer of ``protocol`` stands against this client: ok, outdated (older protocol) or newer."""
+    ours = protocol_version()
+    return "ok" if protocol == ours else "outdated" if protocol < ours else "newer"
 
 
 def stage_map(rows: list[dict[str, Any]], stages: int = 0) -> list[dict[str, Any]]:
@@ -147,14 +161,19 @@ def status_table(result: dict[str, Any]) -> Any:
     from rich.table import Table
 
     table = Table(title=f"run {result['run_id']}: {len(result['peers'])} peers")
-    for col in ("peer", "role", "device", "reach", "tok/s", "round", "step", "loss", "age"):
-        table.add_column(col, justify="right" if col not in ("peer", "role", "device", "reach") else "left")
+    for col in ("peer", "role", "device", "reach", "version", "tok/s", "round", "step", "loss", "age"):
+        table.add_column(col, justify="right" if col not in ("peer", "role", "device", "reach", "version") else "left")
     for r in result["peers"]:
         role = r["role"] + (f" {r['stage']}" if r.get("stage", -1) >= 0 else "")
-        table.add_row(r["peer_id"][-12:], role, r["device"], r.get("reachability", "unknown"), f"{r['tokens_per_s']:.0f}", str(r["round"]),
-                      str(r["inner_step"]), f"{r['loss']:.3f}", f"{r['record_age_s']:.1f}s")
+        version = f"{r.get('version') or '?'} p{r.get('protocol', 1)}"
+        if r.get("compatibility", "ok") != "ok":
+            version += f" [red]{r['compatibility']}[/red]"
+        table.add_row(r["peer_id"][-12:], role, r["device"], r.get("reachability", "unknown"), version, f"{r['tokens_per_s']:.0f}",
+                      str(r["round"]), str(r["inner_step"]), f"{r['loss']:.3f}", f"{r['record_age_s']:.1f}s")
     if not result["peers"]:
         return Group(table, result.get("hint") or "No live peers: check --run-id and that the multiaddr is of a running node.")
+    if result.get("version_hint"):
+        table = Group(table, result["version_hint"])
     if result.get("stages"):
         stages = Table(title="pipeline stages")
         for col in ("stage", "servers", "tok/s", "queued"):

@@ -21,6 +21,7 @@ import torch
 from gossip.fingerprint import fingerprint
 from gossip.rendezvous import list_peers, rejoin_target
 from gossip.state_transfer import DownloadedState, download_state, majority_state, state_headers
+from node.runtime.barrier import check_joinable
 from node.runtime.metrics import NodeMetrics
 from node.runtime.network import NetworkThread
 from node.runtime.settings import settings_mismatch
@@ -137,6 +138,8 @@ class Joiner:
                            reused=got.reused, fingerprint=fingerprint(got.snapshot.tensors["params"]), peer_fingerprint=got.snapshot.fingerprint,
                            verified="majority" if trusted is not None else "own_header")
                 return True
+            if not candidates:
+                check_joinable(self.net, self.run_id, self.peer_id)
             everyone = {rec.peer_id for rec in candidates}
             if candidates and refusals >= everyone:
                 raise JoinRefused(

@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
-from node import __version__
 from node.checkpoints.checkpoint import CHECKPOINT_NAME, save_atomic
 from node.config import NodeConfig, read_swarm_key
-from node.errors import JoinRefused, UserError
+from node.errors import JoinRefused, NotStarted, UserError
+from node.runtime.barrier import wait_for_peers
 from node.runtime.metrics import NodeMetrics
 from node.runtime.network import Interrupted, NetworkThread
 from node.runtime.reachability import dialable_addresses
@@ -45,6 +45,7 @@ from node.runtime.status_service import StatusService
 from node.runtime.summary import Summary, count_steps, count_traffic, write_info
 from protocol.ratelimit import RateLimits
 from protocol.records import PeerRecord
+from protocol.version import package_version, protocol_version
 
 logger = logging.getLogger("locomesh.node")
 HEARTBEAT_S = 2.0
@@ -80,7 +81,8 @@ class NodeBase:
     # ---- the lifecycle -----------------------------------------------------------------------
     def run(self) -> int:
         """Prepare, start networking, join, work until stopped, leave. Exit codes: 0 stopped cleanly,
-        2 could not start (checkpoint of another run, networking), 3 refused by the run."""
+        2 could not start (checkpoint of another run, networking, --min-peers not met, the run's peers stopped),
+        3 refused by the run (settings, swarm key, protocol version)."""
         try:
             self._prepare()
         except ResumeRefused as e:
@@ -103,13 +105,13 @@ class NodeBase:
         peer_id = self.summary.peer_id = net.transport.peer_id
         self.summary.multiaddrs = self._own_multiaddrs()
         self.metrics.info.labels(peer_id, cfg.run_id, self.device.type, cfg.model, self.algorithm, self.CODEC_LABEL or cfg.codec,
-                                 __version__).set(1)
+                                 package_version()).set(1)
         for service in self._services(StatusService(net.transport, self.status_snapshot)):
             net.call(service.start())
         self.summary.protocols = list(net.transport.protocols)
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
-        waiting = cfg.min_peers > 1  # --min-peers (zo only): hold the first step until the run is that big
+        waiting = cfg.min_peers > 1  # --min-peers: hold the first step until the run is that big (node.runtime.barrier)
         try:
             self._join()
             net.every(HEARTBEAT_S, self._heartbeat, "heartbeat")
@@ -122,6 +124,11 @@ class NodeBase:
             logger.error("%s", e)
             self.event("join_refused", reason=str(e))
             return 3
+        except NotStarted as e:
+            logger.error("%s", e)
+            self.event("not_started", reason=str(e))
+            self._announce_leaving()  # peers waiting with it learn at once that it is gone
+            return 2
         except Interrupted:
             self._finish()
             return 0
@@ -143,14 +150,17 @@ class NodeBase:
         if self.train_started is not None:
             self.summary.train_s = time.monotonic() - self.train_started
         self._wind_down()
+        self._announce_leaving()
+        self._final_evaluation()
+        s = self.summary
+        logger.info(self.FINAL_LOG, s.steps, s.outer_rounds, s.train_loss_first, s.train_loss_last, s.val_loss)
+
+    def _announce_leaving(self) -> None:
         self.role = "leaving"
         try:
             self.net.call(self._heartbeat(), timeout=self.LEAVE_TIMEOUT_S)
         except Exception as e:
             logger.info("could not announce leaving: %s", e)
-        self._final_evaluation()
-        s = self.summary
-        logger.info(self.FINAL_LOG, s.steps, s.outer_rounds, s.train_loss_first, s.train_loss_last, s.val_loss)
 
     # ---- what a kind of node fills in ----------------------------------------------------------
     @property
@@ -191,7 +201,9 @@ class NodeBase:
         return "", ""
 
     def _wait_for_peers(self) -> None:
-        """Hold the first step until --min-peers peers are in the run."""
+        """Hold the first step until --min-peers peers are in the run (raises NotStarted, Interrupted)."""
+        have = wait_for_peers(self.net, self.cfg.run_id, self.summary.peer_id, self.cfg.min_peers, self.cfg.join_timeout, self.stop)
+        self.event("peers_ready", peers=have, wanted=self.cfg.min_peers)
 
     def _observe_peers(self, peers: dict[str, PeerRecord]) -> None:
         """Take the run's records, read every PEER_READ_EVERY heartbeats."""
@@ -220,7 +232,8 @@ class NodeBase:
         record = PeerRecord(**{
             "peer_id": s.peer_id, "role": self.role, "device": self.device.type, "model": cfg.model, "algorithm": self.algorithm,
             "compression": cfg.codec, "round": self.round, "loss": self._current_loss(), "maddrs": s.multiaddrs,
-            "protocols": s.protocols, "version": __version__, "reachability": s.reachability, "up_mbit": cfg.max_upload_mbit or 0.0,
+            "protocols": s.protocols, "version": package_version(), "protocol": protocol_version(),
+            "reachability": s.reachability, "up_mbit": cfg.max_upload_mbit or 0.0,
             "started_at": time.time() - (time.monotonic() - self.started), **self._record_fields()})
         await reconnect_routing_table(net.dht, [info.peer_id for info in await net.p2p.list_peers()])
         for run_id in self._record_runs():
@@ -238,7 +251,8 @@ class NodeBase:
         s = self.summary
         return {
             "peer_id": s.peer_id, "run_id": self.cfg.run_id, "round": self.round, "steps": s.steps, "loss": self._current_loss(),
-            "device": self.device.type, "model": self.cfg.model, "protocols": s.protocols, "version": __version__,
+            "device": self.device.type, "model": self.cfg.model, "protocols": s.protocols, "version": package_version(),
+            "protocol": protocol_version(),
             "reachability": s.reachability, "state": s.state, "time": time.time(), **self._status_fields(),
         }
 

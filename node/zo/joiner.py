@@ -27,6 +27,7 @@ from gossip.rendezvous import list_peers
 from gossip.state_transfer import download_state
 from gossip.zo_exchange import CodeExchange, LogReply, replay
 from node.errors import JoinRefused
+from node.runtime.barrier import check_joinable
 from node.runtime.metrics import NodeMetrics
 from node.runtime.network import Interrupted, NetworkThread
 from node.runtime.settings import settings_mismatch
@@ -104,18 +105,12 @@ class ZOJoiner:
                     raise
                 except Exception as e:
                     logger.warning("could not sync with %s: %s", rec.peer_id, e)
+            if not others:
+                check_joinable(self.net, self.run_id, self.peer_id)
             if time.monotonic() >= deadline:
                 return None
             self.stop.wait(1.0)
         return None
-
-    def wait_for_peers(self, wanted: int) -> bool:
-        """Hold until ``wanted`` trainers (this node included) are in the run; False after the join timeout."""
-        until = time.monotonic() + self.join_timeout
-        while wanted > 1 and not self.stop.wait(0.5) and time.monotonic() < until:
-            if len(self._trainers()) + 1 >= wanted:
-                return True
-        return wanted <= 1 or self.stop.is_set()
 
     def _log_from(self, peer: str, first: int, after_round: int | None) -> LogReply:
         """``peer``'s log from ``first``; with ``after_round``, once the peer has finished that round."""

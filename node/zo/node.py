@@ -113,10 +113,6 @@ class ZONode(NodeBase):
     def _join_hint(self) -> tuple[str, str]:
         return "", " --algorithm zo"
 
-    def _wait_for_peers(self) -> None:
-        if not self.joiner.wait_for_peers(self.cfg.min_peers):
-            self.event("min_peers_timeout", wanted=self.cfg.min_peers)
-
     def _work(self) -> None:
         self._train()
 

@@ -18,7 +18,7 @@ import sys
 def check_stream() -> None:
     import trio
 
-    from protocol.auth import client_hello, swarm_proof
+    from protocol.auth import client_hello, hello_body
     from protocol.errors import AuthError, MalformedFrame, RemoteError, StreamTimeout
     from protocol.frames import encode_frame, encode_message
     from protocol.libp2p_transport import Libp2pStream
@@ -98,14 +98,14 @@ def check_stream() -> None:
 
         # private swarm: our hello goes first, and the server's proof is checked before its reply
         key, proto = b"k" * 32, "/locomesh/status/1.0"
-        good = frame("hello", {"mac": swarm_proof(key, "server", proto, "C", "S")}) + reply
+        good = frame("hello", hello_body(key, "server", proto, "C", "S")) + reply
         raw = FakeNetStream(good)
         stream = Libp2pStream(raw, peer="S")
         await client_hello(stream, key, proto, "C", "S")
-        assert bytes(raw.sent) == frame("hello", {"mac": swarm_proof(key, "client", proto, "C", "S")})
+        assert bytes(raw.sent) == frame("hello", hello_body(key, "client", proto, "C", "S"))
         assert (await stream.recv(expect="status")).body["steps"] == 7
 
-        forged = frame("hello", {"mac": swarm_proof(b"x" * 32, "server", proto, "C", "S")}) + reply
+        forged = frame("hello", hello_body(b"x" * 32, "server", proto, "C", "S")) + reply
         stream = Libp2pStream(FakeNetStream(forged), peer="S")
         await client_hello(stream, key, proto, "C", "S")
         try:

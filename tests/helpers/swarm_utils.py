@@ -73,7 +73,10 @@ def full_rounds(info: dict[str, Any], members: int, after: float | None = None) 
             and (after is None or r["t"] > after)]
 
 
-def start_node(directory: Path, name: str, args: list[str], initial_peers: list[str] | None = None) -> NodeHandle:
+def start_node(directory: Path, name: str, args: list[str], initial_peers: list[str] | None = None,
+               env: dict[str, str] | None = None) -> NodeHandle:
+    """``node join ARGS`` in its own folder and process group; ``env`` adds environment variables (the
+    user's ``LOCOMESH_*`` ones are dropped), e.g. ``LOCOMESH_FAKE_PROTOCOL_VERSION`` to play another version."""
     directory = Path(directory) / name
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "info.json").unlink(missing_ok=True)  # a restart must not read the last run's info
@@ -83,8 +86,8 @@ def start_node(directory: Path, name: str, args: list[str], initial_peers: list[
     for peer in initial_peers or []:
         cmd += ["--initial-peers", peer]
     log = open(directory / "log.txt", "w")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOMESH_")}
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("LOCOMESH_")} | (env or {})
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=environ)
     return NodeHandle(name, directory, process, port)
 
 

@@ -20,6 +20,7 @@ from gossip.rendezvous import gather_group, list_peers, publish_peer
 from swarm.models.presets import GPT, preset
 from node.runtime.status_service import fetch_status
 from protocol import RemoteError, encode_frame, encode_message, ids
+from protocol.auth import hello_body
 from protocol.errors import SchemaError
 from protocol.hivemind_transport import Transport
 from protocol.records import PeerRecord, RoundEntry
@@ -37,10 +38,16 @@ async def _raw_exchange(transport: Transport, peer: str, protocol: str, raw: byt
     _, reader, writer = await transport.p2p.call_binary_stream_handler(__import__("hivemind").p2p.PeerID.from_base58(peer), protocol)
     writer.write(raw)
     await writer.drain()
-    header = await asyncio.wait_for(reader.readexactly(4), timeout=30)
-    data = header + await asyncio.wait_for(reader.readexactly(struct.unpack(">I", header)[0]), timeout=30)
+    while True:  # the node's answer to our hello, if we sent one, comes first
+        header = await asyncio.wait_for(reader.readexactly(4), timeout=30)
+        data = header + await asyncio.wait_for(reader.readexactly(struct.unpack(">I", header)[0]), timeout=30)
+        if msgpack.unpackb(data[4:])["k"] != "hello":
+            break
     writer.close()
     return data
+
+
+HELLO = frames(("hello", hello_body(None, "client", "", "", "")))  # every stream opens with one (protocol.auth)
 
 
 def _error_code(reply: bytes) -> str:
@@ -64,11 +71,12 @@ def test_malformed_streams_are_refused_and_the_node_keeps_serving(tmp_path, node
         (ids.STATUS, b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1", "malformed"),
         (ids.STATE, struct.pack(">I", 2**31) + b"x" * 64, "frame_too_large"),
         (ids.STATE, encode_frame(encode_message("get_state", {"run_id": "locomesh-demo"}, version=(9, 0))), "version"),
-        (ids.STATE, frames(("get_state", {"run_id": "someone-elses-run"})), "schema"),
-        (ids.AVERAGE, frames(("fetch", {"run_id": "locomesh-demo", "round": 0, "codec": "q2"})), "schema"),
-        (ids.AVERAGE, frames(("fetch", {"run_id": "locomesh-demo", "round": "zero", "codec": "none"})), "schema"),
-        (ids.AVERAGE, frames(("get_state", {})), "schema"),
+        (ids.STATE, HELLO + frames(("get_state", {"run_id": "someone-elses-run"})), "schema"),
+        (ids.AVERAGE, HELLO + frames(("fetch", {"run_id": "locomesh-demo", "round": 0, "codec": "q2"})), "schema"),
+        (ids.AVERAGE, HELLO + frames(("fetch", {"run_id": "locomesh-demo", "round": "zero", "codec": "none"})), "schema"),
+        (ids.AVERAGE, HELLO + frames(("get_state", {})), "schema"),
         (ids.STATUS, b"\x00\x00\x00\x10abc", "timeout"),  # stalls mid-frame (slow loris)
+        (ids.AVERAGE, frames(("fetch", {"run_id": "locomesh-demo", "round": 0, "codec": "none"})), "version"),  # no hello: older
     ]
 
     async def go():

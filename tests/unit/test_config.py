@@ -56,12 +56,18 @@ def test_streaming_and_auto_steps_options():
         (["--algorithm", "allreduce"], "--algorithm"),
         (["--group-size", "1"], "--group-size"),
         (["--overlap-mode", "eventually"], "--overlap-mode"),
+        (["--stages", "2", "--min-peers", "2"], "--min-peers holds whole-model replicas (--stages 1)"),
     ],
 )
 def test_bad_algorithm_settings_are_named(args, message):
     with pytest.raises((ConfigError, typer.Exit, SystemExit)) as err:
         load_config(dict(zip([a.lstrip("-").replace("-", "_") for a in args[::2]], args[1::2])))
     assert message in str(err.value)
+
+
+def test_every_replica_algorithm_takes_min_peers():
+    for algorithm in ("diloco", "noloco", "sparseloco", "zo"):
+        assert parse_join_args(["--algorithm", algorithm, "--min-peers", "3"]).min_peers == 3
 
 
 def test_precedence_flag_over_env_over_file(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import asyncio
 import msgpack
 import pytest
 
-from protocol.auth import server_hello, swarm_proof
+from protocol.auth import hello_body, server_hello
 from protocol.errors import AuthError, FrameTooLarge, MalformedFrame
 from protocol.frames import HELLO_MAX_FRAME, MAX_CONTAINERS, decode_message, encode_frame, encode_message
 from tests.helpers.memory_transport import canned_stream
@@ -38,7 +38,7 @@ def test_a_private_swarm_decodes_no_first_frame_larger_than_a_hello() -> None:
         _hello_server(big)
     with pytest.raises(AuthError):
         _hello_server(encode_frame(encode_message("hello", {"mac": b"\0" * 32})))
-    _hello_server(encode_frame(encode_message("hello", {"mac": swarm_proof(b"k" * 32, "client", "/p/1", "client", "server")})))
+    _hello_server(encode_frame(encode_message("hello", hello_body(b"k" * 32, "client", "/p/1", "client", "server"))))
 
 
 def test_peer_text_is_made_safe_for_logs() -> None:

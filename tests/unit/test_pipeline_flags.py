@@ -91,7 +91,7 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "zo_eps": (0.01, ("refused", "--zo-eps and --zo-lr are the steps of --algorithm zo")),
     "zo_lr": (0.01, ("refused", "--zo-eps and --zo-lr are the steps of --algorithm zo")),
     "zo_seed_pool": (4, ("refused", "--zo-seed-pool is used by --algorithm zo")),
-    "min_peers": (2, ("refused", "--min-peers is used by --algorithm zo")),
+    "min_peers": (2, ("refused", "--min-peers holds whole-model replicas (--stages 1)")),
     "attack": ("sign", ("refused", "--attack rewrites a replica's pseudo-gradient")),
     # the pipeline's own
     "stages": (2, ("applied", [(NODE, "cfg.stages")])),

@@ -3,9 +3,13 @@
 import asyncio
 
 from protocol import ids
-from protocol.frames import decode_message, read_frame
+from protocol.auth import hello_body
+from protocol.frames import decode_message, encode_frame, encode_message, read_frame
 from protocol.hivemind_transport import MAX_STREAMS_PER_PEER, Transport
 from tests.helpers.memory_transport import canned_stream, ended_reader
+
+
+HELLO = encode_frame(encode_message("hello", hello_body(None, "client", ids.STATE, "c", "server")))  # every stream opens with one
 
 
 class _P2P:
@@ -25,13 +29,13 @@ def test_a_client_is_refused_past_its_stream_cap_and_others_are_not() -> None:
         async def slow(stream) -> None:
             await release.wait()
 
-        held = [asyncio.ensure_future(transport.handle(ids.STATE, slow, canned_stream(b"")[0], "greedy"))
+        held = [asyncio.ensure_future(transport.handle(ids.STATE, slow, canned_stream(HELLO)[0], "greedy"))
                 for _ in range(MAX_STREAMS_PER_PEER)]
         await asyncio.sleep(0.05)
-        refused, sink = canned_stream(b"")
+        refused, sink = canned_stream(HELLO)
         await transport.handle(ids.STATE, slow, refused, "greedy")
-        frame = await read_frame(ended_reader(bytes(sink.data)))
-        other = asyncio.ensure_future(transport.handle(ids.STATE, slow, canned_stream(b"")[0], "someone-else"))
+        frame = await read_frame(ended_reader(bytes(sink.data)))  # refused before the hello is read
+        other = asyncio.ensure_future(transport.handle(ids.STATE, slow, canned_stream(HELLO)[0], "someone-else"))
         await asyncio.sleep(0.05)
         served_other = not other.done()
         release.set()
@@ -53,7 +57,7 @@ def test_a_relay_carrying_many_clients_is_not_capped_as_one_client() -> None:
         async def slow(stream) -> None:
             await release.wait()
 
-        held = [asyncio.ensure_future(transport.handle(ids.RELAYED, slow, canned_stream(b"")[0], "the-relay"))
+        held = [asyncio.ensure_future(transport.handle(ids.RELAYED, slow, canned_stream(HELLO)[0], "the-relay"))
                 for _ in range(MAX_STREAMS_PER_PEER + 8)]
         await asyncio.sleep(0.05)
         open_now = transport._active[(ids.RELAYED, "the-relay")]

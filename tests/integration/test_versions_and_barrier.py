@@ -1,0 +1,112 @@
+"""Mixed versions and the start-up barrier, with real daemons.
+
+A peer of another protocol version (faked with ``LOCOMESH_FAKE_PROTOCOL_VERSION``) is refused with one
+line naming both versions while the run trains on; ``node swarm`` holds every node until all are in, so
+rounds have every member from the first; a node waiting for a run whose peers stopped says so at once.
+"""
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+from hivemind.p2p import P2P
+
+from node.runtime.status_service import fetch_status
+from protocol import ids
+from protocol.errors import IncompatiblePeer
+from protocol.hivemind_transport import Transport
+from tests.helpers.swarm_utils import FAST_ARGS, events, start_node
+
+ODD = {"LOCOMESH_FAKE_PROTOCOL_VERSION": "1", "LOCOMESH_FAKE_VERSION": "0.1.0"}  # an outdated peer
+
+
+def _lines(log: str, text: str) -> list[str]:
+    return [line for line in log.splitlines() if text in line]
+
+
+def _ready(info: dict) -> bool:
+    return info.get("state") in ("waiting", "training") and bool(info.get("multiaddrs"))
+
+
+def test_a_peer_of_another_protocol_is_refused_once_and_the_run_trains_on(tmp_path, nodes, monkeypatch):
+    a = start_node(tmp_path, "a", FAST_ARGS)
+    nodes.append(a)
+    boot = a.multiaddr()
+    peer_a = a.info()["peer_id"]
+    odd = start_node(tmp_path, "odd", FAST_ARGS, [boot], env=ODD)
+    nodes.append(odd)
+    assert odd.process.wait(timeout=180) == 3, odd.log()[-3000:]
+    line = f"peer {peer_a} runs locomesh 0.2.0 (protocol 2); this node runs 0.1.0 (protocol 1): not training with it, " \
+           "upgrade this node with `git pull && make setup`"
+    assert len(_lines(odd.log(), line)) == 1, odd.log()[-3000:]  # records are read every second: still one line
+    assert "runs this node's protocol version 1" in odd.log() and "Traceback" not in odd.log()
+
+    # the hello of every stream: a client of protocol 3 is refused by the daemon before any handler, twice,
+    # and the daemon logs its line once; status stays version-free
+    monkeypatch.setenv("LOCOMESH_FAKE_PROTOCOL_VERSION", "3")
+
+    async def ask() -> tuple[str, list[str], dict]:
+        p2p = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        transport = Transport(p2p)
+        refusals = []
+        try:
+            for _ in range(2):
+                stream = await transport.open(peer_a, ids.STATE)
+                await stream.send("get_state", {"run_id": "locomesh-demo"})
+                with pytest.raises(IncompatiblePeer) as e:
+                    await asyncio.wait_for(stream.recv(), 30)
+                refusals.append(str(e.value))
+                await stream.close()
+            return transport.peer_id, refusals, await fetch_status(transport, peer_a)
+        finally:
+            await p2p.shutdown()
+
+    before = a.info()["steps"]
+    client, refusals, status = asyncio.run(ask())
+    assert all("runs locomesh 0.2.0 (protocol 2); this node runs 0.2.0 (protocol 3)" in r for r in refusals), refusals
+    assert status["protocol"] == 2 and status["version"] == "0.2.0"
+    a.wait(lambda i: i["steps"] > before + 5, 90, "training to go on")
+    assert len(_lines(a.log(), f"peer {client} runs locomesh 0.2.0 (protocol 3); this node runs 0.2.0 (protocol 2)")) == 1
+    assert "Traceback" not in a.log()
+    assert a.stop() == 0
+
+
+def test_node_swarm_holds_the_first_node_until_the_others_are_in(tmp_path):
+    """The issue's run: node 0 used to finish alone in a second and node 1 failed to join it."""
+    report = tmp_path / "report.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "node", "swarm", "--nodes", "2", "--max-steps", "60", "--model", "nano", "--duration", "300",
+         "--inner-steps", "20", "--batch-size", "8", "--eval-batches", "2", "--report", str(report)],
+        capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    data = json.loads(report.read_text())
+    for node in data["nodes"]:
+        assert node["exit_code"] == 0 and node["steps"] == 60, node
+        info = json.loads((tmp_path / f"node{node['index']}" / "info.json").read_text())
+        # both, from the first round (the last round, at --max-steps, may lose the node that finished first)
+        assert [r["contributors"] for r in info["rounds"]][:2] == [2, 2], info["rounds"]
+        assert any(e["event"] == "peers_ready" and e["peers"] == 2 for e in info["events"]), info["events"]
+    log0 = (tmp_path / "node0" / "log.txt").read_text()
+    assert "waiting for --min-peers 2 before the first step: 1 in run" in log0
+
+
+def test_a_node_is_told_when_the_run_stops_or_its_peers_do_not_come(tmp_path, nodes):
+    alone = start_node(tmp_path, "alone", FAST_ARGS + ["--min-peers", "2", "--join-timeout", "3"])  # a run of its own
+    nodes.append(alone)
+    args = FAST_ARGS + ["--min-peers", "3", "--join-timeout", "300"]
+    a = start_node(tmp_path, "a", args)
+    nodes.append(a)
+    boot = a.wait(_ready, 90, "startup")["multiaddrs"][0]
+    b = start_node(tmp_path, "b", args, [boot])
+    nodes.append(b)
+    b.wait(lambda i: i.get("state") == "waiting", 120, "waiting for peers")
+    assert a.stop() == 0  # the run's only other peer stops while b waits for a third
+    assert b.process.wait(timeout=120) == 2, b.log()[-3000:]  # at once, not after --join-timeout (300 s)
+    assert len(_lines(b.log(), "ERROR locomesh.node: the run's peers have stopped: …")) == 1, b.log()[-3000:]
+    assert events(b, "not_started") and b.info()["steps"] == 0
+
+    assert alone.process.wait(timeout=120) == 2, alone.log()[-3000:]
+    assert _lines(alone.log(), "only 1 of --min-peers 2 peers came to run 'locomesh-demo' within --join-timeout 3s")
+    assert alone.info()["steps"] == 0
