@@ -100,6 +100,7 @@ class PipelineTrainer:
                 self.batches.load_state_dict(state["data_order"])
         except ValueError as e:
             logger.warning("not resuming the data position of %s: %s; starting the data from its beginning", path, e)
+        self.summary.resumed_from = {"checkpoint": str(path), "steps_total": self.steps_before}
         self.event("resumed", checkpoint=str(path), steps_total=self.steps_before)
 
     def checkpoint_state(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@
   it aside and starts over.
 """
 
+import json
 import os
 import signal
 
@@ -50,6 +51,7 @@ def test_a_whole_pipeline_stopped_and_restarted_resumes_where_it_stopped(tmp_pat
     s0, s1, trainer = _start_swarm(tmp_path, nodes, args)
     info = trainer.wait(lambda i: any("val_loss" in r for r in i.get("rounds", [])), 180, "the held-out loss at resume")
     after = next(r["val_loss"] for r in info["rounds"] if "val_loss" in r)
+    (tmp_path / "val_loss.json").write_text(json.dumps({"before_stop": before, "after_restart": after}))  # for reports
     assert abs(after - before) <= 0.01 * before, ("held-out loss before the stop and after the restart", before, after)
     for node in (s0, s1):
         resumed = events(node, "resumed")
