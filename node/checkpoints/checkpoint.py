@@ -36,6 +36,16 @@ def save_atomic(state: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def remove_partial(directory: Path) -> list[Path]:
+    """Remove the temporary files of writes that never finished (a process killed mid-write leaves one;
+    ``checkpoint.pt`` itself is whole). Call only while holding the folder's lock. Returns what went."""
+    gone = sorted(Path(directory).glob(f"{CHECKPOINT_NAME}.*.tmp"))
+    for path in gone:
+        logger.warning("removing %s: a checkpoint write that never finished (the checkpoint itself is whole)", path)
+        _unlink_quietly(str(path))
+    return gone
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)

@@ -29,6 +29,9 @@ def evaluate_checkpoint(path: Path, data: Path | None, weights: str, max_batches
     state = load(path)
     if weights not in ("theta", "phi"):
         raise ValueError(f"--weights must be theta or phi, got {weights!r}")
+    if state.get("role") in ("stage", "trainer"):
+        raise ValueError(f"{path} is a pipeline {state['role']}'s checkpoint (--stages > 1) and holds "
+                         f"{'one stage' if state['role'] == 'stage' else 'no weights'} of the model; evaluate a whole-model one")
     for key in ("model_config", weights, "round"):
         if key not in state:
             raise ValueError(f"{path} lacks {key!r}: not a locomesh checkpoint")

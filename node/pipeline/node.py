@@ -22,17 +22,24 @@ fewer than the thinnest stage's replicas, else the stage with the least total th
 :class:`PipelineNode` picks the role, moves between stages (rebalancing, recovery), waits as a spare
 and announces itself; the lifecycle is ``node.runtime.base``'s. Serving a stage is
 ``node.pipeline.stage_server``, the trainer role ``node.pipeline.trainer``, rebuilding a lost stage
-``node.pipeline.recovery``.
+``node.pipeline.recovery``, what a checkpoint holds and whose it is ``node.pipeline.checkpoint``.
+
+With ``--checkpoint-dir`` a stage server writes its stage (weights, optimizer, outer state, round)
+after every round and at exit, a trainer its data position at every evaluation and at exit; a
+restarted node takes its checkpoint's role and stage again (``StageServer.become`` resumes it unless
+a live replica of the stage is ahead of it).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from gossip.rendezvous import list_peers, list_peers_with_expiry
 from node.config import NodeConfig
+from node.pipeline.checkpoint import asked, check_cut, check_role, held
 from node.pipeline.recovery import StageRecoverer
 from node.pipeline.stage_server import StageServer, stage_init_seed, stage_run
 from node.pipeline.trainer import PipelineTrainer
@@ -61,6 +68,7 @@ class PipelineNode(NodeBase):
         self.peers: dict[str, PeerRecord] = {}
         self._info_written = 0.0  # when --info-file was last rewritten (monotonic)
         self.trainer: PipelineTrainer | None = None
+        self.checkpoint: tuple[Path, dict[str, Any]] | None = None
 
     @property
     def algorithm(self) -> str:
@@ -77,12 +85,23 @@ class PipelineNode(NodeBase):
 
     # ---- lifecycle (node.runtime.base) ---------------------------------------------------------------
     def _prepare(self) -> None:
+        cfg = self.cfg
         self._prepare_local(describe=False)
+        self.checkpoint = self._own_checkpoint()  # another run's is refused here, before any networking
+        if self.checkpoint is not None:
+            check_role(cfg.checkpoint_dir, self.checkpoint[1], cfg)  # type: ignore[arg-type]
+            check_cut(cfg.checkpoint_dir, self.checkpoint[1], self.model_cfg, cfg.stages, cfg.checkfree_plus)  # type: ignore[arg-type]
 
     def _services(self, status: StatusService) -> list[Any]:
+        stage_checkpoint = self.checkpoint if self._held()["role"] == "stage" else None
         self.server = StageServer(cfg=self.cfg, net=self.net, device=self.device, model_cfg=self.model_cfg, metrics=self.metrics,
-                                  summary=self.summary, event=self.event)
+                                  summary=self.summary, event=self.event, resume=stage_checkpoint,
+                                  save=self._checkpoint if self.cfg.checkpoint_dir is not None else None)
         return [status, *self.server.services]
+
+    def _held(self) -> dict[str, Any]:
+        """What this node's own checkpoint holds (``node.pipeline.checkpoint.held``)."""
+        return held(self.checkpoint[1]) if self.checkpoint is not None else {"role": None, "stage": None}
 
     def _join(self) -> None:
         cfg, net, server = self.cfg, self.net, self.server
@@ -93,8 +112,12 @@ class PipelineNode(NodeBase):
             claim=lambda stage: net.call(claim_stage(net.dht, net.validator, cfg.run_id, stage, peer_id), timeout=30),
             refresh=lambda: net.call(list_peers(net.dht, cfg.run_id), timeout=30), metrics=self.metrics, event=self.event,
         )
-        target = None if cfg.role == "spare" else self._pick_role()
-        if cfg.role == "spare":
+        target = self._held()["stage"]  # a restarted server serves its checkpoint's stage again
+        if target is not None:
+            self.event("role_chosen", stage=target, peers=0, checkpoint=str(self.checkpoint[0]))  # type: ignore[index]
+        elif cfg.role != "spare":
+            target = self._pick_role()
+        if target is None and cfg.role == "spare":
             self._set_role("spare")
         elif target is None:
             self._set_role("trainer")
@@ -110,9 +133,11 @@ class PipelineNode(NodeBase):
         if self.role == "spare":
             self._wait_as_spare()
         if self.stage is None and self.role == "trainer":
+            resume = self.checkpoint if self._held()["role"] == "trainer" else None
             self.trainer = PipelineTrainer(cfg=self.cfg, workload=self.workload, net=self.net, metrics=self.metrics,
                                            summary=self.summary, event=self.event, stop=self.stop, done=self._deadline_reached,
-                                           announce=self._heartbeat, write_info=self._write_info)
+                                           announce=self._heartbeat, write_info=self._write_info, resume=resume,
+                                           save=self._checkpoint if self.cfg.checkpoint_dir is not None else None)
             self.trainer.run()
         elif self.stage is not None:
             self._serve()
@@ -120,6 +145,27 @@ class PipelineNode(NodeBase):
     def _final_evaluation(self) -> None:
         if self.stage is None and self.trainer is not None:
             self.trainer.evaluate(final=True)
+        self._checkpoint()
+
+    # ---- checkpoints -----------------------------------------------------------------------------------
+    def _checkpoint(self) -> None:
+        """Write the checkpoint when this node holds something to resume: a stage, or a trainer's data
+        position (a spare, or a server waiting as one, keeps the checkpoint it has)."""
+        serving = self.stage is not None and self.server.worker is not None
+        if self.cfg.checkpoint_dir is not None and (serving or (self.stage is None and self.trainer is not None)):
+            self._save_checkpoint()
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        if self.stage is not None:
+            state = self.server.checkpoint_state()
+        elif self.trainer is not None:
+            state = self.trainer.checkpoint_state()
+        else:
+            return {}
+        return {**state, "asked": asked(self.cfg)} if state else {}
+
+    def _data_order(self) -> dict[str, Any] | None:
+        return self.trainer.data_order() if self.stage is None and self.trainer is not None else None
 
     # ---- roles ---------------------------------------------------------------------------------------
     def _set_role(self, role: str) -> None:
@@ -127,7 +173,7 @@ class PipelineNode(NodeBase):
 
     def _pick_role(self) -> int | None:
         cfg = self.cfg
-        if cfg.role == "trainer":
+        if cfg.role == "trainer" or self._held()["role"] == "trainer":
             return None
         if cfg.role == "stage" and cfg.stage is not None:
             return cfg.stage

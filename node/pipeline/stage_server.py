@@ -6,6 +6,8 @@ The rounds are the replicas' (``gossip.diloco``): error feedback (``--error-feed
 lossy codec, the outer lr warmed up over ``--outer-warmup-rounds`` counted from the stage's first
 round, bounded groups (``--max-group-size``), φ on ``--outer-device``, a round's result merged with
 ``--fragment-alpha``; MFU of the stage's compute is reported as a replica's (``--peak-tflops``).
+What of the stage goes into the node's checkpoint (``node.pipeline.checkpoint``) is written after every
+round and at exit, and resumed when the node is restarted unless a live replica is ahead of it.
 
 :class:`StageServer` serves whichever stage the pipeline node gives it (:meth:`StageServer.become`);
 which stage, when to move and when to rebuild a lost one is the node's choice (``node.pipeline.node``).
@@ -14,9 +16,11 @@ which stage, when to move and when to rebuild a lost one is the node's choice (`
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -31,6 +35,7 @@ from gossip.placement import OuterPlacement
 from gossip.rendezvous import list_peers
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from node.config import NodeConfig
+from node.pipeline.checkpoint import stage_cut
 from node.runtime.metrics import NodeMetrics
 from node.runtime.mfu import mfu, peak_flops, peak_memory_mb
 from node.runtime.network import NetworkThread
@@ -57,12 +62,17 @@ class StageServer:
 
     :param summary: the node's summary; the server counts its steps, loss, served microbatches and rounds there
     :param event: records one of the node's events
+    :param save: writes the node's checkpoint (after every round; None: no --checkpoint-dir)
+    :param resume: the node's own checkpoint of a stage, resumed when the node first serves that stage
     """
 
     def __init__(self, *, cfg: NodeConfig, net: NetworkThread, device: torch.device, model_cfg: ModelConfig,
-                 metrics: NodeMetrics, summary: Summary, event: Callable[..., None]) -> None:
+                 metrics: NodeMetrics, summary: Summary, event: Callable[..., None], save: Callable[[], None] | None = None,
+                 resume: tuple[Path, dict[str, Any]] | None = None) -> None:
         self.cfg, self.net, self.device, self.model_cfg = cfg, net, device, model_cfg
         self.metrics, self.summary, self.event = metrics, summary, event
+        self.save, self.resume = save, resume
+        self.stage_steps = 0  # optimizer steps the stage's weights hold since the run began (node.pipeline.checkpoint)
         self.stage: int | None = None
         self.worker: StageWorker | None = None
         self.round = 0
@@ -105,18 +115,25 @@ class StageServer:
         module = rebuilt if rebuilt is not None else self.new_stage(index)
         sub = stage_run(cfg.run_id, index)
         self.outer = self._new_outer()
-        self.round = 0
+        self.round, self.stage_steps = 0, 0
         self.schedule_step = 0
+        own = self._own_checkpoint(index, module) if rebuilt is None else None
+        if own is not None:
+            self._load_own(module, own[1]["stage"])
         source = None
         if rebuilt is None and (cfg.initial_peers or previous is not None):
-            source = self._download(module, sub, net.call(list_peers(net.dht, sub), timeout=30))
-            if source is None and self._run_has_trained():
+            peers = net.call(list_peers(net.dht, sub), timeout=30)
+            source = self._download(module, sub, peers, ahead_of=None if own is None else self.stage_steps)
+            if source is None and own is None and self._run_has_trained():
                 return False
         elif rebuilt is not None:
             self.schedule_step = self._stages_schedule_step()  # a rebuilt stage continues the pipeline's lr schedule
-        self.phi = self.placement.copy_of(list(module.parameters()))
+        if own is not None and source is None:
+            self.phi = self.placement.copy_of(own[1]["stage"]["phi"])
+        else:
+            self.phi = self.placement.copy_of(list(module.parameters()))
         self.round = max(self.round, int(time.time() // cfg.sync_every))  # first averaging at the next boundary
-        if source is None:  # the stage starts here: its outer lr warms up from its first round
+        if source is None and own is None:  # the stage starts here: its outer lr warms up from its first round
             self.outer.first_round = self.round + 1
         parts = self.averager.partition.shapes([p.shape for p in self.phi])
         decay = cfg.feedback_decay()
@@ -128,16 +145,63 @@ class StageServer:
         self.service.reset_throughput()
         self.worker = StageWorker(module, self.device, cfg.lr * lr_scale, cfg.weight_decay, slowdown=cfg.slowdown, schedule=cfg.schedule(),
                                   inner_optimizer=cfg.inner_optimizer, steps=self.schedule_step)
+        if own is not None:  # the inner optimizer is this node's own, whoever's weights it serves
+            self.worker.optimizer.load_state_dict(own[1]["stage"]["inner_optimizer"])
+            self.worker.steps = max(self.schedule_step, int(own[1]["stage"]["worker_steps"]))
         self.flops_per_token = stage_flops_per_token(module)
-        self.counted = self.schedule_step
+        self.counted = self.worker.steps
         self.summary.stage = index
         self.stage_since = time.time()
         self.metrics.stage.set(index)
         self.publish_state()
+        if own is not None:
+            self.event("resumed", checkpoint=str(own[0]), stage=index, round=self.round, stage_steps=self.stage_steps,
+                       weights="checkpoint" if source is None else f"replica {source} (ahead of the checkpoint)")
+            self.summary.resumed_from = {"checkpoint": str(own[0]), "round": self.round}
         if rebuilt is None:
             self.event("stage_joined" if previous is None else "stage_moved", stage=index, previous=previous, source=source, round=self.round,
                        schedule_step=self.schedule_step)
         return True
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def _own_checkpoint(self, index: int, module: Stage) -> tuple[Path, dict[str, Any]] | None:
+        """The node's checkpoint of stage ``index`` (taken once: a later move never goes back to it)."""
+        own, self.resume = self.resume, None
+        if own is None:
+            return None
+        saved = own[1]["stage"]
+        if int(saved["index"]) != index:
+            logger.info("not resuming %s: it holds stage %s, this node now serves stage %d", own[0], saved["index"], index)
+            return None
+        if [tuple(t.shape) for t in saved["theta"]] != [tuple(p.shape) for p in module.parameters()]:
+            logger.warning("checkpoint %s holds tensors of other shapes than stage %d; ignoring it", own[0], index)
+            return None
+        return own
+
+    def _load_own(self, module: Stage, saved: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for p, t in zip(module.parameters(), saved["theta"]):
+                p.copy_(t)
+        self.outer.load_state_tensors(saved["outer_momentum"])
+        self.outer.first_round = int(saved.get("first_round", 0))
+        self.round, self.stage_steps = int(saved["round"]), int(saved["stage_steps"])
+
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """The stage's entries of the node's checkpoint (None: no stage served). Call between rounds:
+        φ and the outer momentum change only when a round is applied, on this thread."""
+        worker, stage = self.worker, self.stage
+        if worker is None or stage is None:
+            return None
+        with worker.lock:  # a request's step must not change θ or the optimizer's moments while they are copied
+            theta = [p.detach().to("cpu", torch.float32).clone() for p in worker.parameters()]
+            optimizer = copy.deepcopy(worker.optimizer.state_dict())
+            steps = worker.steps
+        cut = stage_cut(self.model_cfg, stage, self.cfg.stages, self.cfg.checkfree_plus)
+        return {"role": "stage", "stage": {
+            **cut, "params": [[name, list(p.shape)] for name, p in worker.stage.named_parameters()],
+            "phi": [t.clone() for t in self.phi], "theta": theta, "outer_momentum": self.outer.state_tensors(self.phi),
+            "inner_optimizer": optimizer, "worker_steps": steps, "round": self.round, "first_round": self.outer.first_round,
+            "stage_steps": self.stage_steps + steps - self.counted, "outer_rounds": self.summary.outer_rounds}}
 
     def leave(self) -> None:
         """Serve nothing (a stage whose rebuild failed: the node waits as a spare)."""
@@ -170,10 +234,11 @@ class StageServer:
         return module, peers.get(source)
 
     def _download(self, module: Stage, sub: str, peers: dict[str, PeerRecord], adopt: bool = True,
-                  serving: StageWorker | None = None) -> str | None:
+                  serving: StageWorker | None = None, ahead_of: int | None = None) -> str | None:
         """Load a live replica's weights (and, with ``adopt``, outer momentum and round) into ``module``;
         returns its peer id. ``serving``: the worker computing on ``module`` meanwhile, whose lock the
-        copy takes (a request's backward pass must not see its weights change under it)."""
+        copy takes (a request's backward pass must not see its weights change under it). ``ahead_of``:
+        take only a state that holds more than this many stage steps (a resumed checkpoint's)."""
         net = self.net
         shapes = [(tuple(p.shape), torch.float32) for p in module.parameters()]
         for rec in sorted(peers.values(), key=lambda r: (-r.round, r.peer_id)):
@@ -183,6 +248,11 @@ class StageServer:
                 got = net.call(download_state(net.transport, rec.peer_id, sub, {"params": shapes, "outer_momentum": shapes}), timeout=120)
             except Exception as e:
                 logger.warning("could not download %s from %s: %s", sub, rec.peer_id, e)
+                continue
+            theirs = got.snapshot.meta.get("stage_steps", 0)
+            if ahead_of is not None and not (isinstance(theirs, int) and theirs > ahead_of):
+                logger.info("replica %s of %s holds %s stage steps, this node's checkpoint %d: keeping the checkpoint",
+                            rec.peer_id, sub, theirs, ahead_of)
                 continue
             if serving is not None:
                 serving.load_weights(got.snapshot.tensors["params"])
@@ -195,6 +265,8 @@ class StageServer:
                 self.outer.first_round = int(got.snapshot.meta.get("first_round", 0))  # the replicas' warm-up, not a new one
                 self.round = got.snapshot.round
                 self.schedule_step = schedule_position(got.snapshot.meta, 0, self.schedule_step)
+                if isinstance(theirs, int):
+                    self.stage_steps = max(self.stage_steps, theirs)
             self.metrics.state_downloads.labels("ok").inc()
             return rec.peer_id
         return None
@@ -207,7 +279,7 @@ class StageServer:
             fingerprint=fingerprint(self.phi),
             meta={"model": self.cfg.model, "stage": self.stage, "stages": self.cfg.stages, "first_round": self.outer.first_round,
                   "model_config": self.model_cfg.to_dict(), "checkfree_plus": self.cfg.checkfree_plus,
-                  "tokenizer": identity(self.cfg)["tokenizer"],
+                  "tokenizer": identity(self.cfg)["tokenizer"], "stage_steps": self.stage_steps,
                   SCHEDULE_STEP: self.worker.steps if self.worker is not None else self.schedule_step},
         ))
 
@@ -220,6 +292,7 @@ class StageServer:
         new_steps = worker.steps - self.counted
         if new_steps:
             self.counted = worker.steps
+            self.stage_steps += new_steps
             loss = worker.last_loss if worker.stage.last and not math.isnan(worker.last_loss) else None
             count_steps(self.summary, self.metrics, new_steps, loss=loss)
             if loss is not None:
@@ -286,4 +359,6 @@ class StageServer:
         record["fingerprint"] = fingerprint(self.phi)
         self.summary.rounds.append(record)
         m.outer_round.set(self.round)
+        if self.save is not None:
+            self.save()
         write_info(self.cfg.info_file, self.summary)

@@ -3,7 +3,9 @@ pipelines of stage servers (``swarm.router``, ``swarm.microbatch``), keeping ``-
 flight, retrying a failed microbatch on other replicas, and evaluating on held-out text.
 
 :class:`PipelineTrainer` is handed the network, the run's settings and the node's summary and
-metrics; the pipeline node feeds its router from the DHT records it reads each heartbeat.
+metrics; the pipeline node feeds its router from the DHT records it reads each heartbeat. A trainer
+holds no weights: its checkpoint (``node.pipeline.checkpoint``) is its data position and step count,
+and a resumed one evaluates before its first step, so a restarted swarm shows where it resumed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import math
 import threading
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from node.runtime.base import RECORD_TTL_S
@@ -33,11 +36,14 @@ class PipelineTrainer:
 
     :param announce: publishes the node's DHT record and refreshes the router (the node's heartbeat)
     :param write_info: rewrites the node's ``--info-file``
+    :param resume: the node's own trainer checkpoint (data position, steps), if any
+    :param save: writes the node's checkpoint (after every evaluation; None: no --checkpoint-dir)
     """
 
     def __init__(self, *, cfg: NodeConfig, workload: Workload, net: NetworkThread, metrics: NodeMetrics, summary: Summary,
                  event: Callable[..., None], stop: threading.Event, done: Callable[[], bool],
-                 announce: Callable[[], Awaitable[None]], write_info: Callable[[], None]) -> None:
+                 announce: Callable[[], Awaitable[None]], write_info: Callable[[], None],
+                 resume: tuple[Path, dict[str, Any]] | None = None, save: Callable[[], None] | None = None) -> None:
         self.cfg, self.workload, self.net, self.metrics, self.summary = cfg, workload, net, metrics, summary
         self.model_cfg: ModelConfig = workload.model_cfg
         self.event, self.stop, self.done, self.announce, self.write_info = event, stop, done, announce, write_info
@@ -48,14 +54,21 @@ class PipelineTrainer:
         self.client: PipelineClient | None = None
         self.val: list = []
         self.waiting: dict[str, Any] | None = None  # the wait for an unserved stage in progress
+        self.resume, self.save = resume, save
+        self.steps_before = 0  # pipeline steps of this trainer before its restart (from its checkpoint)
+        self.batches: Any = None
 
     def run(self) -> None:
         cfg = self.cfg
         self.val = self.workload.val
-        batches = self.workload.train_batches(cfg.batch_size, cfg.seed)
+        batches = self.batches = self.workload.train_batches(cfg.batch_size, cfg.seed)
         client = self.client = PipelineClient(self.net.transport, cfg.run_id, cfg.stages, self.router, cfg.activation_compression,
                                               timeout=cfg.averaging_timeout, plus=cfg.checkfree_plus)
+        self._resume_data()
         self._wait_for_stages()
+        if self.resume is not None:
+            self.evaluate()  # where the restarted swarm stands, before this trainer moves it
+            logger.info("held-out loss at resume: %.4f", self.summary.val_loss)
         self.window, self.window_tokens = time.monotonic(), 0
         # --microbatches pipelines in flight, so every stage has work while others compute
         workers = [self.net.submit(self._microbatch_loop(client, batches)) for _ in range(cfg.microbatches)]
@@ -69,9 +82,40 @@ class PipelineTrainer:
                 if cfg.eval_every and self.summary.steps >= next_eval:
                     next_eval = self.summary.steps + cfg.eval_every * 10
                     self.evaluate()
+                    if self.save is not None:
+                        self.save()
         finally:
             for w in workers:
                 w.cancel()
+
+    # ---- checkpoint ---------------------------------------------------------------------------------
+    def _resume_data(self) -> None:
+        """Continue the data where the checkpoint left it (a position of other data is reported and ignored)."""
+        if self.resume is None:
+            return
+        path, state = self.resume
+        self.steps_before = int(state.get("trainer", {}).get("steps_total", 0))
+        try:
+            if "data_order" in state:
+                self.batches.load_state_dict(state["data_order"])
+        except ValueError as e:
+            logger.warning("not resuming the data position of %s: %s; starting the data from its beginning", path, e)
+        self.summary.resumed_from = {"checkpoint": str(path), "steps_total": self.steps_before}
+        self.event("resumed", checkpoint=str(path), steps_total=self.steps_before)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The trainer's entries of the node's checkpoint."""
+        return {"role": "trainer", "trainer": {"steps_total": self.steps_before + self.summary.steps}}
+
+    def data_order(self) -> dict[str, Any] | None:
+        """The data position, read on the network thread where the microbatch loops draw batches."""
+        if self.batches is None:
+            return None
+
+        async def read() -> dict[str, Any]:
+            return self.batches.state_dict()
+
+        return self.net.call(read(), timeout=30)
 
     async def _microbatch_loop(self, client: PipelineClient, batches: Any) -> None:
         """One pipeline in flight: a microbatch goes through every stage; a failed one is retried the

@@ -11,7 +11,7 @@ node fills in hooks:
 - ``_join()``: join the run (may raise :class:`JoinRefused`); the heartbeat starts after it;
 - ``_work()``: train or serve until stopped or out of time;
 - ``_record_fields()``, ``_status_fields()``, ``_checkpoint_state()``: its own fields of the DHT
-  record, the status answer and the checkpoint;
+  record, the status answer and the checkpoint (``_data_order()``: its training data's position);
 - optionally ``_wait_for_peers()``, ``_observe_peers()``, ``_record_runs()``, ``_wind_down()``,
   ``_final_evaluation()``.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
-from node.checkpoints.checkpoint import CHECKPOINT_NAME, save_atomic
+from node.checkpoints.checkpoint import CHECKPOINT_NAME, remove_partial, save_atomic
 from node.config import NodeConfig, read_swarm_key
 from node.errors import JoinRefused, NotStarted, UserError
 from node.runtime.barrier import wait_for_peers
@@ -196,6 +196,10 @@ class NodeBase:
         """This kind's entries of the checkpoint (weights, optimizer state, step count)."""
         raise NotImplementedError
 
+    def _data_order(self) -> dict[str, Any] | None:
+        """The position of this node's training data (None: it draws none)."""
+        return self.batches.state_dict()
+
     def _join_hint(self) -> tuple[str, str]:
         """What the join hint says this node is up as, and the flags a joiner needs besides the run id."""
         return "", ""
@@ -279,7 +283,10 @@ class NodeBase:
         """This node's checkpoint in --checkpoint-dir, if any; raises ResumeRefused when it was written
         with other settings (before any networking, so another run's checkpoint is refused at once)."""
         cfg = self.cfg
-        return check_resumable(cfg.checkpoint_dir, run_settings(cfg), cfg.fresh) if cfg.checkpoint_dir else None
+        if not cfg.checkpoint_dir:
+            return None
+        remove_partial(Path(cfg.checkpoint_dir))  # the folder is this node's (locked): a killed write's leftovers go
+        return check_resumable(cfg.checkpoint_dir, run_settings(cfg), cfg.fresh)
 
     def _resumed(self, path: Path, state: dict[str, Any]) -> None:
         """What resuming a checkpoint means for every kind: its round and data order, noted in the summary."""
@@ -292,8 +299,10 @@ class NodeBase:
     def _save_checkpoint(self) -> None:
         """Write the checkpoint atomically: settings, model config, round, the kind's state, data order."""
         state = {"format": 1, "config": json.loads(self.cfg.model_dump_json()), "settings": run_settings(self.cfg),
-                 "model_config": self.trainer.model.cfg.to_dict(), "round": self.round, **self._checkpoint_state(),
-                 "data_order": self.batches.state_dict()}
+                 "model_config": self.model_cfg.to_dict(), "round": self.round, **self._checkpoint_state()}
+        data_order = self._data_order()
+        if data_order is not None:
+            state["data_order"] = data_order
         if self.workload.tokenizer_json is not None:
             state["tokenizer"] = self.workload.tokenizer_json  # node eval and node export need nothing else
         self.summary.checkpoint = str(save_atomic(state, Path(self.cfg.checkpoint_dir) / CHECKPOINT_NAME))

@@ -72,6 +72,9 @@ def load_init_weights(path: Path, model: Any) -> tuple[list[Any], Path]:
         state = load(file)
     except ValueError as e:
         raise UserError(f"--init-from {path}: {e}") from None
+    if state.get("role") in ("stage", "trainer"):
+        raise UserError(f"--init-from {path}: {file} is a pipeline {state['role']}'s checkpoint (--stages > 1) and holds "
+                        f"{'one stage' if state['role'] == 'stage' else 'no weights'} of the model; {hint}")
     weights = state.get("phi", state.get("theta"))
     if not isinstance(weights, list) or not isinstance(state.get("model_config"), dict):
         raise UserError(f"--init-from {path}: {file} holds no model weights; {hint}")

@@ -27,8 +27,7 @@ CLI = "node/cli/app.py"
 CONFIG = "node/config/node_config.py"
 
 # setting → (a value other than the default, how a pipeline honours it):
-#   ("refused", text the one-line error holds) | ("applied", [(file, expression using it), ...]) |
-#   ("pending", why) — accepted while another branch makes it work (listed in the README as such)
+#   ("refused", text the one-line error holds) | ("applied", [(file, expression using it), ...])
 FLAGS: dict[str, tuple[Any, tuple]] = {
     # swarm and networking: the lifecycle every kind of node shares
     "run_id": ("other-run", ("applied", [(SERVER, "stage_run(cfg.run_id"), (TRAINER, "cfg.run_id")])),
@@ -108,8 +107,8 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "recovery_lr_scale": (2.0, ("applied", [(NODE, "lr_scale=self.cfg.recovery_lr_scale")])),
     # operations
     "metrics_port": (9999, ("applied", [(BASE, "self.metrics.serve(cfg.metrics_port)")])),
-    "checkpoint_dir": (Path("ck"), ("pending", "stage-server checkpoints (branch pipeckpt)")),
-    "fresh": (True, ("pending", "stage-server checkpoints (branch pipeckpt)")),
+    "checkpoint_dir": (Path("ck"), ("applied", [(NODE, "check_role(cfg.checkpoint_dir"), (NODE, "save=self._checkpoint if self.cfg.checkpoint_dir")])),
+    "fresh": (True, ("applied", [(BASE, "cfg.fresh")])),
     "max_steps": (10, ("applied", [(BASE, "cfg.max_steps")])),
     "duration": (10.0, ("applied", [(BASE, "cfg.duration")])),
     "eval_batches": (2, ("applied", [(WORKLOAD, "cfg.eval_batches")])),
@@ -130,8 +129,6 @@ def test_every_setting_is_classified_for_pipelines() -> None:
 @pytest.mark.parametrize("name", sorted(FLAGS))
 def test_a_pipeline_refuses_or_applies_every_setting(name: str) -> None:
     value, (kind, detail) = FLAGS[name]
-    if kind == "pending":
-        return
     field = NodeConfig.model_fields[name]
     default = field.get_default(call_default_factory=True)
     if value is not None:
