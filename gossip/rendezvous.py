@@ -1,7 +1,8 @@
 """Round rendezvous through the DHT: who is in the run, and who joins outer round r.
 
 Every member keeps a signed PeerRecord under ``peers_key(run)`` (subkey = its peer id + public key,
-so nobody else can overwrite it). For outer round r each member stores a RoundEntry under
+the key its libp2p identity is, so nobody else can write it: see protocol.peer_identity; a reader
+takes the peer id from the verified owner key, never from a record's text). For outer round r each member stores a RoundEntry under
 ``round_key(run, r)`` and polls until every live member that announced round r has registered, or
 the gather deadline passes; late or dead members are left out of that round.
 """
@@ -23,22 +24,33 @@ from hivemind.dht.traverse import traverse_dht
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 from protocol.errors import SchemaError
-from protocol.records import PeerRecord, RoundEntry, peers_key, round_key
+from protocol.peer_identity import CLOCK_SKEW_S, MAX_RECORD_TTL_S, MAX_SUBKEYS, OwnedRecordValidator, owner_of
+from protocol.records import PEER_RECORD_TTL_S, PeerRecord, RoundEntry, peers_key, round_key
 
 logger = logging.getLogger(__name__)
 
 
 def owned_subkey(peer_id: str, validator: RSASignatureValidator) -> bytes:
-    """A subkey only the holder of ``validator``'s private key can write."""
+    """A subkey only the holder of ``validator``'s private key can write (readers accept it only when
+    ``peer_id`` is the peer id of that key: the node's libp2p identity)."""
     return peer_id.encode() + validator.local_public_key
 
 
-def _peer_of_subkey(subkey: object) -> str | None:
-    if isinstance(subkey, bytes):
-        return subkey.split(b"[owner:", 1)[0].decode(errors="replace")
-    return None
+_reader: OwnedRecordValidator | None = None
+
+
+def _checker(dht: DHTNode) -> OwnedRecordValidator:
+    """The DHT's own validator when it is locomesh's, else one that only checks (a tool's plain DHT)."""
+    global _reader
+    validator = dht.protocol.record_validator
+    if isinstance(validator, OwnedRecordValidator):
+        return validator
+    if _reader is None:
+        _reader = OwnedRecordValidator(RSAPrivateKey.process_wide())
+    return _reader
 
 
 FULL_READ_PEERS = 8  # up to this many routing-table peers, a read asks them all; beyond, the key's nearest nodes
@@ -66,8 +78,11 @@ async def _nearest_copies(dht: DHTNode, key_id: DHTID, ask: Callable[..., Awaita
     return copies
 
 
-async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[str, tuple[object, float]]:
+async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0, max_ttl: float = MAX_RECORD_TTL_S) -> dict[str, tuple[object, float]]:
     """{peer id: (value, expiration time)} of a key's owned subkeys, freshest copy of each subkey.
+
+    Only subkeys signed by the key their peer id derives from are read, none expiring more than
+    ``max_ttl`` (+ clock skew) from now, and at most ``MAX_SUBKEYS`` of them (the local copy's first).
 
     hivemind's ``get(latest=True)`` returns the one stored dictionary whose newest subkey is newest,
     so with several writers refreshing their own subkeys it can hide another writer's fresh subkey
@@ -96,7 +111,7 @@ async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[str
 
     if len(peers) > FULL_READ_PEERS:
         dictionaries.extend(await _nearest_copies(dht, key_id, ask))
-        return _merge(dht, key_id, dictionaries)
+        return _merge(dht, key_id, dictionaries, max_ttl)
     collect(await asyncio.gather(*(ask(p) for p in peers)))
     # owners of subkeys we learned about but did not ask yet (e.g. a client that knows one peer)
     asked = {str(p) for p in peers} | {str(dht.peer_id)}
@@ -104,19 +119,19 @@ async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[str
     for dictionary in dictionaries:
         if isinstance(dictionary, DictionaryDHTValue):
             with dictionary.freeze():
-                owners |= {o for o in (_peer_of_subkey(sk) for sk, _ in dictionary.items()) if o and o not in asked}
+                owners |= {o for o in (owner_of(sk) for sk, _ in dictionary.items()) if o and o not in asked}
     extra = []
     for owner in owners:
         try:
             extra.append(PeerID.from_base58(owner))
         except Exception:
             continue
-    collect(await asyncio.gather(*(ask(p) for p in extra)))
-    return _merge(dht, key_id, dictionaries)
+    collect(await asyncio.gather(*(ask(p) for p in extra[:MAX_SUBKEYS])))
+    return _merge(dht, key_id, dictionaries, max_ttl)
 
 
-def _merge(dht: DHTNode, key_id: DHTID, dictionaries: list) -> dict[str, tuple[object, float]]:
-    """The freshest valid copy of every owned subkey across ``dictionaries``, by owner."""
+def _merge(dht: DHTNode, key_id: DHTID, dictionaries: list, max_ttl: float = MAX_RECORD_TTL_S) -> dict[str, tuple[object, float]]:
+    """The freshest valid copy of every owned subkey across ``dictionaries`` (the local copy first), by owner."""
     freshest: dict[object, tuple[bytes, float]] = {}
     for dictionary in dictionaries:
         if not isinstance(dictionary, DictionaryDHTValue):
@@ -125,19 +140,21 @@ def _merge(dht: DHTNode, key_id: DHTID, dictionaries: list) -> dict[str, tuple[o
             for subkey, item in dictionary.items():
                 if subkey not in freshest or item.expiration_time > freshest[subkey][1]:
                     freshest[subkey] = (item.value, item.expiration_time)
-    validator = dht.protocol.record_validator
+    validator = _checker(dht)
+    limit = get_dht_time() + max_ttl + CLOCK_SKEW_S
     out: dict[str, tuple[object, float]] = {}
     for subkey, (raw, expiration) in freshest.items():
-        peer = _peer_of_subkey(subkey)
-        if peer is None:
+        if len(out) >= MAX_SUBKEYS:
+            logger.warning("key holds more than %d valid subkeys; reading the first %d only", MAX_SUBKEYS, MAX_SUBKEYS)
+            break
+        peer = owner_of(subkey)
+        if peer is None or expiration > limit:
             continue
         record = DHTRecord(key_id.to_bytes(), dht.protocol.serializer.dumps(subkey), raw, expiration)
-        if validator is not None:
-            if not validator.validate(record):
-                continue
-            raw = validator.strip_value(record)
+        if validator.refusal(record, stored=False) is not None:
+            continue
         try:
-            out[peer] = (dht.protocol.serializer.loads(raw), expiration)
+            out[peer] = (dht.protocol.serializer.loads(validator.strip_value(record)), expiration)
         except Exception:
             continue
     return out
@@ -204,7 +221,7 @@ def watch_records(dht: DHTNode, callback: Callable[[dict[str, PeerRecord]], None
 async def list_peers_with_expiry(dht: DHTNode, run_id: str) -> dict[str, tuple[PeerRecord, float]]:
     """Like :func:`list_peers`, with each record's DHT expiration time."""
     peers: dict[str, tuple[PeerRecord, float]] = {}
-    for peer, (value, expiration) in (await read_subkeys(dht, peers_key(run_id))).items():
+    for peer, (value, expiration) in (await read_subkeys(dht, peers_key(run_id), max_ttl=PEER_RECORD_TTL_S)).items():
         try:
             record = PeerRecord.from_value(value)
         except SchemaError as e:
@@ -262,7 +279,7 @@ async def gather_group(
 
     Returns once every peer in ``expected()`` has registered (complete), or after ``timeout`` seconds.
     """
-    await register_round(dht, validator, run_id, round_no, entry, max(60.0, 4 * timeout), group)
+    await register_round(dht, validator, run_id, round_no, entry, min(max(60.0, 4 * timeout), MAX_RECORD_TTL_S), group)
     deadline = time.monotonic() + timeout
     entries: dict[str, RoundEntry] = {entry.peer_id: entry}
     while True:

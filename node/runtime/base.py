@@ -43,11 +43,11 @@ from node.runtime.resume import ResumeRefused, check_resumable
 from node.runtime.settings import run_settings
 from node.runtime.status_service import StatusService
 from node.runtime.summary import Summary, count_steps, count_traffic, write_info
-from protocol.records import PeerRecord
+from protocol.records import PEER_RECORD_TTL_S, PeerRecord
 
 logger = logging.getLogger("locomesh.node")
 HEARTBEAT_S = 2.0
-RECORD_TTL_S = 8.0
+RECORD_TTL_S = PEER_RECORD_TTL_S
 
 
 class NodeBase:
