@@ -38,6 +38,7 @@ from gossip.deadline import AdaptiveDeadline
 from gossip.fingerprint import fingerprint
 from gossip.rendezvous import gather_group, round_members
 from gossip.state_transfer import StateServer, StateSnapshot
+from gossip.votes import Tenure
 from gossip.zo import apply_codes, encode_grad, expand, majority, pack_codes, spsa_estimate, step_seed
 from gossip.zo_exchange import CodeExchange, CodeSet, LogEntry, Position, members_digest
 from node.config import NodeConfig
@@ -91,6 +92,7 @@ class ZONode(NodeBase):
             self.trainer.load_weights(work.init_weights)
             self.event("init_from", checkpoint=work.init_source)
         self.fp = fingerprint(self.params)
+        self.tenure = Tenure()  # whose fingerprint votes count (gossip.votes)
         self._set_position()
 
     def _services(self, status: StatusService) -> list[Any]:
@@ -205,7 +207,8 @@ class ZONode(NodeBase):
         self.last_group = [e.peer_id for e in group if e.peer_id != me]
         got = net.run(self.exchange.gather(self.last_group, r, cfg.averaging_timeout), self.stop)
         sets = {me: own, **got.sets}
-        agreed, holder = majority({p: s.fingerprint for p, s in sets.items()})
+        agreed, holder = majority({p: s.fingerprint for p, s in sets.items()}, r, me, self.tenure)
+        self.tenure.observe(sets, r)
         chosen = tuple(sets[p] for p in sorted(sets) if sets[p].fingerprint == agreed)
         failures = {**got.failures, **{p: "out_of_sync" for p, s in sets.items() if s.fingerprint != agreed}}
         record: dict[str, Any] = {
