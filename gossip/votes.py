@@ -3,8 +3,10 @@
 A peer id costs nothing (a new key), so counting ids lets k fake peers outvote n < k honest ones and
 make them resync from a fake state. Here a peer's vote counts only once this node has seen it take
 part in ``ESTABLISHED_ROUNDS`` of its own rounds (:class:`Tenure`: what this node observed, nothing a
-peer claims), and the node's own vote always counts. A node that knows no established peer yet (the
-run's first rounds, or just joined with a verified download) thus keeps its own φ.
+peer claims), and the node's own vote always counts. A node that knows no established voter yet (the
+run's first rounds, or its own first rounds after joining) counts every member, as a new member must
+be able to find it drifted: that window is what remains open to fake peers (README "Security"); the
+state it then resyncs to is still checked against the majority's content digests.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def _tie_rank(round_no: int, fingerprint: str) -> bytes:
 def vote(fingerprints: dict[str, str], round_no: int, me: str, tenure: Tenure | None = None) -> tuple[str, str]:
     """(fingerprint, a peer holding it) agreed in round ``round_no`` among ``{peer: fingerprint}``.
 
-    Only ``me`` and peers ``tenure`` counts as established vote (every peer when ``tenure`` is None).
+    Only ``me`` and peers ``tenure`` counts as established vote (every peer when ``tenure`` is None,
+    or when none of those voting is established).
     A tie goes to the fingerprint whose hash with the round number is smallest. Why not the smallest
     peer id, as before: ids are free to grind, so an attacker could always win ties. The hash is the
     same at every member (so tied honest members converge on one φ, as they did), and to win it an
@@ -54,6 +57,8 @@ def vote(fingerprints: dict[str, str], round_no: int, me: str, tenure: Tenure | 
     in most rounds (the state it serves is checked against the majority's digests anyway).
     """
     voters = {p: fp for p, fp in fingerprints.items() if p == me or tenure is None or tenure.established(p)}
+    if len(voters) == 1 and me in voters:  # no established peer voted: everyone counts (see the module doc)
+        voters = dict(fingerprints)
     counts: dict[str, int] = {}
     for fp in voters.values():
         counts[fp] = counts.get(fp, 0) + 1

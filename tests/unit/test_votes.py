@@ -28,8 +28,12 @@ def test_a_peer_becomes_established_after_taking_part_in_enough_rounds():
     assert tenure.established("p")
 
 
-def test_a_node_that_knows_no_established_peer_keeps_its_own_fingerprint():
-    assert vote({"me": "mine", "a": "theirs", "b": "theirs"}, 1, "me", Tenure()) == ("mine", "me")
+def test_a_node_that_knows_no_established_voter_counts_everyone():
+    # its first rounds: it must still find out it drifted from the members it just met
+    assert vote({"me": "mine", "a": "theirs", "b": "theirs"}, 1, "me", Tenure())[0] == "theirs"
+    # one established voter suffices to shut the fresh ones out
+    tenure = _tenure({"a": 3})
+    assert vote({"me": "mine", "a": "mine", "s1": "evil", "s2": "evil", "s3": "evil"}, 3, "me", tenure)[0] == "mine"
 
 
 def test_a_tie_does_not_depend_on_peer_ids_and_is_the_same_at_every_member():
