@@ -176,6 +176,21 @@ def rejoin_target(my_round: int, other_rounds: list[int]) -> int | None:
     return None
 
 
+FAR_AHEAD = 2  # a round more than this ahead of a node's own is a claim to check (see plausible_rounds)
+
+
+def plausible_rounds(my_round: int, rounds: dict[str, int], established: Callable[[str], bool]) -> dict[str, int]:
+    """``{peer: round}`` less the claims a node should not follow: a round more than ``FAR_AHEAD``
+    ahead of ``my_round`` counts only when a strict majority of the trainers (this node included)
+    announce it, or when its peer is established (has taken part in this node's rounds). A record's
+    round is its writer's word: one fresh peer announcing round R+1000 must not make a node of a
+    two-node swarm jump there and download the announcer's state."""
+    total = len(rounds) + 1
+    counts = Counter(rounds.values())
+    return {p: r for p, r in rounds.items()
+            if r <= my_round + FAR_AHEAD or 2 * counts[r] > total or established(p)}
+
+
 async def reconnect_routing_table(dht: DHTNode, peer_ids: list, timeout: float = 3.0) -> int:
     """Ping connected peers missing from the DHT routing table; returns how many were (re)added.
 
