@@ -52,7 +52,7 @@ from gossip.outer import NesterovOuter, pseudo_gradient
 from gossip.partition import Partition
 from gossip.placement import to_host
 from gossip.reduce_scatter import assign_owners, is_dense, use_reduce_scatter
-from gossip.rendezvous import gather_group, round_members
+from gossip.rendezvous import Reachable, gather_group, round_members
 from gossip.votes import Tenure, vote
 from protocol.records import RoundEntry
 
@@ -138,6 +138,7 @@ class DiLoCoAverager(GroupAverager):
         self.member_role, self.keep_others = member_role, keep_others
         self.max_group_size, self.weight_codec = max_group_size, weight_codec
         self.tenure = Tenure()  # whose fingerprint votes count (gossip.votes)
+        self.reachable: Reachable | None = None  # set by the node: rendezvous wait only for members that answer
 
     async def expected_members(self, round_no: int) -> set[str]:
         return await round_members(self.dht, self.run_id, round_no, self.member_role)
@@ -150,6 +151,8 @@ class DiLoCoAverager(GroupAverager):
 
         async def expected() -> set[str]:
             live = first.pop() if first else await self.expected_members(round_no)
+            if self.reachable is not None:
+                live = self.reachable.filter(live - {self.peer_id}) | (live & {self.peer_id})
             if grouping is None:
                 return live
             return {p for p in live if group_of(self.run_id, round_no, p, grouping[1]) == grouping[0]}

@@ -278,6 +278,50 @@ async def register_round(
     return await dht.store(round_key(run_id, round_no, group), entry.to_value(), get_dht_time() + ttl, subkey=owned_subkey(entry.peer_id, validator))
 
 
+class Reachable:
+    """Which peers answer a probe (``probe(peer)``: a stream this node opens to them, e.g. a status
+    request). A record can be signed by a key no daemon runs (an invented member: keys are free), so
+    a rendezvous waits only for members that answered once; a new member is waited for while its
+    first probe runs (at most ``timeout`` seconds), one that failed is probed again after ``retry_s``."""
+
+    def __init__(self, probe: Callable[[str], Awaitable[object]], timeout: float = 5.0, retry_s: float = 30.0,
+                 max_tracked: int = 4096) -> None:
+        self.probe, self.timeout, self.retry_s, self.max_tracked = probe, timeout, retry_s, max_tracked
+        self.answered: dict[str, None] = {}  # ordered: the oldest are forgotten first
+        self.failed: dict[str, float] = {}
+        self.pending: dict[str, asyncio.Task] = {}
+
+    async def _try(self, peer: str) -> None:
+        try:
+            await asyncio.wait_for(self.probe(peer), self.timeout)
+        except Exception as e:
+            self.failed[peer] = time.monotonic()
+            logger.info("not waiting for %s at rendezvous for %.0fs: it did not answer a probe (%s)", peer, self.retry_s,
+                        type(e).__name__)
+        else:
+            self.answered[peer] = None
+            while len(self.answered) > self.max_tracked:
+                del self.answered[next(iter(self.answered))]
+        finally:
+            self.pending.pop(peer, None)
+
+    def filter(self, peers: set[str]) -> set[str]:
+        """``peers`` less those that failed their last probe (probing the ones not tried yet)."""
+        now = time.monotonic()
+        for peer, at in list(self.failed.items()):
+            if now - at > self.retry_s:
+                del self.failed[peer]
+        out = set()
+        for peer in peers:
+            if peer in self.answered:
+                out.add(peer)
+            elif peer not in self.failed:
+                if peer not in self.pending and len(self.pending) < 64:
+                    self.pending[peer] = asyncio.create_task(self._try(peer))
+                out.add(peer)
+        return out
+
+
 async def gather_group(
     dht: DHTNode,
     validator: RSASignatureValidator,

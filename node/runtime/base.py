@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
+from gossip.rendezvous import Reachable, list_peers, publish_peer, reconnect_routing_table
 from node import __version__
 from node.checkpoints.checkpoint import CHECKPOINT_NAME, save_atomic
 from node.config import NodeConfig, read_swarm_key
@@ -41,7 +41,7 @@ from node.runtime.network import Interrupted, NetworkThread
 from node.runtime.reachability import dialable_addresses
 from node.runtime.resume import ResumeRefused, check_resumable
 from node.runtime.settings import run_settings
-from node.runtime.status_service import StatusService
+from node.runtime.status_service import StatusService, fetch_status
 from node.runtime.summary import Summary, count_steps, count_traffic, write_info
 from protocol.records import PEER_RECORD_TTL_S, PeerRecord
 
@@ -212,6 +212,15 @@ class NodeBase:
         return self.last_loss
 
     # ---- announcements -------------------------------------------------------------------------
+    def reachable_members(self) -> Reachable:
+        """Filters the members a rendezvous waits for to those that answer a status request: a signed
+        record proves a key, not a running peer (gossip.rendezvous.Reachable)."""
+
+        async def probe(peer: str) -> None:
+            await fetch_status(self.net.transport, peer)
+
+        return Reachable(probe)
+
     async def _heartbeat(self) -> None:
         """Publish this node's DHT record; every PEER_READ_EVERY heartbeats, read the run's records too."""
         await self._refresh_addresses()
