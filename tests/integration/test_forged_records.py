@@ -1,0 +1,71 @@
+"""A forging peer against real daemons (tests/helpers/attacker.py): records "of" honest members, invented
+members and a round far ahead change nothing. Rounds keep their real members, nobody waits for the
+invented ones, nobody downloads from the forger, and the members' records stay their own."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from tests.helpers.swarm_utils import FAST_ARGS, NodeHandle, start_node
+
+ARGS = FAST_ARGS + ["--averaging-timeout", "15"]
+JUMPS = ("joined", "caught_up", "resynced")
+
+
+def _start_attacker(tmp_path, boot: str) -> tuple[NodeHandle, object]:
+    folder = tmp_path / "attacker"
+    folder.mkdir()
+    report = folder / "report.json"
+    log = open(folder / "log.txt", "w")
+    process = subprocess.Popen([sys.executable, "-m", "tests.helpers.attacker", "--initial-peers", boot, "--report", str(report)],
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return NodeHandle("attacker", folder, process, 0), report
+
+
+def _report(handle: NodeHandle, report, timeout: float = 60) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            found = json.loads(report.read_text())
+            if found["passes"] >= 2 and found["victims"]:
+                return found
+        except (OSError, ValueError, KeyError):
+            pass
+        assert handle.process.poll() is None, f"the attacker exited:\n{handle.log()[-3000:]}"
+        time.sleep(0.3)
+    raise AssertionError(f"the attacker stored nothing in {timeout}s:\n{handle.log()[-3000:]}")
+
+
+def test_forged_records_change_no_round(tmp_path, nodes):
+    a = start_node(tmp_path, "a", ARGS)
+    nodes.append(a)
+    boot = a.multiaddr()
+    b = start_node(tmp_path, "b", ARGS, [boot])
+    nodes.append(b)
+    for h in (a, b):
+        h.wait(lambda i: any(r["contributors"] == 2 for r in i.get("rounds", [])), 180, "a round of two")
+    attacker, report = _start_attacker(tmp_path, boot)
+    nodes.append(attacker)
+    found = _report(attacker, report)
+    started = time.time()
+    for h in (a, b):  # two whole rounds while the forged records stand
+        h.wait(lambda i: sum(r["t"] > started for r in i.get("rounds", [])) >= 2, 150, "2 rounds under attack")
+    attacker.process.send_signal(signal.SIGTERM)
+    attacker.process.wait(timeout=30)
+    found = json.loads(report.read_text())
+    assert found["passes"] >= 3, found
+    ids = {a.info()["peer_id"], b.info()["peer_id"]}
+    forged = set(found["invented"]) | {found["peer_id"]}
+    assert set(found["victims"]) == ids, found
+    for h in (a, b):
+        assert h.stop() == 0
+        info = h.info()
+        rounds = [r for r in info["rounds"] if r["t"] > started]
+        assert all(r["group"] == 2 and r["contributors"] == 2 and r["in_sync"] for r in rounds), rounds
+        waited = [line for line in h.log().splitlines() if "gave up waiting for" in line and any(f in line for f in forged)]
+        assert not waited, waited
+        jumps = [e for e in info["events"] if e["event"] in JUMPS and e["t"] > started]
+        assert not jumps, jumps
+        assert max(r["round"] for r in info["rounds"]) < found["round"] + 100, "the node followed a forged round"
