@@ -305,6 +305,14 @@ class Reachable:
         finally:
             self.pending.pop(peer, None)
 
+    async def check(self, peers: set[str]) -> set[str]:
+        """``peers`` that answered a probe, probing (and awaiting) those not tried yet."""
+        self.filter(peers)
+        waiting = [self.pending[p] for p in peers if p in self.pending]
+        if waiting:
+            await asyncio.wait(waiting)
+        return {p for p in peers if p in self.answered}
+
     def filter(self, peers: set[str]) -> set[str]:
         """``peers`` less those that failed their last probe (probing the ones not tried yet)."""
         now = time.monotonic()

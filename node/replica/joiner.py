@@ -52,11 +52,13 @@ class Joiner:
                  adopt: Callable[[DownloadedState], None], announce: Callable[[], Awaitable[None]], metrics: NodeMetrics,
                  event: Callable[..., None], stop: threading.Event, join_timeout: float,
                  held: Callable[[], dict[str, list[torch.Tensor]]] | None = None,
-                 established: Callable[[str], bool] = lambda peer: False) -> None:
+                 established: Callable[[str], bool] = lambda peer: False,
+                 answering: Callable[[set[str]], Awaitable[set[str]]] | None = None) -> None:
         self.net, self.run_id, self.peer_id, self.settings = net, run_id, peer_id, settings
         self.layout, self.adopt, self.announce, self.held = layout, adopt, announce, held
         self.metrics, self.event, self.stop, self.join_timeout = metrics, event, stop, join_timeout
         self.established = established  # whether this node saw a peer in enough of its rounds (gossip.votes)
+        self.answering = answering  # the peers among some that answer a probe (gossip.rendezvous.Reachable.check)
 
     def _trainers(self) -> list[Any]:
         peers = self.net.call(list_peers(self.net.dht, self.run_id), timeout=30)
@@ -211,6 +213,9 @@ class Joiner:
         except Exception as e:
             logger.info("could not list peers after the round: %s", e)
             return None
+        if self.answering is not None:  # a record signed by a key no daemon runs must not outvote the members
+            live = self.net.call(self.answering({rec.peer_id for rec in others}), timeout=60)
+            others = [rec for rec in others if rec.peer_id in live]
         rounds = plausible_rounds(current_round, {rec.peer_id: rec.round for rec in others}, self.established)
         if len(rounds) < len(others):
             logger.warning("not following %d peer(s) announcing rounds far ahead of this node's %d that neither a majority "

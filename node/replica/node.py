@@ -98,6 +98,7 @@ class Daemon(NodeBase):
                               feedback_decay=cfg.feedback_decay(), fragments=cfg.fragments, noloco=cfg.algorithm == "noloco")
         self.exchange = RoundExchange(net.transport, cfg.run_id, self.plan.wire(), self.plan.layout, serve_timeout=cfg.averaging_timeout * 2)
         self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.inner_step)
+        self.reachable = self.reachable_members()
         attacker = None
         if cfg.attack is not None:  # experiments only (node swarm --byzantine): never a default
             attacker = Attacker(parse_attacks(cfg.attack), seed=cfg.seed)
@@ -116,7 +117,7 @@ class Daemon(NodeBase):
                 keep_others=cfg.overlap and cfg.overlap_mode == "eager", max_group_size=cfg.max_group_size,
                 weight_codec=self.plan.phi_codec, max_samples=cfg.max_round_samples, attacker=attacker,
             )
-            self.averager.reachable = self.reachable_members()
+            self.averager.reachable = self.reachable
         self.rounds = RoundRunner(net=net, averager=self.averager, eager=cfg.overlap and cfg.overlap_mode == "eager",
                                   before_gather=self._heartbeat, stop=self.stop, final_timeout=2 * cfg.averaging_timeout + 30,
                                   placement=self.placement)
@@ -124,7 +125,7 @@ class Daemon(NodeBase):
                              adopt=self._adopt, announce=self._heartbeat, metrics=self.metrics, event=self.event, stop=self.stop,
                              join_timeout=cfg.join_timeout,
                              held=lambda: {"params": self.phi, "outer_momentum": self.outer.state_tensors(self.phi)},
-                             established=self._established)
+                             established=self._established, answering=self.reachable.check)
         return [self.exchange, self.state_server, status]
 
     def _join(self) -> None:

@@ -21,11 +21,12 @@ import json
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 import multihash
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from gossip.rendezvous import list_peers
@@ -49,9 +50,27 @@ async def _store(dht: DHTNode, key: str, record: PeerRecord, expiration: float, 
         dht.protocol.record_validator = None
 
 
+async def _join(initial_peers: list[str], timeout: float = 120.0) -> tuple[P2P, OwnedRecordValidator, DHTNode]:
+    """Join the DHT, retrying while the initial peers are not up yet (a test may start everyone at once)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            p2p, me = await identified_p2p(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1.0)
+            continue
+        dht = await DHTNode.create(p2p=p2p, initial_peers=initial_peers, record_validator=None)
+        if dht.protocol.routing_table.peer_id_to_uid or time.monotonic() > deadline:
+            return p2p, me, dht
+        await dht.shutdown()
+        await p2p.shutdown()
+        await asyncio.sleep(1.0)
+
+
 async def attack(initial_peers: list[str], run_id: str, report: Path, kinds: set[str], sybils: int, ahead: int) -> None:
-    p2p, me = await identified_p2p(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dht = await DHTNode.create(p2p=p2p, initial_peers=initial_peers, record_validator=None)
+    p2p, me, dht = await _join(initial_peers)
     rng = random.Random(7)
     fake_ids = [made_up_id(rng) for _ in range(sybils)]
     fake_keys = [OwnedRecordValidator() for _ in range(sybils)]

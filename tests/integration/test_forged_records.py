@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from node.ops.launcher import free_port
+from protocol.peer_identity import peer_id_of, write_identity
 from tests.helpers.swarm_utils import FAST_ARGS, NodeHandle, start_node
 
 ARGS = FAST_ARGS + ["--averaging-timeout", "15"]
@@ -39,30 +41,34 @@ def _report(handle: NodeHandle, report, timeout: float = 60) -> dict:
 
 
 def test_forged_records_change_no_round(tmp_path, nodes):
-    a = start_node(tmp_path, "a", ARGS)
+    # a's address is known before it starts (its identity and port), so all three start at once
+    boot = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{peer_id_of(write_identity(tmp_path / 'a.id'))}"
+    a = start_node(tmp_path, "a", ARGS + ["--identity", str(tmp_path / "a.id")], listen=boot.split("/p2p/")[0])
     nodes.append(a)
-    boot = a.multiaddr()
-    b = start_node(tmp_path, "b", ARGS, [boot])
+    b = start_node(tmp_path, "b", ARGS + ["--join-timeout", "120"], [boot])
     nodes.append(b)
-    for h in (a, b):
-        h.wait(lambda i: any(r["contributors"] == 2 for r in i.get("rounds", [])), 180, "a round of two")
     attacker, report = _start_attacker(tmp_path, boot)
     nodes.append(attacker)
+    for h in (a, b):
+        h.wait(lambda i: any(r["contributors"] == 2 for r in i.get("rounds", [])), 180, "a round of two")
     found = _report(attacker, report)
     started = time.time()
     for h in (a, b):  # two whole rounds while the forged records stand
         h.wait(lambda i: sum(r["t"] > started for r in i.get("rounds", [])) >= 2, 150, "2 rounds under attack")
     attacker.process.send_signal(signal.SIGTERM)
     attacker.process.wait(timeout=30)
+    ended = time.time()
     found = json.loads(report.read_text())
     assert found["passes"] >= 3, found
     ids = {a.info()["peer_id"], b.info()["peer_id"]}
     forged = set(found["invented"]) | {found["peer_id"]}
     assert set(found["victims"]) == ids, found
     for h in (a, b):
-        assert h.stop() == 0
+        h.process.send_signal(signal.SIGTERM)  # both at once: the test is timed
+    assert [h.stop() for h in (a, b)] == [0, 0]
+    for h in (a, b):
         info = h.info()
-        rounds = [r for r in info["rounds"] if r["t"] > started]
+        rounds = [r for r in info["rounds"] if started < r["t"] < ended]
         assert all(r["group"] == 2 and r["contributors"] == 2 and r["in_sync"] for r in rounds), rounds
         waited = [line for line in h.log().splitlines() if "gave up waiting for" in line and any(f in line for f in forged)]
         assert not waited, waited
