@@ -54,19 +54,16 @@ async def _join(initial_peers: list[str], timeout: float = 120.0) -> tuple[P2P, 
     """Join the DHT, retrying while the initial peers are not up yet (a test may start everyone at once)."""
     deadline = time.monotonic() + timeout
     while True:
+        p2p = None
         try:
             p2p, me = await identified_p2p(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            return p2p, me, await DHTNode.create(p2p=p2p, initial_peers=initial_peers, record_validator=None)
         except Exception:
+            if p2p is not None:
+                await p2p.shutdown()
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(1.0)
-            continue
-        dht = await DHTNode.create(p2p=p2p, initial_peers=initial_peers, record_validator=None)
-        if dht.protocol.routing_table.peer_id_to_uid or time.monotonic() > deadline:
-            return p2p, me, dht
-        await dht.shutdown()
-        await p2p.shutdown()
-        await asyncio.sleep(1.0)
 
 
 async def attack(initial_peers: list[str], run_id: str, report: Path, kinds: set[str], sybils: int, ahead: int) -> None:

@@ -166,6 +166,12 @@ async def _attacker(boot: str, run_id: str, rounds: int, scales: list[float], lo
     dht = await DHTNode.create(p2p=p2p, initial_peers=[boot], record_validator=validator)
     transport = Transport(p2p)
     me = transport.peer_id
+
+    async def status(stream) -> None:  # members wait only for peers that answer (gossip.rendezvous.Reachable)
+        await stream.recv(expect="get_status")
+        await stream.send("status", {})
+
+    await transport.serve(ids.STATUS, status)
     shapes = [tuple(p.shape) for p in GPT(preset("nano")).parameters()]
     exchange = RoundExchange(transport, run_id, "none", wire_partition("none", shapes).shapes(shapes), serve_timeout=60)
     await exchange.start()
