@@ -2,9 +2,10 @@
 
 Every member keeps a signed PeerRecord under ``peers_key(run)`` (subkey = its peer id + public key,
 the key its libp2p identity is, so nobody else can write it: see protocol.peer_identity; a reader
-takes the peer id from the verified owner key, never from a record's text). For outer round r each member stores a RoundEntry under
-``round_key(run, r)`` and polls until every live member that announced round r has registered, or
-the gather deadline passes; late or dead members are left out of that round.
+takes the peer id from the verified owner key, never from a record's text). For outer round r each
+member stores a RoundEntry under ``round_key(run, r)`` and polls until every live member that
+announced round r (and answers a probe: :class:`Reachable`) has registered, or the gather deadline
+passes; late or dead members are left out of that round.
 """
 
 from __future__ import annotations

@@ -134,10 +134,10 @@ class NetworkThread:
         A bootstrap peer may be restarting: failed attempts are retried with backoff (a log line each,
         naming every peer and why it failed) for ``join_timeout`` seconds, then :class:`UserError`
         names each peer tried and why."""
-        self._thread.start()
-        self._initial_peers = list(initial_peers)
         key, check_taken = self._identity(identity)
         self.validator = OwnedRecordValidator(key)
+        self._thread.start()
+        self._initial_peers = list(initial_peers)
 
         async def _p2p(mode: str) -> None:
             nonlocal check_taken
