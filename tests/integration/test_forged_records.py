@@ -64,8 +64,8 @@ def test_forged_records_change_no_round(tmp_path, nodes):
     forged = set(found["invented"]) | {found["peer_id"]}
     assert set(found["victims"]) == ids, found
     for h in (a, b):
-        h.process.send_signal(signal.SIGTERM)  # both at once: the test is timed
-    assert [h.stop() for h in (a, b)] == [0, 0]
+        h.process.send_signal(signal.SIGTERM)  # both at once (a second SIGTERM would force the exit)
+    assert [h.process.wait(timeout=60) for h in (a, b)] == [0, 0]
     for h in (a, b):
         info = h.info()
         rounds = [r for r in info["rounds"] if started < r["t"] < ended]
