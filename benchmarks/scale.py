@@ -46,6 +46,7 @@ from gossip.outer import NesterovOuter
 from gossip.reduce_scatter import wire_partition
 from gossip.rendezvous import publish_peer
 from protocol.hivemind_transport import Transport
+from protocol.peer_identity import bind, identified_p2p
 from protocol.records import PeerRecord
 
 RUN = "scale-bench"
@@ -80,9 +81,9 @@ def count_dht_requests(dht: DHTNode, counts: dict[str, int]) -> None:
 
 
 async def make_peer(initial: list[str], shapes: list[tuple[int, ...]], codec: str, timeout: float, max_group_size: int) -> Peer:
-    p2p = await P2P.create(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    validator = RSASignatureValidator()
+    p2p, validator = await identified_p2p(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     dht = await DHTNode.create(p2p=p2p, initial_peers=initial, record_validator=validator)
+    bind(dht, validator)
     counts = {"sent": 0, "received": 0, "dht": 0}
 
     def on_bytes(protocol: str, direction: str, nbytes: int, path: str = "direct") -> None:

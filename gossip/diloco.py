@@ -13,7 +13,8 @@ One round, for a member holding φ (agreed weights) and θ (weights after its in
    reduce-scatter instead (``gossip.reduce_scatter``): a member fetches only the parts it owns from
    each other member, reduces and serves them, then fetches every other owner's reduced parts; the
    parts of an owner that fails are fetched from the members directly and reduced locally.
-4. Contributions whose φ fingerprint differs from the group's majority are dropped. The rest are
+4. Contributions whose φ fingerprint differs from the group's majority (of established peers,
+   ``gossip.votes``) are dropped. The rest are
    averaged, weighted by samples, in peer-id order (bit-identical on every member), and the outer
    optimizer steps φ. A member in the minority reports ``in_sync = False`` and re-downloads state.
 
@@ -33,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
@@ -52,7 +52,8 @@ from gossip.outer import NesterovOuter, pseudo_gradient
 from gossip.partition import Partition
 from gossip.placement import to_host
 from gossip.reduce_scatter import assign_owners, is_dense, use_reduce_scatter
-from gossip.rendezvous import gather_group, round_members
+from gossip.rendezvous import Reachable, gather_group, round_members
+from gossip.votes import Tenure, vote
 from protocol.records import RoundEntry
 
 logger = logging.getLogger(__name__)
@@ -84,14 +85,6 @@ class _Round:
     def tag(self) -> str:
         """The group's tag (e.g. g1of2) in a grouped round, else empty."""
         return "" if self.grouping is None else group_tag(*self.grouping)
-
-
-def _majority(contributions: dict[str, Contribution]) -> str:
-    """The member holding the φ most members hold (by fingerprint); ties go to the fingerprint held by
-    the smallest peer id, so every member picks the same one."""
-    votes = Counter(c.fingerprint for c in contributions.values())
-    best = max(votes.values())
-    return min((p for p, c in contributions.items() if votes[c.fingerprint] == best), key=str)
 
 
 def _assign(phi: Sequence[torch.Tensor], mean: Sequence[torch.Tensor], indices: object = None, round_no: object = None) -> None:
@@ -145,6 +138,8 @@ class DiLoCoAverager(GroupAverager):
         self.outer: NesterovOuter = outer
         self.member_role, self.keep_others = member_role, keep_others
         self.max_group_size, self.weight_codec = max_group_size, weight_codec
+        self.tenure = Tenure()  # whose fingerprint votes count (gossip.votes)
+        self.reachable: Reachable | None = None  # set by the node: rendezvous wait only for members that answer
 
     async def expected_members(self, round_no: int) -> set[str]:
         return await round_members(self.dht, self.run_id, round_no, self.member_role)
@@ -157,6 +152,8 @@ class DiLoCoAverager(GroupAverager):
 
         async def expected() -> set[str]:
             live = first.pop() if first else await self.expected_members(round_no)
+            if self.reachable is not None:
+                live = self.reachable.filter(live - {self.peer_id}) | (live & {self.peer_id})
             if grouping is None:
                 return live
             return {p for p in live if group_of(self.run_id, round_no, p, grouping[1]) == grouping[0]}
@@ -267,7 +264,10 @@ class DiLoCoAverager(GroupAverager):
         """Keep the contributions holding the majority's φ (by fingerprint; the others fail as
         ``out_of_sync``) and start the round's result: whether this member is in sync, and with whom if not.
         A bounded group's φ differ by design (it averages them): its members do not vote."""
-        majority = self.peer_id if rnd.grouping is not None else _majority(contributions)
+        majority = self.peer_id
+        if rnd.grouping is None:
+            _, majority = vote({p: c.fingerprint for p, c in contributions.items()}, rnd.number, self.peer_id, self.tenure)
+        self.tenure.observe(contributions, rnd.number)
         majority_fp = contributions[majority].fingerprint
         used = sorted(p for p, c in contributions.items() if rnd.grouping is not None or c.fingerprint == majority_fp)
         failures.update({p: "out_of_sync" for p in contributions if p not in used and p != self.peer_id})

@@ -1,10 +1,12 @@
 """Round rendezvous through the DHT: who is in the run, and who joins outer round r.
 
 Every member keeps a signed PeerRecord under ``peers_key(run)`` (subkey = its peer id + public key,
-so nobody else can overwrite it). For outer round r each member stores a RoundEntry under
-``round_key(run, r)`` and polls until every live member that announced round r has registered, or
-the gather deadline passes; late or dead members are left out of that round. Records and round
-entries of peers of another protocol version are left out of everything (``protocol.version``).
+the key its libp2p identity is, so nobody else can write it: see protocol.peer_identity; a reader
+takes the peer id from the verified owner key, never from a record's text). For outer round r each
+member stores a RoundEntry under ``round_key(run, r)`` and polls until every live member that
+announced round r (and answers a probe: :class:`Reachable`) has registered, or the gather deadline
+passes; late or dead members are left out of that round. Records and round entries of peers of
+another protocol version are left out of everything (``protocol.version``).
 """
 
 from __future__ import annotations
@@ -24,23 +26,34 @@ from hivemind.dht.traverse import traverse_dht
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 from protocol.errors import SchemaError
-from protocol.records import PeerRecord, RoundEntry, peers_key, round_key
+from protocol.peer_identity import CLOCK_SKEW_S, MAX_RECORD_TTL_S, MAX_SUBKEYS, OwnedRecordValidator, owner_of
+from protocol.records import PEER_RECORD_TTL_S, PeerRecord, RoundEntry, peers_key, round_key
 from protocol.version import compatible, note_incompatible
 
 logger = logging.getLogger(__name__)
 
 
 def owned_subkey(peer_id: str, validator: RSASignatureValidator) -> bytes:
-    """A subkey only the holder of ``validator``'s private key can write."""
+    """A subkey only the holder of ``validator``'s private key can write (readers accept it only when
+    ``peer_id`` is the peer id of that key: the node's libp2p identity)."""
     return peer_id.encode() + validator.local_public_key
 
 
-def _peer_of_subkey(subkey: object) -> str | None:
-    if isinstance(subkey, bytes):
-        return subkey.split(b"[owner:", 1)[0].decode(errors="replace")
-    return None
+_reader: OwnedRecordValidator | None = None
+
+
+def _checker(dht: DHTNode) -> OwnedRecordValidator:
+    """The DHT's own validator when it is locomesh's, else one that only checks (a tool's plain DHT)."""
+    global _reader
+    validator = dht.protocol.record_validator
+    if isinstance(validator, OwnedRecordValidator):
+        return validator
+    if _reader is None:
+        _reader = OwnedRecordValidator(RSAPrivateKey.process_wide())
+    return _reader
 
 
 FULL_READ_PEERS = 8  # up to this many routing-table peers, a read asks them all; beyond, the key's nearest nodes
@@ -68,8 +81,11 @@ async def _nearest_copies(dht: DHTNode, key_id: DHTID, ask: Callable[..., Awaita
     return copies
 
 
-async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[str, tuple[object, float]]:
+async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0, max_ttl: float = MAX_RECORD_TTL_S) -> dict[str, tuple[object, float]]:
     """{peer id: (value, expiration time)} of a key's owned subkeys, freshest copy of each subkey.
+
+    Only subkeys signed by the key their peer id derives from are read, none expiring more than
+    ``max_ttl`` (+ clock skew) from now, and at most ``MAX_SUBKEYS`` of them (the local copy's first).
 
     hivemind's ``get(latest=True)`` returns the one stored dictionary whose newest subkey is newest,
     so with several writers refreshing their own subkeys it can hide another writer's fresh subkey
@@ -98,7 +114,7 @@ async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[str
 
     if len(peers) > FULL_READ_PEERS:
         dictionaries.extend(await _nearest_copies(dht, key_id, ask))
-        return _merge(dht, key_id, dictionaries)
+        return _merge(dht, key_id, dictionaries, max_ttl)
     collect(await asyncio.gather(*(ask(p) for p in peers)))
     # owners of subkeys we learned about but did not ask yet (e.g. a client that knows one peer)
     asked = {str(p) for p in peers} | {str(dht.peer_id)}
@@ -106,19 +122,19 @@ async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0) -> dict[str
     for dictionary in dictionaries:
         if isinstance(dictionary, DictionaryDHTValue):
             with dictionary.freeze():
-                owners |= {o for o in (_peer_of_subkey(sk) for sk, _ in dictionary.items()) if o and o not in asked}
+                owners |= {o for o in (owner_of(sk) for sk, _ in dictionary.items()) if o and o not in asked}
     extra = []
     for owner in owners:
         try:
             extra.append(PeerID.from_base58(owner))
         except Exception:
             continue
-    collect(await asyncio.gather(*(ask(p) for p in extra)))
-    return _merge(dht, key_id, dictionaries)
+    collect(await asyncio.gather(*(ask(p) for p in extra[:MAX_SUBKEYS])))
+    return _merge(dht, key_id, dictionaries, max_ttl)
 
 
-def _merge(dht: DHTNode, key_id: DHTID, dictionaries: list) -> dict[str, tuple[object, float]]:
-    """The freshest valid copy of every owned subkey across ``dictionaries``, by owner."""
+def _merge(dht: DHTNode, key_id: DHTID, dictionaries: list, max_ttl: float = MAX_RECORD_TTL_S) -> dict[str, tuple[object, float]]:
+    """The freshest valid copy of every owned subkey across ``dictionaries`` (the local copy first), by owner."""
     freshest: dict[object, tuple[bytes, float]] = {}
     for dictionary in dictionaries:
         if not isinstance(dictionary, DictionaryDHTValue):
@@ -127,19 +143,21 @@ def _merge(dht: DHTNode, key_id: DHTID, dictionaries: list) -> dict[str, tuple[o
             for subkey, item in dictionary.items():
                 if subkey not in freshest or item.expiration_time > freshest[subkey][1]:
                     freshest[subkey] = (item.value, item.expiration_time)
-    validator = dht.protocol.record_validator
+    validator = _checker(dht)
+    limit = get_dht_time() + max_ttl + CLOCK_SKEW_S
     out: dict[str, tuple[object, float]] = {}
     for subkey, (raw, expiration) in freshest.items():
-        peer = _peer_of_subkey(subkey)
-        if peer is None:
+        if len(out) >= MAX_SUBKEYS:
+            logger.warning("key holds more than %d valid subkeys; reading the first %d only", MAX_SUBKEYS, MAX_SUBKEYS)
+            break
+        peer = owner_of(subkey)
+        if peer is None or expiration > limit:
             continue
         record = DHTRecord(key_id.to_bytes(), dht.protocol.serializer.dumps(subkey), raw, expiration)
-        if validator is not None:
-            if not validator.validate(record):
-                continue
-            raw = validator.strip_value(record)
+        if validator.refusal(record, stored=False) is not None:
+            continue
         try:
-            out[peer] = (dht.protocol.serializer.loads(raw), expiration)
+            out[peer] = (dht.protocol.serializer.loads(validator.strip_value(record)), expiration)
         except Exception:
             continue
     return out
@@ -159,6 +177,21 @@ def rejoin_target(my_round: int, other_rounds: list[int]) -> int | None:
     if target > my_round or (my_round - target >= 2 and target_count > counts[my_round]):
         return target
     return None
+
+
+FAR_AHEAD = 2  # a round more than this ahead of a node's own is a claim to check (see plausible_rounds)
+
+
+def plausible_rounds(my_round: int, rounds: dict[str, int], established: Callable[[str], bool]) -> dict[str, int]:
+    """``{peer: round}`` less the claims a node should not follow: a round more than ``FAR_AHEAD``
+    ahead of ``my_round`` counts only when a strict majority of the trainers (this node included)
+    announce it, or when its peer is established (has taken part in this node's rounds). A record's
+    round is its writer's word: one fresh peer announcing round R+1000 must not make a node of a
+    two-node swarm jump there and download the announcer's state."""
+    total = len(rounds) + 1
+    counts = Counter(rounds.values())
+    return {p: r for p, r in rounds.items()
+            if r <= my_round + FAR_AHEAD or 2 * counts[r] > total or established(p)}
 
 
 async def reconnect_routing_table(dht: DHTNode, peer_ids: list, timeout: float = 3.0) -> int:
@@ -208,7 +241,7 @@ async def list_peers_with_expiry(dht: DHTNode, run_id: str, compatible_only: boo
     """Like :func:`list_peers`, with each record's DHT expiration time (``compatible_only=False``:
     peers of other protocol versions too, for ``node status``)."""
     peers: dict[str, tuple[PeerRecord, float]] = {}
-    for peer, (value, expiration) in (await read_subkeys(dht, peers_key(run_id))).items():
+    for peer, (value, expiration) in (await read_subkeys(dht, peers_key(run_id), max_ttl=PEER_RECORD_TTL_S)).items():
         try:
             record = PeerRecord.from_value(value)
         except SchemaError as e:
@@ -252,6 +285,58 @@ async def register_round(
     return await dht.store(round_key(run_id, round_no, group), entry.to_value(), get_dht_time() + ttl, subkey=owned_subkey(entry.peer_id, validator))
 
 
+class Reachable:
+    """Which peers answer a probe (``probe(peer)``: a stream this node opens to them, e.g. a status
+    request). A record can be signed by a key no daemon runs (an invented member: keys are free), so
+    a rendezvous waits only for members that answered once; a new member is waited for while its
+    first probe runs (at most ``timeout`` seconds), one that failed is probed again after ``retry_s``."""
+
+    def __init__(self, probe: Callable[[str], Awaitable[object]], timeout: float = 5.0, retry_s: float = 30.0,
+                 max_tracked: int = 4096) -> None:
+        self.probe, self.timeout, self.retry_s, self.max_tracked = probe, timeout, retry_s, max_tracked
+        self.answered: dict[str, None] = {}  # ordered: the oldest are forgotten first
+        self.failed: dict[str, float] = {}
+        self.pending: dict[str, asyncio.Task] = {}
+
+    async def _try(self, peer: str) -> None:
+        try:
+            await asyncio.wait_for(self.probe(peer), self.timeout)
+        except Exception as e:
+            self.failed[peer] = time.monotonic()
+            logger.info("not waiting for %s at rendezvous for %.0fs: it did not answer a probe (%s)", peer, self.retry_s,
+                        type(e).__name__)
+        else:
+            self.answered[peer] = None
+            while len(self.answered) > self.max_tracked:
+                del self.answered[next(iter(self.answered))]
+        finally:
+            self.pending.pop(peer, None)
+
+    async def check(self, peers: set[str]) -> set[str]:
+        """``peers`` that answered a probe, probing (and awaiting) those not tried yet."""
+        self.filter(peers)
+        waiting = [self.pending[p] for p in peers if p in self.pending]
+        if waiting:
+            await asyncio.wait(waiting)
+        return {p for p in peers if p in self.answered}
+
+    def filter(self, peers: set[str]) -> set[str]:
+        """``peers`` less those that failed their last probe (probing the ones not tried yet)."""
+        now = time.monotonic()
+        for peer, at in list(self.failed.items()):
+            if now - at > self.retry_s:
+                del self.failed[peer]
+        out = set()
+        for peer in peers:
+            if peer in self.answered:
+                out.add(peer)
+            elif peer not in self.failed:
+                if peer not in self.pending and len(self.pending) < 64:
+                    self.pending[peer] = asyncio.create_task(self._try(peer))
+                out.add(peer)
+        return out
+
+
 async def gather_group(
     dht: DHTNode,
     validator: RSASignatureValidator,
@@ -268,7 +353,7 @@ async def gather_group(
 
     Returns once every peer in ``expected()`` has registered (complete), or after ``timeout`` seconds.
     """
-    await register_round(dht, validator, run_id, round_no, entry, max(60.0, 4 * timeout), group)
+    await register_round(dht, validator, run_id, round_no, entry, min(max(60.0, 4 * timeout), MAX_RECORD_TTL_S), group)
     deadline = time.monotonic() + timeout
     entries: dict[str, RoundEntry] = {entry.peer_id: entry}
     while True:

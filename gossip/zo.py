@@ -53,6 +53,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 
 from compression.seeds import MAX_SEED
+from gossip.votes import Tenure, vote
 
 BLOCK = 1 << 16  # values per z block
 CODE_SCALE = 16  # codes are round(16·ln|g|)
@@ -303,12 +304,7 @@ def apply_pool_scalars(params: Sequence[torch.Tensor], scalars: Sequence[float],
                 x.sub_(z.to(x.device).mul_(a))
 
 
-def majority(fingerprints: dict[str, str]) -> tuple[str, str]:
-    """(fingerprint, a peer holding it) of the most common fingerprint among ``{peer: fingerprint}``;
-    a tie goes to the one held by the smallest peer id, so every member picks the same."""
-    votes: dict[str, int] = {}
-    for fp in fingerprints.values():
-        votes[fp] = votes.get(fp, 0) + 1
-    best = max(votes.values())
-    peer = min(p for p, fp in fingerprints.items() if votes[fp] == best)
-    return fingerprints[peer], peer
+def majority(fingerprints: dict[str, str], round_no: int, me: str, tenure: Tenure | None = None) -> tuple[str, str]:
+    """(fingerprint, a peer holding it) of the most common fingerprint among ``{peer: fingerprint}``,
+    counting ``me`` and established peers only (see :func:`gossip.votes.vote`: ties are not decided by peer id)."""
+    return vote(fingerprints, round_no, me, tenure)

@@ -13,6 +13,9 @@ from protocol.errors import SchemaError
 from protocol.version import protocol_version
 
 
+PEER_RECORD_TTL_S = 8.0  # a PeerRecord expires this long after its last refresh (the heartbeat refreshes it)
+
+
 def peers_key(run_id: str) -> str:
     """DHT key under which every member of ``run_id`` keeps one (signed) subkey with its PeerRecord."""
     return f"locomesh.{run_id}.peers"

@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 
 STALE_S = 30.0  # an announced throughput unchanged this long is treated as unmeasured
 MIN_SHARE_OF_MEDIAN = 0.25  # no peer counts as slower than this fraction of its stage's median
+MAX_MULTIPLE_OF_MEDIAN = 64.0  # nor faster than this multiple of the lower median: a throughput is its peer's claim
 
 
 class NoPeerAvailable(Exception):
@@ -46,7 +47,9 @@ class Router:
         is neither flooded nor starved. A server measures its speed only on the work it gets, so an
         estimate that has not changed for ``stale_s`` (a replica the router stopped choosing) counts
         as at least the median again until it is re-measured; and no peer counts below a quarter of
-        the median, so every replica keeps a share of the work."""
+        the median, so every replica keeps a share of the work; and none above ``MAX_MULTIPLE_OF_MEDIAN``
+        times the lower median, so a peer announcing 1e30 tokens/s does not draw all the work (real
+        replicas differ by 40× and more: a CPU beside a GPU)."""
         now = self.clock()
         loads = self.loads.setdefault(stage, {})
         floor = min(loads.values(), default=0.0)
@@ -54,13 +57,14 @@ class Router:
             del loads[gone]
         known = sorted(tp for tp in peers.values() if tp > 0)
         median = known[len(known) // 2] if known else 1.0
+        cap = MAX_MULTIPLE_OF_MEDIAN * (known[(len(known) - 1) // 2] if known else 1.0)  # one huge claim is not the lower median
         for peer, tp in peers.items():
             if peer not in self.announced or self.announced[peer][0] != tp:
                 self.announced[peer] = (tp, now)
             estimate = tp if tp > 0 else median
             if now - self.announced[peer][1] > self.stale_s:
                 estimate = max(estimate, median)
-            self.throughput[peer] = max(estimate, MIN_SHARE_OF_MEDIAN * median)
+            self.throughput[peer] = min(max(estimate, MIN_SHARE_OF_MEDIAN * median), cap)
             loads.setdefault(peer, floor)
 
     def peers(self, stage: int) -> list[str]:

@@ -10,6 +10,7 @@ itself every heartbeat, a dead one cannot."""
 from __future__ import annotations
 
 from protocol.records import PeerRecord
+from swarm.router import MAX_MULTIPLE_OF_MEDIAN
 
 
 def servers_per_stage(records: dict[str, PeerRecord] | list[PeerRecord], stages: int) -> list[list[PeerRecord]]:
@@ -54,5 +55,7 @@ def choose_role(records: list[PeerRecord], stages: int) -> int | None:
     trainers = sum(1 for r in records if r.role == "trainer")
     if trainers < min(len(p) for p in per_stage):
         return None
-    totals = [sum(max(r.tokens_per_s, 1e-3) for r in p) for p in per_stage]
+    known = sorted(r.tokens_per_s for p in per_stage for r in p if r.tokens_per_s > 0)
+    cap = MAX_MULTIPLE_OF_MEDIAN * known[(len(known) - 1) // 2] if known else float("inf")  # a throughput is a claim
+    totals = [sum(min(max(r.tokens_per_s, 1e-3), cap) for r in p) for p in per_stage]
     return min(range(stages), key=lambda s: (totals[s], s))

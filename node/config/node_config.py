@@ -53,7 +53,7 @@ class NodeConfig(BaseModel):
                                       default_text="none: start a new swarm")
     listen: list[str] = option(lambda: ["/ip4/0.0.0.0/tcp/0"], "Multiaddr to listen on (repeatable)", SWARM)
     announce: list[str] = option(list, "Public multiaddr to announce, e.g. behind port forwarding (repeatable)", SWARM)
-    identity: Path | None = option(None, "Private key file for a stable peer id (created if missing)", SWARM)
+    identity: Path | None = option(None, "Private key file for a stable peer id: an RSA libp2p key, which also signs the node's DHT records (created if missing)", SWARM)
     swarm_key: Path | None = option(None, "Secret file of a private swarm (at least 16 bytes; hex text is decoded): peers without it are refused", SWARM)
     reachability: Literal["auto", "public", "private"] = option(
         "auto", "auto | public | private: whether others can dial this node; auto asks an initial peer to dial back, and a "

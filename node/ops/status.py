@@ -7,7 +7,6 @@ import asyncio
 import time
 from typing import Any, Callable
 
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
@@ -17,6 +16,7 @@ from node.runtime.network import learn_routes
 from node.runtime.status_service import fetch_status
 from swarm.stage_map import missing_roles
 from protocol.hivemind_transport import Transport
+from protocol.peer_identity import OwnedRecordValidator
 from protocol.version import UPGRADE, package_version, protocol_version
 
 
@@ -32,7 +32,7 @@ class StatusClient:
         self.p2p = await P2P.create(initial_peers=self.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         try:
             self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=self.initial_peers, client_mode=True,
-                                            record_validator=RSASignatureValidator())
+                                            record_validator=OwnedRecordValidator())
         except BaseException:
             await self.p2p.shutdown()
             raise

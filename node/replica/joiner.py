@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable
 import torch
 
 from gossip.fingerprint import fingerprint
-from gossip.rendezvous import list_peers, rejoin_target
+from gossip.rendezvous import list_peers, plausible_rounds, rejoin_target
 from gossip.state_transfer import DownloadedState, download_state, majority_state, state_headers
 from node.runtime.barrier import check_joinable
 from node.runtime.metrics import NodeMetrics
@@ -55,11 +55,15 @@ class Joiner:
     def __init__(self, *, net: NetworkThread, run_id: str, peer_id: str, settings: dict[str, Any], layout: Callable[[], Layout],
                  adopt: Callable[[DownloadedState], None], announce: Callable[[], Awaitable[None]], metrics: NodeMetrics,
                  event: Callable[..., None], stop: threading.Event, join_timeout: float,
-                 held: Callable[[], dict[str, list[torch.Tensor]]] | None = None) -> None:
+                 held: Callable[[], dict[str, list[torch.Tensor]]] | None = None,
+                 established: Callable[[str], bool] = lambda peer: False,
+                 answering: Callable[[set[str]], Awaitable[set[str]]] | None = None) -> None:
         self.net, self.run_id, self.peer_id, self.settings = net, run_id, peer_id, settings
         self.layout, self.adopt, self.announce, self.held = layout, adopt, announce, held
         self.metrics, self.event, self.stop, self.join_timeout = metrics, event, stop, join_timeout
         self.up_caps: dict[str, float] = {}  # peers' announced --max-upload-mbit, from their last records read
+        self.established = established  # whether this node saw a peer in enough of its rounds (gossip.votes)
+        self.answering = answering  # the peers among some that answer a probe (gossip.rendezvous.Reachable.check)
 
     def _trainers(self) -> list[Any]:
         peers = self.net.call(list_peers(self.net.dht, self.run_id), timeout=30)
@@ -233,14 +237,23 @@ class Joiner:
         except Exception as e:
             logger.info("could not list peers after the round: %s", e)
             return None
-        target = rejoin_target(current_round, [rec.round for rec in others])
+        if self.answering is not None:  # a record signed by a key no daemon runs must not outvote the members
+            live = self.net.call(self.answering({rec.peer_id for rec in others}), timeout=60)
+            others = [rec for rec in others if rec.peer_id in live]
+        rounds = plausible_rounds(current_round, {rec.peer_id: rec.round for rec in others}, self.established)
+        if len(rounds) < len(others):
+            logger.warning("not following %d peer(s) announcing rounds far ahead of this node's %d that neither a majority "
+                           "nor an established peer holds: %s", len(others) - len(rounds), current_round,
+                           ", ".join(rec.peer_id[-8:] for rec in others if rec.peer_id not in rounds))
+        others = [rec for rec in others if rec.peer_id in rounds]
+        target = rejoin_target(current_round, list(rounds.values()))
         if target is None:
             return None
         direction = "forward" if target > current_round else "back_to_majority"
         if keep_weights:
             self.event("caught_up", peer="", round=target, direction=direction, from_round=current_round)
             return target
-        source = max((rec for rec in others if rec.round == target), key=lambda r: r.peer_id)
+        source = max((rec for rec in others if rec.round == target), key=lambda r: (self.established(r.peer_id), r.peer_id))
         try:
             got = self.download_from(source.peer_id)
         except Exception as e:

@@ -100,6 +100,7 @@ class Daemon(NodeBase):
                               feedback_decay=cfg.feedback_decay(), fragments=cfg.fragments, noloco=cfg.algorithm == "noloco")
         self.exchange = RoundExchange(net.transport, cfg.run_id, self.plan.wire(), self.plan.layout, serve_timeout=cfg.averaging_timeout * 2)
         self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.inner_step)
+        self.reachable = self.reachable_members()
         attacker = None
         if cfg.attack is not None:  # experiments only (node swarm --byzantine): never a default
             attacker = Attacker(parse_attacks(cfg.attack), seed=cfg.seed)
@@ -118,13 +119,15 @@ class Daemon(NodeBase):
                 keep_others=cfg.overlap and cfg.overlap_mode == "eager", max_group_size=cfg.max_group_size,
                 weight_codec=self.plan.phi_codec, max_samples=cfg.max_round_samples, attacker=attacker,
             )
+            self.averager.reachable = self.reachable
         self.rounds = RoundRunner(net=net, averager=self.averager, eager=cfg.overlap and cfg.overlap_mode == "eager",
                                   before_gather=self._heartbeat, stop=self.stop, final_timeout=2 * cfg.averaging_timeout + 30,
                                   placement=self.placement)
         self.joiner = Joiner(net=net, run_id=cfg.run_id, peer_id=peer_id, settings=run_settings(cfg), layout=self._state_layout,
                              adopt=self._adopt, announce=self._heartbeat, metrics=self.metrics, event=self.event, stop=self.stop,
                              join_timeout=cfg.join_timeout,
-                             held=lambda: {"params": self.phi, "outer_momentum": self.outer.state_tensors(self.phi)})
+                             held=lambda: {"params": self.phi, "outer_momentum": self.outer.state_tensors(self.phi)},
+                             established=self._established, answering=self.reachable.check)
         return [self.exchange, self.state_server, status]
 
     def _join(self) -> None:
@@ -168,11 +171,19 @@ class Daemon(NodeBase):
         mine = self.compute_tokens_per_s
         steps = cfg.round_steps
         if mine > 0 and rates:
-            median = statistics.median(rates + [mine])
+            # a rate is its peer's claim: none counts beyond the factor the steps are bounded by anyway,
+            # so one peer announcing 1e30 tokens/s cannot push this node to one step per round
+            bound = AUTO_STEPS_MAX_FACTOR
+            median = statistics.median([min(max(r, mine / bound), mine * bound) for r in rates] + [mine])
             steps = min(max(1, round(cfg.round_steps * mine / median)), AUTO_STEPS_MAX_FACTOR * cfg.round_steps)
         return sync_interval(max(steps, cfg.fragments), cfg.fragments)
 
     # ---- joining -----------------------------------------------------------------------------
+    def _established(self, peer: str) -> bool:
+        """Whether this node saw ``peer`` take part in enough of its rounds (NoLoCo keeps no tally: no)."""
+        tenure = getattr(self.averager, "tenure", None)
+        return tenure is not None and tenure.established(peer)
+
     def _state_layout(self) -> dict[str, list[tuple[tuple[int, ...], torch.dtype]]]:
         return {
             "params": [(tuple(p.shape), p.dtype) for p in self.phi],

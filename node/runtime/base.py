@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
+from gossip.rendezvous import Reachable, list_peers, publish_peer, reconnect_routing_table
 from node.checkpoints.checkpoint import CHECKPOINT_NAME, remove_partial, save_atomic
 from node.config import NodeConfig, read_swarm_key
 from node.errors import JoinRefused, NotStarted, UserError
@@ -41,15 +41,15 @@ from node.runtime.network import Interrupted, NetworkThread
 from node.runtime.reachability import dialable_addresses
 from node.runtime.resume import ResumeRefused, check_resumable
 from node.runtime.settings import run_settings
-from node.runtime.status_service import StatusService
+from node.runtime.status_service import StatusService, fetch_status
 from node.runtime.summary import Summary, count_steps, count_traffic, write_info
 from protocol.ratelimit import RateLimits
-from protocol.records import PeerRecord
+from protocol.records import PEER_RECORD_TTL_S, PeerRecord
 from protocol.version import package_version, protocol_version
 
 logger = logging.getLogger("locomesh.node")
 HEARTBEAT_S = 2.0
-RECORD_TTL_S = 8.0
+RECORD_TTL_S = PEER_RECORD_TTL_S
 
 
 class NodeBase:
@@ -229,6 +229,15 @@ class NodeBase:
         return self.last_loss
 
     # ---- announcements -------------------------------------------------------------------------
+    def reachable_members(self) -> Reachable:
+        """Filters the members a rendezvous waits for to those that answer a status request: a signed
+        record proves a key, not a running peer (gossip.rendezvous.Reachable)."""
+
+        async def probe(peer: str) -> None:
+            await fetch_status(self.net.transport, peer)
+
+        return Reachable(probe)
+
     async def _heartbeat(self) -> None:
         """Publish this node's DHT record; every PEER_READ_EVERY heartbeats, read the run's records too."""
         await self._refresh_addresses()

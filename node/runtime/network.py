@@ -9,21 +9,24 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import socket
+import tempfile
 import threading
 import time
 from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 import uvloop
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
+from hivemind.utils.crypto import RSAPrivateKey
 
 from node.runtime import reachability as reach
 from node.errors import UserError
 from node.runtime.orphans import guard_child, release
 from protocol import ids
 from protocol.hivemind_transport import Transport
+from protocol.peer_identity import IdentityError, OwnedRecordValidator, bind, load_identity, write_identity
 from protocol.ratelimit import RateLimits
 from protocol.relay import relay_routes
 from gossip.rendezvous import watch_records
@@ -97,7 +100,7 @@ class NetworkThread:
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
         self.transport: Transport | None = None
-        self.validator = RSASignatureValidator()
+        self.validator: OwnedRecordValidator = None  # type: ignore[assignment]  # set by start(), from the identity
         self._tasks: list[asyncio.Task] = []
         self._watchdog = None
         self.reachability = reach.Reachability()
@@ -134,13 +137,24 @@ class NetworkThread:
         A bootstrap peer may be restarting: failed attempts are retried with backoff (a log line each,
         naming every peer and why it failed) for ``join_timeout`` seconds, then :class:`UserError`
         names each peer tried and why."""
+        key, check_taken = self._identity(identity)
+        self.validator = OwnedRecordValidator(key)
         self._thread.start()
         self._initial_peers = list(initial_peers)
 
         async def _p2p(mode: str) -> None:
-            self.p2p = await reach.create_p2p(mode, initial_peers, relay_service, host_maddrs=listen,
-                                              announce_maddrs=announce or None, identity_path=identity,
-                                              startup_timeout=timeout)
+            nonlocal check_taken
+            # p2pd reads its identity file once, at start: a node without --identity hands it one that
+            # lives only that long (its DHT records are signed with the same key, see peer_identity)
+            with tempfile.TemporaryDirectory(prefix="locomesh-id-") as folder:
+                path = identity
+                if path is None:
+                    path = f"{folder}/identity"
+                    write_identity(path, key)
+                self.p2p = await reach.create_p2p(mode, initial_peers, relay_service, host_maddrs=listen,
+                                                  announce_maddrs=announce or None, identity_path=path,
+                                                  check_if_identity_free=check_taken, startup_timeout=timeout)
+            check_taken = False  # a restart (as a private peer) reuses the identity it just checked
             child = getattr(self.p2p, "_child", None)  # hivemind keeps the p2pd process here
             if child is not None:
                 self._watchdog = guard_child(child.pid)
@@ -172,6 +186,7 @@ class NetworkThread:
                 client_mode=self.reachability.state == "private",
                 wait_timeout=5,
             )
+            bind(self.dht, self.validator)
             watch_records(self.dht, self._learn_routes)
 
         deadline = time.monotonic() + join_timeout
@@ -196,6 +211,22 @@ class NetworkThread:
                 if stop is None:
                     time.sleep(delay)
                 delay = min(2 * delay, 10.0)
+
+    @staticmethod
+    def _identity(identity: str | None) -> tuple[RSAPrivateKey, bool]:
+        """The node's RSA identity key (from ``identity``, created there if missing, or a new one for
+        this run), and whether to check that no live peer uses it already (an existing file only)."""
+        if identity is None:
+            return RSAPrivateKey(), False
+        try:
+            if os.path.exists(identity):
+                return load_identity(identity), True
+            return write_identity(identity), False
+        except IdentityError as e:
+            raise UserError(f"--identity: {e}") from None
+        except OSError as e:
+            raise UserError(f"--identity {identity}: cannot read or write it ({e.strerror or e}); "
+                            f"give a writable path or leave --identity out") from None
 
     async def _discard_partial_start(self) -> None:
         """Undo a start-up that failed half-way (p2pd may be running without a DHT)."""

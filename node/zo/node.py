@@ -38,6 +38,7 @@ from gossip.deadline import AdaptiveDeadline
 from gossip.fingerprint import fingerprint
 from gossip.rendezvous import gather_group, round_members
 from gossip.state_transfer import StateServer, StateSnapshot
+from gossip.votes import Tenure
 from gossip.zo import apply_codes, encode_grad, expand, majority, pack_codes, spsa_estimate, step_seed
 from gossip.zo_exchange import CodeExchange, CodeSet, LogEntry, Position, members_digest
 from node.config import NodeConfig
@@ -91,6 +92,8 @@ class ZONode(NodeBase):
             self.trainer.load_weights(work.init_weights)
             self.event("init_from", checkpoint=work.init_source)
         self.fp = fingerprint(self.params)
+        self.tenure = Tenure()  # whose fingerprint votes count (gossip.votes)
+        self.reachable = self.reachable_members()
         self._set_position()
 
     def _services(self, status: StatusService) -> list[Any]:
@@ -195,13 +198,14 @@ class ZONode(NodeBase):
         deadline = self.deadline.value
         group, complete = net.run(gather_group(
             net.dht, net.validator, cfg.run_id, r, RoundEntry(peer_id=me, samples=len(self.codes), codec="zo"),
-            lambda: round_members(net.dht, cfg.run_id, r), deadline), self.stop)
+            lambda: self._members(r), deadline), self.stop)
         gathered = time.monotonic()
         self.deadline.observe(gathered - started, complete)
         self.last_group = [e.peer_id for e in group if e.peer_id != me]
         got = net.run(self.exchange.gather(self.last_group, r, cfg.averaging_timeout), self.stop)
         sets = {me: own, **got.sets}
-        agreed, holder = majority({p: s.fingerprint for p, s in sets.items()})
+        agreed, holder = majority({p: s.fingerprint for p, s in sets.items()}, r, me, self.tenure)
+        self.tenure.observe(sets, r)
         chosen = tuple(sets[p] for p in sorted(sets) if sets[p].fingerprint == agreed)
         failures = {**got.failures, **{p: "out_of_sync" for p, s in sets.items() if s.fingerprint != agreed}}
         record: dict[str, Any] = {
@@ -245,6 +249,12 @@ class ZONode(NodeBase):
         how = "came late: took the others' round" if record["late"] else "in sync" if record["matched"] else "resynced"
         logger.info("round %d: %d/%d members' codes applied (%s) in %.2fs, loss %.3f", r, record["contributors"], len(group),
                     how, record["duration_s"], self.last_loss)
+
+    async def _members(self, round_no: int) -> set[str]:
+        """The members round ``round_no``'s rendezvous waits for: those in it that answer a probe."""
+        live = await round_members(self.net.dht, self.cfg.run_id, round_no)
+        me = self.summary.peer_id
+        return self.reachable.filter(live - {me}) | (live & {me})
 
     def _resync(self, peer: str, failed_round: int, why: str) -> str | None:
         """Take ``peer``'s weights and round once it finished ``failed_round``: "log" (replayed its log:

@@ -74,14 +74,14 @@ def full_rounds(info: dict[str, Any], members: int, after: float | None = None) 
 
 
 def start_node(directory: Path, name: str, args: list[str], initial_peers: list[str] | None = None,
-               env: dict[str, str] | None = None) -> NodeHandle:
+               env: dict[str, str] | None = None, listen: str = "/ip4/127.0.0.1/tcp/0") -> NodeHandle:
     """``node join ARGS`` in its own folder and process group; ``env`` adds environment variables (the
     user's ``LOCOMESH_*`` ones are dropped), e.g. ``LOCOMESH_FAKE_PROTOCOL_VERSION`` to play another version."""
     directory = Path(directory) / name
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "info.json").unlink(missing_ok=True)  # a restart must not read the last run's info
     port = free_port()
-    cmd = [sys.executable, "-m", "node", "join", *args, "--listen", "/ip4/127.0.0.1/tcp/0", "--metrics-port", str(port),
+    cmd = [sys.executable, "-m", "node", "join", *args, "--listen", listen, "--metrics-port", str(port),
            "--checkpoint-dir", str(directory), "--info-file", str(directory / "info.json")]
     for peer in initial_peers or []:
         cmd += ["--initial-peers", peer]

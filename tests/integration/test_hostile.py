@@ -9,7 +9,6 @@ from urllib.request import urlopen
 import msgpack
 import pytest
 import torch
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 
@@ -23,6 +22,7 @@ from protocol import RemoteError, encode_frame, encode_message, ids
 from protocol.auth import hello_body
 from protocol.errors import SchemaError
 from protocol.hivemind_transport import Transport
+from protocol.peer_identity import identified_p2p
 from protocol.records import PeerRecord, RoundEntry
 from tests.helpers.memory_transport import MemoryTransport, frames
 from tests.helpers.swarm_utils import FAST_ARGS, start_node
@@ -170,11 +170,16 @@ def test_nan_contributions_are_rejected_before_they_touch_the_model():
 
 async def _attacker(boot: str, run_id: str, rounds: int, scales: list[float], log: list) -> None:
     """A peer that joins the run's rendezvous and serves scaled copies of an honest update."""
-    p2p = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    validator = RSASignatureValidator()
+    p2p, validator = await identified_p2p(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     dht = await DHTNode.create(p2p=p2p, initial_peers=[boot], record_validator=validator)
     transport = Transport(p2p)
     me = transport.peer_id
+
+    async def status(stream) -> None:  # members wait only for peers that answer (gossip.rendezvous.Reachable)
+        await stream.recv(expect="get_status")
+        await stream.send("status", {})
+
+    await transport.serve(ids.STATUS, status)
     shapes = [tuple(p.shape) for p in GPT(preset("nano")).parameters()]
     exchange = RoundExchange(transport, run_id, "none", wire_partition("none", shapes).shapes(shapes), serve_timeout=60)
     await exchange.start()

@@ -8,13 +8,12 @@ import subprocess
 import sys
 import time
 
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P
-from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils import get_dht_time
 
 from gossip.rendezvous import list_peers, owned_subkey, publish_peer
 from node.checkpoints import checkpoint
+from protocol.peer_identity import bind, identified_p2p
 from protocol.records import PeerRecord, peers_key
 from tests.helpers.swarm_utils import FAST_ARGS, start_node
 
@@ -40,21 +39,24 @@ def test_peers_of_another_run_never_enter_a_group(tmp_path, nodes):
 
 def test_a_peer_cannot_overwrite_another_peers_record():
     async def go():
-        owner_key, thief_key = RSASignatureValidator(RSAPrivateKey()), RSASignatureValidator(RSAPrivateKey())
-        p1 = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        p1, owner_key = await identified_p2p(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         d1 = await DHTNode.create(p2p=p1, record_validator=owner_key)
+        bind(d1, owner_key)
         maddrs = [str(m) for m in await p1.get_visible_maddrs()]
-        p2 = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        p2, thief_key = await identified_p2p(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         d2 = await DHTNode.create(p2p=p2, initial_peers=maddrs, record_validator=thief_key)
+        owner = owner_key.peer_id
         try:
-            assert await publish_peer(d1, owner_key, "run", PeerRecord(peer_id="owner", round=1), ttl=60)
-            forged = PeerRecord(peer_id="owner", round=99).to_value()
+            assert await publish_peer(d1, owner_key, "run", PeerRecord(peer_id=owner, round=1), ttl=8)
+            forged = PeerRecord(peer_id=owner, round=99).to_value()
             # the thief signs with its own key under the owner's subkey: every honest node refuses it
-            stored = await d2.store(peers_key("run"), forged, __import__("hivemind").utils.get_dht_time() + 120,
-                                    subkey=owned_subkey("owner", owner_key))
+            stored = await d2.store(peers_key("run"), forged, get_dht_time() + 8, subkey=owned_subkey(owner, owner_key))
+            assert not stored
+            # nor may it name the owner's peer id with its own key
+            stored = await d2.store(peers_key("run"), forged, get_dht_time() + 8, subkey=owned_subkey(owner, thief_key))
             assert not stored
             peers = await list_peers(d1, "run")
-            assert peers["owner"].round == 1
+            assert peers[owner].round == 1
         finally:
             await d2.shutdown()
             await p2.shutdown()

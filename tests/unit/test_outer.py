@@ -180,3 +180,14 @@ def test_lossy_diloco_warms_its_outer_lr_up_by_default(flags, warmup):
     from node.config import NodeConfig
 
     assert NodeConfig(**flags).outer_warmup == warmup
+
+
+def test_a_lone_fresh_peer_far_ahead_is_not_followed():
+    from gossip.rendezvous import plausible_rounds, rejoin_target
+
+    claims = {"forger": 1005}
+    assert plausible_rounds(5, claims, lambda p: False) == {}, "one fresh peer announcing round 1005"
+    assert rejoin_target(5, list(plausible_rounds(5, claims, lambda p: False).values())) is None
+    assert plausible_rounds(5, claims, lambda p: p == "forger") == claims, "an established peer is followed"
+    assert plausible_rounds(5, {"a": 9, "b": 9}, lambda p: False) == {"a": 9, "b": 9}, "a majority is followed"
+    assert plausible_rounds(5, {"a": 7}, lambda p: False) == {"a": 7}, "two rounds ahead is within reach"

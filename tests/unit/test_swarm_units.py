@@ -291,3 +291,20 @@ def test_stage_throughput_counts_each_microbatch_once_over_all_its_compute():
         service._observe(0, 0.1)  # forward
         service._observe(8, 0.3)  # backward of the same 8 samples
     assert service.throughput == pytest.approx(8 / 0.4, rel=0.05)
+
+
+def test_an_absurd_throughput_claim_is_capped_at_a_multiple_of_the_lower_median():
+    from swarm.router import MAX_MULTIPLE_OF_MEDIAN
+
+
+    router = Router(seed=5)
+    router.update(0, {"honest": 1000.0, "liar": 1e30})
+    assert router.throughput["liar"] == MAX_MULTIPLE_OF_MEDIAN * 1000.0
+    picks = [router.choose(0) for _ in range(650)]
+    assert picks.count("honest") >= 5, "the honest replica keeps a share"
+    # --role auto: one server of stage 0 claiming 1e30 does not make stage 0 look the best served
+    records = [PeerRecord(peer_id="s0", role="stage", stage=0, tokens_per_s=1e30),
+               PeerRecord(peer_id="s0b", role="stage", stage=0, tokens_per_s=100.0),
+               *(PeerRecord(peer_id=f"s1-{i}", role="stage", stage=1, tokens_per_s=100.0) for i in range(70)),
+               *(PeerRecord(peer_id=f"t{i}", role="trainer") for i in range(3))]
+    assert choose_role(records, 2) == 0, "stage 0 counts 64 × 100 + 100 tokens/s at most, less than stage 1's 7000"

@@ -213,8 +213,9 @@ def test_a_seed_pool_draws_only_its_k_seeds_and_its_scalars_rebuild_the_fine_tun
 
 
 def test_the_majority_fingerprint_and_its_tie_break_are_the_same_everywhere():
-    assert zo.majority({"a": "x", "b": "y", "c": "y"}) == ("y", "b")
-    assert zo.majority({"b": "y", "a": "x"}) == ("x", "a")  # a tie goes to the smallest peer id
+    assert zo.majority({"a": "x", "b": "y", "c": "y"}, 4, "a") == ("y", "c")
+    tie = {"b": "y", "a": "x"}
+    assert zo.majority(tie, 4, "a") == zo.majority(tie, 4, "b"), "a tie goes the same way at every member"
 
 
 # ---- the exchange: relays and log replay (in-memory transport) -----------------------------------

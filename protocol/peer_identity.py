@@ -1,0 +1,202 @@
+"""DHT records bound to the writer's libp2p identity.
+
+A locomesh node signs its DHT records with the RSA key that is also its libp2p identity (the key
+p2pd runs with), so the peer id a record speaks for is derived from the key that signed it, never
+read from text the writer chose. Every record is an owned subkey ``<peer id>[owner:<ssh-rsa key>]``
+signed by that key (hivemind's :class:`RSASignatureValidator` checks the signature over key,
+subkey, value and expiration); :class:`OwnedRecordValidator` also refuses:
+
+- a record without an owner (a plain value, or a subkey without ``[owner:…]``);
+- a subkey whose peer id is not the one derived from its owner key (someone speaking for another peer);
+- an expiration farther than ``max_ttl`` + ``CLOCK_SKEW_S`` from now (a record that outlives its writer);
+- a new subkey under a key that already holds ``max_subkeys`` of them (a flood of invented members).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import multihash
+from cryptography.hazmat.primitives import serialization
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+logger = logging.getLogger(__name__)
+
+MAX_RECORD_TTL_S = 1200.0  # the longest any locomesh record lives (a round entry: 4 × a 300 s gather)
+CLOCK_SKEW_S = 30.0  # how far ahead of ours a writer's clock may run
+MAX_SUBKEYS = 1024  # owned subkeys one key may hold (members of a run, entries of a round, claims of a stage)
+_OWNED = re.compile(rb"^([1-9A-HJ-NP-Za-km-z]{20,64})\[owner:(.+)\]$", re.S)
+
+
+class IdentityError(ValueError):
+    """An identity file that cannot serve as a locomesh identity."""
+
+
+def load_identity(path: str | Path) -> RSAPrivateKey:
+    """The RSA private key in a libp2p identity file (hivemind's format: a protobuf PrivateKey)."""
+    try:
+        proto = crypto_pb2.PrivateKey.FromString(Path(path).read_bytes())
+    except Exception as e:
+        raise IdentityError(f"{path} is not a libp2p identity file ({e}); delete it to have a new one made") from None
+    if proto.key_type != crypto_pb2.KeyType.RSA:
+        raise IdentityError(f"{path} holds a {crypto_pb2.KeyType.Name(proto.key_type)} key; locomesh signs its DHT records "
+                            f"with the identity and needs an RSA one: delete the file to have one made")
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key._private_key = serialization.load_der_private_key(proto.data, password=None)
+    return key
+
+
+def write_identity(path: str | Path, key: RSAPrivateKey | None = None) -> RSAPrivateKey:
+    """Write ``key`` (a new one if None) to ``path`` as a libp2p identity file, atomically, mode 0400."""
+    key = key or RSAPrivateKey()
+    data = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o400)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return key
+
+
+@functools.lru_cache(maxsize=4096)
+def peer_id_of_key(ssh_public_key: bytes) -> str:
+    """The libp2p peer id of an RSA public key (``ssh-rsa …``, as hivemind writes owner tags)."""
+    der = RSAPublicKey.from_bytes(ssh_public_key)._public_key.public_bytes(
+        encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo)
+    proto = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return PeerID(multihash.encode(hashlib.sha256(proto).digest(), multihash.coerce_code("sha2-256"))).to_base58()
+
+
+def peer_id_of(key: RSAPrivateKey) -> str:
+    """The libp2p peer id of ``key``'s holder."""
+    return peer_id_of_key(key.get_public_key().to_bytes())
+
+
+def owner_of(subkey: object) -> str | None:
+    """The peer id an owned subkey claims, when it is the one its owner key derives; else None.
+    (The signature is checked apart, by the validator: this only parses and binds.)"""
+    if not isinstance(subkey, bytes):
+        return None
+    match = _OWNED.match(subkey)
+    if match is None:
+        return None
+    try:
+        derived = peer_id_of_key(match.group(2))
+    except Exception:
+        return None
+    return derived if derived == match.group(1).decode() else None
+
+
+class _Throttled:
+    """One warning line per reason a minute: a flood of bad records must not flood the log."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, float] = {}
+
+    def warn(self, reason: str, detail: str) -> None:
+        now = time.monotonic()
+        if now - self.last.get(reason, -1e9) >= 60.0:
+            self.last[reason] = now
+            logger.warning("refused a DHT record: %s (%s); further ones refused for this reason are not logged for a minute",
+                           reason, detail)
+
+
+class OwnedRecordValidator(RSASignatureValidator):
+    """hivemind's RSA signature check plus the owner binding, expiration and subkey caps above."""
+
+    def __init__(self, private_key: RSAPrivateKey | None = None, max_ttl: float = MAX_RECORD_TTL_S,
+                 max_subkeys: int = MAX_SUBKEYS) -> None:
+        super().__init__(private_key or RSAPrivateKey())
+        self.max_ttl, self.max_subkeys = max_ttl, max_subkeys
+        self.peer_id = peer_id_of(self._private_key)
+        self.storage = None  # the DHT's local storage, once bound (see :func:`bind`)
+        self._log = _Throttled()
+
+    def owned_subkey(self) -> bytes:
+        """The subkey under which this node writes its record of a key."""
+        return self.peer_id.encode() + self.local_public_key
+
+    def validate(self, record: DHTRecord) -> bool:
+        reason = self.refusal(record)
+        if reason is not None:
+            self._log.warn(reason, f"expires in {record.expiration_time - get_dht_time():.0f}s")
+            return False
+        return True
+
+    def refusal(self, record: DHTRecord, stored: bool = True) -> str | None:
+        """Why ``record`` is refused, or None when it is valid (``stored``: also check the subkey cap
+        against the local storage, as a store does; a read caps subkeys itself)."""
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+        except Exception:
+            return "its subkey is not msgpack"
+        if owner_of(subkey) is None:
+            return ("it has no owned subkey <peer id>[owner:<key>] whose peer id is its key's "
+                    "(an unsigned record, or one written for another peer)")
+        if record.expiration_time > get_dht_time() + self.max_ttl + CLOCK_SKEW_S:
+            return f"its expiration is more than {self.max_ttl:.0f}s + {CLOCK_SKEW_S:.0f}s ahead (a writer's clock far ahead, or a record meant to outlive its writer)"
+        if not super().validate(record):
+            return "its signature does not match its owner key (altered or forged)"
+        if stored and self.storage is not None and self._full(record.key, subkey):
+            return f"its key already holds {self.max_subkeys} subkeys"
+        return None
+
+    def _full(self, key: bytes, subkey: bytes) -> bool:
+        try:
+            stored = self.storage.get(DHTID.from_bytes(key))
+        except Exception:
+            return False
+        dictionary = stored.value if stored is not None else None
+        if dictionary is None or isinstance(dictionary, bytes):
+            return False
+        with dictionary.freeze():
+            return len(dictionary) >= self.max_subkeys and dictionary.get(subkey) is None
+
+    def merge_with(self, other: object) -> bool:
+        return isinstance(other, RSASignatureValidator)
+
+
+def bind(dht: object, validator: OwnedRecordValidator) -> None:
+    """Let ``validator`` see ``dht``'s storage (to cap subkeys per key) and refuse whole dictionaries
+    (hivemind replicates a key's dictionary in one message) holding more than the cap."""
+    protocol = dht.protocol  # type: ignore[attr-defined]
+    validator.storage = protocol.storage
+    check = protocol._validate_dictionary
+
+    def bounded(key_bytes: bytes, dictionary: object) -> bool:
+        if len(dictionary) > validator.max_subkeys:  # type: ignore[arg-type]
+            validator._log.warn(f"a dictionary holds more than {validator.max_subkeys} subkeys", f"{len(dictionary)}")  # type: ignore[arg-type]
+            return False
+        return check(key_bytes, dictionary)
+
+    protocol._validate_dictionary = bounded
+
+
+
+async def identified_p2p(**kwargs: Any) -> tuple[P2P, OwnedRecordValidator]:
+    """A p2pd started with a new RSA identity, and the validator that signs DHT records with it (for
+    tools and tests that join a run's DHT without a node; ``kwargs`` go to ``P2P.create``)."""
+    key = RSAPrivateKey()
+    with tempfile.TemporaryDirectory(prefix="locomesh-id-") as folder:
+        write_identity(f"{folder}/identity", key)
+        p2p = await P2P.create(identity_path=f"{folder}/identity", check_if_identity_free=False, **kwargs)
+    return p2p, OwnedRecordValidator(key)

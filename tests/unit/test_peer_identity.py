@@ -1,0 +1,108 @@
+"""DHT records bound to the writer's identity: what the validator refuses (protocol.peer_identity)."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from protocol.peer_identity import (CLOCK_SKEW_S, IdentityError, OwnedRecordValidator, bind, load_identity, owner_of,
+                                    peer_id_of, write_identity)
+
+KEY = DHTID.generate(source="locomesh.run.peers").to_bytes()
+
+
+def _signed(validator: OwnedRecordValidator, subkey: bytes, value: object = None, ttl: float = 8.0,
+            key: bytes = KEY) -> DHTRecord:
+    record = DHTRecord(key, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value or {"round": 1}), get_dht_time() + ttl)
+    return dataclasses.replace(record, value=validator.sign_value(record))
+
+
+@pytest.fixture(scope="module")
+def honest() -> OwnedRecordValidator:
+    return OwnedRecordValidator(max_ttl=60.0, max_subkeys=3)
+
+
+@pytest.fixture(scope="module")
+def attacker() -> OwnedRecordValidator:
+    return OwnedRecordValidator()
+
+
+def test_an_owned_signed_record_is_accepted_and_names_its_signer(honest):
+    record = _signed(honest, honest.owned_subkey())
+    assert honest.validate(record)
+    assert owner_of(MSGPackSerializer.loads(record.subkey)) == honest.peer_id
+    assert MSGPackSerializer.loads(honest.strip_value(record)) == {"round": 1}
+
+
+def test_a_record_written_for_another_peer_is_refused(honest, attacker):
+    # the attacker's own key under the victim's peer id: signed, but the id is not the key's
+    forged = _signed(attacker, honest.peer_id.encode() + attacker.local_public_key)
+    assert honest.refusal(forged) is not None and "another peer" in honest.refusal(forged)
+    # the victim's owner tag, signed by the attacker: the signature does not match
+    stolen = _signed(attacker, honest.owned_subkey())
+    assert "signature" in honest.refusal(stolen)
+    assert owner_of(honest.peer_id.encode() + attacker.local_public_key) is None
+
+
+def test_records_without_an_owner_are_refused(honest):
+    for subkey in (honest.peer_id.encode(), b"anything", None):
+        record = DHTRecord(KEY, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps({"round": 1}), get_dht_time() + 8)
+        assert not honest.validate(record), subkey
+
+
+def test_an_expiration_beyond_the_ttl_is_refused(honest):
+    assert honest.validate(_signed(honest, honest.owned_subkey(), ttl=60 + CLOCK_SKEW_S - 1))
+    year = _signed(honest, honest.owned_subkey(), ttl=365 * 86400)
+    assert "expiration" in honest.refusal(year)
+
+
+def test_a_signature_over_another_value_or_expiration_is_refused(honest):
+    record = _signed(honest, honest.owned_subkey(), value={"round": 1})
+    signature = record.value[len(MSGPackSerializer.dumps({"round": 1})):]
+    altered = dataclasses.replace(record, value=MSGPackSerializer.dumps({"round": 1000}) + signature)
+    assert "signature" in honest.refusal(altered)
+    later = dataclasses.replace(record, expiration_time=record.expiration_time + 10)
+    assert "signature" in honest.refusal(later)
+
+
+def test_a_key_holds_at_most_max_subkeys(honest):
+    storage = DHTLocalStorage()
+    validator = OwnedRecordValidator(honest._private_key, max_ttl=60.0, max_subkeys=3)
+    check = {"calls": 0}
+
+    def whole(key_bytes, dictionary):
+        check["calls"] += 1
+        return True
+
+    protocol = SimpleNamespace(storage=storage, _validate_dictionary=whole)
+    bind(SimpleNamespace(protocol=protocol), validator)  # hivemind's protocol, as far as bind sees it
+    sybils = [OwnedRecordValidator() for _ in range(3)]
+    key_id = DHTID.from_bytes(KEY)
+    for sybil in sybils:
+        record = _signed(sybil, sybil.owned_subkey())
+        assert validator.validate(record)
+        storage.store_subkey(key_id, sybil.owned_subkey(), record.value, record.expiration_time)
+    newcomer = _signed(validator, validator.owned_subkey())
+    assert "holds 3 subkeys" in validator.refusal(newcomer)
+    refresh = _signed(sybils[0], sybils[0].owned_subkey(), value={"round": 2})
+    assert validator.validate(refresh), "a member already stored may refresh its record"
+    # a whole dictionary (hivemind replicates keys so) with more subkeys than the cap is refused
+    big = DictionaryDHTValue()
+    for i in range(4):
+        big.store(f"sk{i}".encode(), b"v", get_dht_time() + 8)
+    assert protocol._validate_dictionary(KEY, big) is False
+    small = DictionaryDHTValue()
+    small.store(b"sk", b"v", get_dht_time() + 8)
+    assert protocol._validate_dictionary(KEY, small) is True and check["calls"] == 1
+
+
+def test_identity_files_round_trip_and_refuse_other_keys(tmp_path):
+    key = write_identity(tmp_path / "id")
+    assert peer_id_of(load_identity(tmp_path / "id")) == peer_id_of(key)
+    (tmp_path / "junk").write_bytes(b"\x08\x01\x12\x03abc")  # an Ed25519 key type
+    with pytest.raises(IdentityError, match="RSA"):
+        load_identity(tmp_path / "junk")
