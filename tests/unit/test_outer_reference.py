@@ -114,3 +114,30 @@ def test_state_tensors_are_fp32_host_copies_with_zeros_for_untouched_parameters(
     assert all(b.dtype == torch.float32 for b in loaded.buffers.values())
     half[0].add_(1.0)  # loading copies too
     assert not torch.equal(loaded.buffers[0], half[0].float())
+
+
+def test_nesterov_defaults_and_a_warm_up_counted_from_the_first_round() -> None:
+    outer = NesterovOuter()
+    assert (outer.lr, outer.momentum, outer.nesterov, outer.warmup_rounds, outer.first_round) == (0.7, 0.9, True, 0, 0)
+    late = NesterovOuter(lr=1.0, warmup_rounds=4, first_round=10)
+    assert [late.lr_at(r) for r in (8, 10, 11, 13, 20)] == [0.25, 0.25, 0.5, 1.0, 1.0]
+
+
+def test_indices_must_match_the_tensors() -> None:
+    with pytest.raises(ValueError, match="2 tensors but 1 parameter indices"):
+        NesterovOuter().step([torch.zeros(1), torch.zeros(1)], [torch.zeros(1), torch.zeros(1)], indices=[0])
+
+
+def test_buffers_follow_the_parameters_device_and_checkpoints_are_fp32_whatever_the_default_dtype() -> None:
+    outer = NesterovOuter()
+    outer.step([torch.zeros(3)], [torch.ones(3)])
+    cpu_buffer = outer._buffer(0, torch.zeros(3))
+    assert cpu_buffer is outer.buffers[0]  # same device: the buffer itself, not a copy
+    moved = outer._buffer(0, torch.zeros(3, device="meta"))  # another device (a GPU's, where there is one)
+    assert moved.device.type == "meta" and outer.buffers[0].device.type == "meta"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert NesterovOuter().state_tensors([torch.zeros(2)])[0].dtype == torch.float32
+    finally:
+        torch.set_default_dtype(previous)
