@@ -1,6 +1,6 @@
 """Pipeline churn with real processes: the same swarm with and without random SIGKILLs.
 
-    python -m benchmarks.recovery --churn --out runs/bench/churn.json [--minutes 15] [--nodes 8]
+    python -m benchmarks.recovery --churn --out runs/bench/churn.json [--minutes 15] [--nodes 8] [--seeds 0 1]
 
 Runs ``node swarm --nodes N --stages 3 --checkfree-plus`` twice for the same wall time and seeds:
 once with ``--chaos kill:random:every=45s --restart-killed 20`` and once without kills. From the
@@ -15,14 +15,20 @@ two reports it computes, for the run with kills:
   step both reached (linear interpolation between evaluations).
 
 The swarm runs on one machine: with 8 processes on 2 cores the absolute speed is low and noisy;
-the comparison between the two runs is what it measures.
+the comparison between the two runs is what it measures. With several seeds (``--seeds``: the swarm's
+``--seed``, which also seeds the chaos schedule) the runs alternate killed, calm, killed, calm… so a
+change in the machine's load falls on both, and the result holds each seed's analysis and their
+mean and spread.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +37,10 @@ SWARM_ARGS = ["--stages", "3", "--checkfree-plus", "--model", "micro", "--batch-
               "--activation-compression", "int8-block"]
 
 
-def run_swarm(folder: Path, nodes: int, seconds: float, chaos: bool) -> dict[str, Any]:
+def run_swarm(folder: Path, nodes: int, seconds: float, chaos: bool, seed: int = 0) -> dict[str, Any]:
     report = folder / "report.json"
     cmd = [sys.executable, "-m", "node", "swarm", "--nodes", str(nodes), "--duration", str(seconds), "--report", str(report),
-           "--fresh", *SWARM_ARGS]
+           "--fresh", "--seed", str(seed), *SWARM_ARGS]
     if chaos:
         cmd += ["--chaos", "kill:random:every=45s", "--restart-killed", "20"]
     subprocess.run(cmd, check=False, timeout=seconds + 600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -98,11 +104,24 @@ def analyse(killed: dict[str, Any], calm: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def churn(out: Path, nodes: int = 8, minutes: float = 15.0) -> dict[str, Any]:
+def churn(out: Path, nodes: int = 8, minutes: float = 15.0, seeds: tuple[int, ...] = (0,)) -> dict[str, Any]:
     folder = out.parent / (out.stem + "-runs")
-    killed = run_swarm(folder / "killed", nodes, minutes * 60, chaos=True)
-    calm = run_swarm(folder / "calm", nodes, minutes * 60, chaos=False)
-    result = {"nodes": nodes, "minutes": minutes, "swarm_args": SWARM_ARGS, **analyse(killed, calm)}
+    started, load_before = time.time(), os.getloadavg()
+    per_seed = {}
+    for seed in seeds:
+        killed = run_swarm(folder / f"killed-{seed}", nodes, minutes * 60, chaos=True, seed=seed)
+        calm = run_swarm(folder / f"calm-{seed}", nodes, minutes * 60, chaos=False, seed=seed)
+        per_seed[str(seed)] = analyse(killed, calm)
+    summary = {}
+    for key in ("progress_fraction", "val_loss_gap", "fresh_initialisations", "stages_emptied_by_recovery", "kills"):
+        values = [r[key] for r in per_seed.values() if r.get(key) is not None]
+        if values:
+            summary[key] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    result = {"command": " ".join(["python -m benchmarks.recovery --churn", *sys.argv[1:]]), "commit": git("rev-parse", "HEAD"),
+              "dirty": bool(git("status", "--porcelain")), "cores": os.cpu_count(), "load_before": load_before,
+              "load_after": os.getloadavg(), "started": started, "ended": time.time(), "nodes": nodes, "minutes": minutes,
+              "swarm_args": SWARM_ARGS, "seeds": list(seeds), "summary": summary, "per_seed": per_seed}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     return result
