@@ -64,7 +64,7 @@ class PeerRecord:
     stage_since: float = 0.0  # when it began serving that stage (unix time)
     up_mbit: float = 0.0  # its --max-upload-mbit (0: none): a joiner downloading from it waits that much longer
     reachability: str = "unknown"  # public | private | unknown: whether others can dial it (private: through relays)
-    protocol: int = 1  # protocol version (protocol.version); records without one are from before it existed
+    protocol: int = field(default_factory=protocol_version)  # protocol version (protocol.version); a record read without one is from before it existed (1)
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)

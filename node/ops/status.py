@@ -159,6 +159,10 @@ def status_table(result: dict[str, Any]) -> Any:
     """The rich renderable of a status result: the peers' table, and a hint when there are none."""
     from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
+
+    def line(text: str) -> Text:  # one line, never wrapped: hints hold multiaddrs and flags to copy
+        return Text(text, no_wrap=True, overflow="ignore")
 
     table = Table(title=f"run {result['run_id']}: {len(result['peers'])} peers")
     for col in ("peer", "role", "device", "reach", "version", "tok/s", "round", "step", "loss", "age"):
@@ -171,9 +175,9 @@ def status_table(result: dict[str, Any]) -> Any:
         table.add_row(r["peer_id"][-12:], role, r["device"], r.get("reachability", "unknown"), version, f"{r['tokens_per_s']:.0f}",
                       str(r["round"]), str(r["inner_step"]), f"{r['loss']:.3f}", f"{r['record_age_s']:.1f}s")
     if not result["peers"]:
-        return Group(table, result.get("hint") or "No live peers: check --run-id and that the multiaddr is of a running node.")
+        return Group(table, line(result.get("hint") or "No live peers: check --run-id and that the multiaddr is of a running node."))
     if result.get("version_hint"):
-        table = Group(table, result["version_hint"])
+        table = Group(table, line(result["version_hint"]))
     if result.get("stages"):
         stages = Table(title="pipeline stages")
         for col in ("stage", "servers", "tok/s", "queued"):
@@ -191,4 +195,4 @@ def status_table(result: dict[str, Any]) -> Any:
 def render_status(result: dict[str, Any]) -> None:
     from rich.console import Console
 
-    Console().print(status_table(result))
+    Console().print(status_table(result), crop=False)  # hint lines stay whole (see status_table)
