@@ -1,8 +1,17 @@
 """A pipeline with Muon inner steps on a cosine lr schedule (real daemons on loopback: 2 stages + 1 trainer):
 it trains, and a replica that joins a stage late continues the stage's schedule position (the backward
-steps its replicas took) instead of restarting warm-up."""
+steps its replicas took) instead of restarting warm-up.
+
+Slow (~30 s): the schedule position across a join is covered in-process by tests/unit/test_inner_state.py
+(a joiner downloading a real node's state over the in-memory transport), and stage joins live by
+test_pipeline_swarm.py.
+"""
+
+import pytest
 
 from tests.helpers.swarm_utils import start_node
+
+pytestmark = pytest.mark.slow
 
 PIPE = ["--model", "nano", "--batch-size", "8", "--threads", "1", "--warmup-steps", "10", "--eval-batches", "4",
         "--stages", "2", "--sync-every", "4", "--eval-every", "0", "--run-id", "pipe-schedule", "--averaging-timeout", "10",
