@@ -19,6 +19,7 @@ from node.config.defaults import (
     LOSSY_WARMUP_ROUNDS, OPS, OUTER_DEFAULTS, PIPE, SEED_DILOCO_OUTER, SPARSE_CODEC, SWARM, TRAIN, by_algorithm,
     outer_default_text, option,
 )
+from node.config.combinations import check_combinations
 from node.errors import UserError
 
 if TYPE_CHECKING:
@@ -31,10 +32,6 @@ def _int_or(value: Any, default: int) -> int:
         return int(value) if value is not None else default
     except (TypeError, ValueError):
         return default
-
-
-def _default(name: str) -> Any:
-    return NodeConfig.model_fields[name].default
 
 
 class ConfigError(UserError, ValueError):
@@ -294,72 +291,8 @@ class NodeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _fits_together(self) -> "NodeConfig":
-        memory_flags = [flag for flag, on in (("--micro-batch-size", self.micro_batch_size is not None),
-                                              ("--activation-checkpointing", self.activation_checkpointing),
-                                              ("--compile", self.compile)) if on]
-        if memory_flags and self.stages > 1:
-            raise ValueError(f"{', '.join(memory_flags)} {'is' if len(memory_flags) == 1 else 'are'} for whole-model replicas (--stages 1), "
-                             "not pipelines (a pipeline trainer cuts its batches with --microbatches)")
-        if self.algorithm == "zo" and (self.micro_batch_size is not None or self.activation_checkpointing):
-            raise ValueError("--micro-batch-size and --activation-checkpointing do not apply to --algorithm zo (forward passes only, no gradients)")
-        if self.micro_batch_size is not None and self.micro_batch_size > self.batch_size:
-            raise ValueError(f"--micro-batch-size {self.micro_batch_size} is larger than --batch-size {self.batch_size}: it cuts each batch "
-                             f"into pieces, so use at most {self.batch_size} (or raise --batch-size)")
-        if self.algorithm == "zo" and (self.lr_schedule != "constant" or self.inner_optimizer != "adamw"):
-            raise ValueError("--lr-schedule and --inner-optimizer do not apply to --algorithm zo: every replica replays the swarm's "
-                             "steps at the agreed --zo-lr; use the defaults (constant, adamw)")
-        if self.lr_schedule != "constant":
-            self.schedule()  # raises naming what is missing (the run's length) or out of range
-        if self.algorithm == "zo":
-            for wrong, why in ((self.fragments > 1, "--fragments"), (self.overlap, "--overlap"),
-                               (self.compression not in (None, "none"), "--compression")):
-                if wrong:
-                    raise ValueError(f"{why} does not apply to --algorithm zo (it sends one byte per step and never a model)")
-        elif self.zo_seed_pool:
-            raise ValueError("--zo-seed-pool is used by --algorithm zo; other algorithms send pseudo-gradients, not seeds")
-        if self.overlap_mode == "eager" and self.algorithm == "noloco":
-            raise ValueError("--overlap-mode eager estimates a group average: use it with diloco or sparseloco")
-        if self.fragments > 1 and self.algorithm == "noloco":
-            raise ValueError("--fragments works with diloco and sparseloco; noloco sends whole models (use --fragments 1)")
-        if self.attack is not None and (self.stages > 1 or self.algorithm == "zo"):
-            raise ValueError("--attack rewrites a replica's pseudo-gradient: use it with diloco, noloco or sparseloco and --stages 1")
-        if self.stages > 1:
-            self._pipeline_refusals()
-        if self.algorithm != "zo" and (self.zo_eps, self.zo_lr) != (_default("zo_eps"), _default("zo_lr")):
-            raise ValueError("--zo-eps and --zo-lr are the steps of --algorithm zo; other algorithms take --lr and --outer-lr")
-        if self.algorithm != "noloco" and (self.group_size != _default("group_size") or self.noloco_pull is not None):
-            raise ValueError("--group-size and --noloco-pull shape noloco's rounds; diloco and sparseloco groups are bounded by "
-                             "--max-group-size")
-        if self.stages > 1 and self.init_from is not None:
-            raise ValueError("--init-from starts whole-model replicas (--stages 1); a pipeline's stages start from the run's seed")
-        if self.model_config_file is not None and self.init_from is not None:
-            raise ValueError("--init-from a folder brings its own architecture: leave out --model-config")
-        layers = self._layers()
-        if self.stages > layers:
-            raise ValueError(f"--stages {self.stages}: model {self.model!r} has only {layers} blocks to split")
-        if self.stage is not None and self.stage >= self.stages:
-            raise ValueError(f"--stage {self.stage} does not exist in a {self.stages}-stage pipeline (stages are 0..{self.stages - 1})")
-        if self.stages > 1 and self.min_peers > 1:
-            raise ValueError("--min-peers holds whole-model replicas (--stages 1); a pipeline waits for its stages on its own")
-        if self.stages > 1 and self.algorithm != "diloco":
-            raise ValueError("pipeline stages average with --algorithm diloco (any --compression)")
-        if self.fragments > layers:
-            raise ValueError(f"--fragments {self.fragments}: model {self.model!r} has only {layers} blocks to split")
-        steps = self.round_steps if self.inner_steps == "auto" else self.inner_steps
-        if self.fragments > steps:
-            raise ValueError(f"--fragments {self.fragments} needs at least as many inner steps per round, got {steps}")
+        check_combinations(self)  # node/config/combinations.py
         return self
-
-    def _pipeline_refusals(self) -> None:
-        """Replica flags that mean nothing to a pipeline (--stages > 1), each refused with what to use instead."""
-        for wrong, why in (
-            (self.overlap, "--overlap: a pipeline's stage servers always keep serving while their stage averages"),
-            (self.overlap_mode != "asap", "--overlap-mode: a stage server applies each round's result when it arrives (asap)"),
-            (self.fragments > 1, "--fragments streams a whole-model replica's rounds; a pipeline averages each stage on its "
-                                 "own, every --sync-every seconds"),
-        ):
-            if wrong:
-                raise ValueError(f"{why}; leave it out with --stages > 1")
 
     def _layers(self) -> int:
         """Transformer blocks of the architecture in force (a config file that cannot be read is refused later, with its reason)."""
