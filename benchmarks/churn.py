@@ -37,12 +37,12 @@ SWARM_ARGS = ["--stages", "3", "--checkfree-plus", "--model", "micro", "--batch-
               "--activation-compression", "int8-block"]
 
 
-def run_swarm(folder: Path, nodes: int, seconds: float, chaos: bool, seed: int = 0) -> dict[str, Any]:
+def run_swarm(folder: Path, nodes: int, seconds: float, chaos: bool, seed: int = 0, restart: bool = True) -> dict[str, Any]:
     report = folder / "report.json"
     cmd = [sys.executable, "-m", "node", "swarm", "--nodes", str(nodes), "--duration", str(seconds), "--report", str(report),
            "--fresh", "--seed", str(seed), *SWARM_ARGS]
     if chaos:
-        cmd += ["--chaos", "kill:random:every=45s", "--restart-killed", "20"]
+        cmd += ["--chaos", "kill:random:every=45s", *(["--restart-killed", "20"] if restart else [])]
     subprocess.run(cmd, check=False, timeout=seconds + 600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return json.loads(report.read_text())
 
@@ -67,7 +67,7 @@ def analyse(killed: dict[str, Any], calm: dict[str, Any]) -> dict[str, Any]:
     index = trainer.get("index")
     waits = sum(e.get("duration_s", 0.0) for e in events if e["event"] == "waiting_for_stage" and e.get("node") == index)
     trainer_kills = [e for e in events if e["event"] == "chaos_kill" and e.get("node") == index]
-    dead = 20.0 * len(trainer_kills)  # restarted 20 s after each kill
+    dead = 20.0 * len(trainer_kills)  # restarted 20 s after each kill (without restarts a killed trainer ends the run)
     wall = max(1e-9, killed["duration_s"])
     recoveries = [{"stage": e["stage"], "method": e["method"], "duration_s": e.get("duration_s"), "node": e["node"]}
                   for e in events if e["event"] == "stage_recovered"]
@@ -104,12 +104,12 @@ def analyse(killed: dict[str, Any], calm: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def churn(out: Path, nodes: int = 8, minutes: float = 15.0, seeds: tuple[int, ...] = (0,)) -> dict[str, Any]:
+def churn(out: Path, nodes: int = 8, minutes: float = 15.0, seeds: tuple[int, ...] = (0,), restart: bool = True) -> dict[str, Any]:
     folder = out.parent / (out.stem + "-runs")
     started, load_before = time.time(), os.getloadavg()
     per_seed = {}
     for seed in seeds:
-        killed = run_swarm(folder / f"killed-{seed}", nodes, minutes * 60, chaos=True, seed=seed)
+        killed = run_swarm(folder / f"killed-{seed}", nodes, minutes * 60, chaos=True, seed=seed, restart=restart)
         calm = run_swarm(folder / f"calm-{seed}", nodes, minutes * 60, chaos=False, seed=seed)
         per_seed[str(seed)] = analyse(killed, calm)
     summary = {}
@@ -118,10 +118,10 @@ def churn(out: Path, nodes: int = 8, minutes: float = 15.0, seeds: tuple[int, ..
         if values:
             summary[key] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
     git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
-    result = {"command": " ".join(["python -m benchmarks.recovery --churn", *sys.argv[1:]]), "commit": git("rev-parse", "HEAD"),
+    result = {"command": " ".join(["python -m benchmarks.recovery", *sys.argv[1:]]), "commit": git("rev-parse", "HEAD"),
               "dirty": bool(git("status", "--porcelain")), "cores": os.cpu_count(), "load_before": load_before,
               "load_after": os.getloadavg(), "started": started, "ended": time.time(), "nodes": nodes, "minutes": minutes,
-              "swarm_args": SWARM_ARGS, "seeds": list(seeds), "summary": summary, "per_seed": per_seed}
+              "swarm_args": SWARM_ARGS, "restart_killed": restart, "seeds": list(seeds), "summary": summary, "per_seed": per_seed}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     return result

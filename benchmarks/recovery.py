@@ -191,12 +191,13 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=15.0, help="with --churn: wall time of each run")
     parser.add_argument("--nodes", type=int, default=8, help="with --churn: nodes in the swarm")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="with --churn: swarm seeds, a killed and a calm run each")
+    parser.add_argument("--no-restart", action="store_true", help="with --churn: killed nodes stay dead (stages must be rebuilt)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.churn:
         from benchmarks.churn import churn
 
-        print(json.dumps(churn(args.out, args.nodes, args.minutes, tuple(args.seeds)), indent=2))
+        print(json.dumps(churn(args.out, args.nodes, args.minutes, tuple(args.seeds), restart=not args.no_restart), indent=2))
         return
     steps = args.steps or (700 if args.quick else 1500)
     rates = (0.16,) if args.quick else (0.05, 0.10, 0.16)
