@@ -127,6 +127,7 @@ def measure(workdir: Path, cap_mbit: float, seconds: float, tag: str = "cap", mi
         "rounds_total": len(_full_rounds(end_info)),
         "train_loss_first": end_info.get("train_loss_first"),
         "train_loss_last": end_info.get("train_loss_last"),
+        "free_train_loss_first": free_info.get("train_loss_first"),  # the bootstrap node's, from scratch
         "free_rounds_total": len(_full_rounds(free_info)),
         "samples": samples,
         "logs": logs,  # their tails, for a failed check

@@ -26,4 +26,6 @@ def test_a_capped_node_sends_at_most_its_cap_and_its_rounds_complete(tmp_path) -
     summary = json.dumps({k: v for k, v in run.items() if k != "samples"}, indent=1)  # with the nodes' log tails
     assert run["wire_tx_mbit"] <= CAP_MBIT * 1.10, summary
     assert run["rounds_in_window"] >= 2, summary  # a round moves ~0.9 MB (micro): ~3.5 s at the cap
-    assert run["train_loss_last"] < run["train_loss_first"], summary
+    # the capped node joined with the free node's state, so its own first loss may already be low: compare
+    # with the loss the free node started from (an untrained model)
+    assert run["train_loss_last"] < run["free_train_loss_first"] - 0.5, summary

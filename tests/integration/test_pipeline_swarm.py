@@ -75,7 +75,6 @@ def test_pipeline_trains_replicas_agree_and_a_killed_replica_is_routed_around(tm
     for trainer in (t0, t1):
         info = trainer.info()
         assert info["train_loss_last"] < first_loss - 1.0, info
-        assert info["train_loss_last"] < info["train_loss_first"], ("each trainer's own loss fell", info)
         assert info["val_loss"] < 3.5
         kinds = [e["event"] for e in info["events"]]
         assert "step_failed" not in kinds[kinds.index("rerouted") if "rerouted" in kinds else 0:], "another replica took over"

@@ -32,7 +32,9 @@ def test_two_replicas_train_on_shared_seed_payloads(tmp_path, nodes, codec, fewe
         # began and never blow up
         final = info["val_loss"]
         assert final < below and final < min(losses[:2]) + 0.05 and max(losses) < losses[0] + 1.0, (codec, losses, final)
-        assert info["train_loss_last"] < info["train_loss_first"], info
+        # b joined with a's state, so its own first loss is already low (one batch each: 2.663 against
+        # 2.662 failed once); both must end far below the untrained model a started from
+        assert info["train_loss_last"] < a.info()["train_loss_first"] - 0.5, (info["train_loss_last"], a.info()["train_loss_first"])
         norms = [r["update_norm"] for r in rounds if r.get("update_norm") is not None]
         # bounded: error feedback with β = 0.95 holds at most 1/(1 − β) = 20 rounds of a steady
         # pseudo-gradient, so the decoded update may grow about 20-fold from the first round, never more
