@@ -18,7 +18,7 @@ from tests.helpers.memory_transport import Network
 
 
 def diloco_members(n: int, network: Network, shapes: Sequence[tuple[int, ...]], codec: str = "none", part_numel: int = 256,
-                   seed: int = 0, lr: float = 1.0, fetch_timeout: float = 3, serve_timeout: float = 5,
+                   seed: int = 0, lr: float = 1.0, fetch_timeout: float = 3, serve_timeout: float = 5, gather_timeout: float = 3,
                    max_group_size: int | None = None, samples: Sequence[int] | None = None) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
     """``n`` members ``peer00``, ``peer01``, ... on ``network`` (run ``run``, outer step: ``lr``, no momentum),
     all holding the same random φ of ``shapes``, each with its own random Δ.
@@ -33,7 +33,7 @@ def diloco_members(n: int, network: Network, shapes: Sequence[tuple[int, ...]], 
         peer = f"peer{k:02d}"
         exchange = RoundExchange(network.transport(peer), "run", codec, Partition(part_numel).shapes(shapes), serve_timeout=serve_timeout)
         averager = DiLoCoAverager(None, None, exchange, "run", peer, NesterovOuter(lr=lr, momentum=0.0),  # type: ignore[arg-type]
-                                  gather_timeout=3, fetch_timeout=fetch_timeout, partition=Partition(part_numel),
+                                  gather_timeout=gather_timeout, fetch_timeout=fetch_timeout, partition=Partition(part_numel),
                                   max_group_size=max_group_size)
         delta = [torch.randn(s, generator=g) for s in shapes]
         members.append({"peer": peer, "exchange": exchange, "averager": averager, "phi": [p.clone() for p in phi],

@@ -86,14 +86,16 @@ def _assert_group_holds_the_mean_of_stepped_weights(group, by_peer) -> None:
             assert torch.allclose(by_peer[p]["phi"][i], expected, atol=1e-5)
 
 
-@pytest.mark.slow  # failed once (n=8) in a fresh-clone make test with a failure or an unsynced member; cause not found yet
 @pytest.mark.parametrize("n, bound", [(8, 3), (12, 4)])
 def test_each_group_ends_bit_identical_at_the_weighted_mean_of_its_stepped_weights(n, bound, monkeypatch):
     network = Network()
-    _, members = diloco_members(n, network, SHAPES, "none", PART_NUMEL, max_group_size=bound)
+    # nothing fails here, so the deadlines only matter on a starved machine: the in-process round of 12
+    # members missed the 3 s ones once under a load average of ~19 (a failure or an unsynced member)
+    _, members = diloco_members(n, network, SHAPES, "none", PART_NUMEL, max_group_size=bound, fetch_timeout=60,
+                                serve_timeout=60, gather_timeout=60)
     results = _run_grouped_round(members, monkeypatch)
     count = group_count(n, bound)
-    assert all(r.groups == count and r.in_sync and not r.failures for r in results)
+    assert all(r.groups == count and r.in_sync and not r.failures for r in results), [(r.groups, r.in_sync, r.failures) for r in results]
     by_peer = {m["peer"]: m for m in members}
     groups = {tuple(r.group) for r in results}
     assert sorted(p for g in groups for p in g) == sorted(by_peer), "every member in exactly one group"
