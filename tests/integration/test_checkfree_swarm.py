@@ -36,7 +36,7 @@ def _kill_and_wait_for_recovery(victim, spares, stage, method, trainer):
     assert event["method"] == method, event
     assert event["t"] - killed_at <= RECORD_TTL + GRACE + 30 + 2, "rebuilt within 30 s of the grace period ending"
     steps = trainer.info()["steps"]
-    trainer.wait(lambda i: i.get("steps", 0) >= steps + 40, 120, "training after the recovery")
+    trainer.wait(lambda i: i.get("steps", 0) >= steps + 24, 120, "training after the recovery")
     return event
 
 
@@ -49,7 +49,7 @@ def test_lost_middle_and_last_stages_come_back_from_their_neighbours(tmp_path, n
                        ("spare-b", ["--role", "spare"]), ("trainer", ["--role", "trainer"])):
         nodes.append(start_node(tmp_path, name, [*ARGS, *role], [addr]))
     st0, st1, st2, st3, spare_a, spare_b, trainer = nodes
-    trainer.wait(lambda i: len([r for r in i.get("rounds", []) if "val_loss" in r]) >= 3, 240, "three evaluations")
+    trainer.wait(lambda i: len([r for r in i.get("rounds", []) if "val_loss" in r]) >= 2, 240, "two evaluations")
 
     middle = _kill_and_wait_for_recovery(st1, [spare_a, spare_b], 1, "checkfree", trainer)
     assert len(middle["norms"]) == 2 and all(n > 0 for n in middle["norms"]), "weighted by the neighbours' gradient norms"
@@ -59,7 +59,7 @@ def test_lost_middle_and_last_stages_come_back_from_their_neighbours(tmp_path, n
     for node in (trainer, st0, st2, spare_a, spare_b):
         assert node.stop() == 0, node.log()[-2000:]
     points = _val_points(trainer)
-    before_kill = [v for s, v in points][:3]
+    before_kill = [v for s, v in points][:2]
     assert points[-1][1] < min(before_kill), f"held-out loss kept falling across both recoveries: {points}"
     recoveries = [(e["stage"], s.name) for s in (spare_a, spare_b) for e in _events(s, "stage_recovered")]
     assert sorted(stage for stage, _ in recoveries) == [1, 3], f"one rebuilder per lost stage: {recoveries}"

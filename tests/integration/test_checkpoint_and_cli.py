@@ -53,7 +53,8 @@ def test_eval_of_missing_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_swarm_command_runs_to_its_duration_trains_and_writes_the_report(tmp_path):
-    """The `make demo` path (`node swarm` to its --duration, nano instead of tiny, 2 nodes): ~30 s."""
+    """The `make demo` path (`node swarm` to its --duration, nano instead of tiny, 2 nodes): ~30 s. `node swarm`
+    passes --min-peers: node 0 waits for node 1 before its first step (it used to train alone and leave)."""
     report = tmp_path / "report.json"
     out = subprocess.run(
         [sys.executable, "-m", "node", "swarm", "--nodes", "2", "--duration", "20", "--report", str(report),
@@ -76,6 +77,9 @@ def test_swarm_command_runs_to_its_duration_trains_and_writes_the_report(tmp_pat
         assert node["outer_rounds"] >= 3 and node["bytes_sent_by_kind"].get("average", 0) > 0, node
         rounds = json.loads((tmp_path / f"node{node['index']}" / "info.json").read_text())["rounds"]
         assert sum(r["contributors"] == 2 and r["in_sync"] for r in rounds) >= 2, "the two nodes averaged together"
+        info = json.loads((tmp_path / f"node{node['index']}" / "info.json").read_text())
+        assert rounds[0]["contributors"] == 2, ("both from the first round: the start-up barrier", rounds[:2])
+        assert any(e["event"] == "peers_ready" and e["peers"] == 2 for e in info["events"]), info["events"]
         # (node 1 joins with node 0's trained weights: its first loss is already lower)
         assert node["val_loss"] < node["train_loss_first"] and node["val_loss"] < data["nodes"][0]["train_loss_first"] - 1.5, node
         assert Path(node["checkpoint"]).is_file()
@@ -88,6 +92,7 @@ def test_swarm_command_runs_to_its_duration_trains_and_writes_the_report(tmp_pat
     kinds = {e["event"] for e in data["events"]}
     assert {"node_started", "bootstrap_ready", "sigterm", "node_exited", "joined"} <= kinds
     assert "swarm of 2 nodes" in out.stdout
+    assert "waiting for --min-peers 2 before the first step: 1 in run" in (tmp_path / "node0" / "log.txt").read_text()
     progress = [line for line in out.stdout.splitlines() if line.startswith("[")]
     assert progress and all(len(line) <= 120 for line in progress), "plain progress: one short line per node"
 

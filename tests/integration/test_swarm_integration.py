@@ -1,5 +1,6 @@
-"""Real daemons on loopback: a 3-node DiLoCo swarm trains, stays in sync, serves status and metrics,
-stops cleanly on SIGTERM with nothing left behind; a 4th node joins mid-run and adopts the swarm's state."""
+"""Real daemons on loopback: a 3-node DiLoCo swarm whose third node joins mid-run (adopting the state the
+swarm agreed on and its round) trains, stays in sync, serves status and metrics, and stops cleanly on
+SIGTERM with nothing left behind."""
 
 import json
 import subprocess
@@ -16,13 +17,46 @@ def _rounds_by_number(info):
     return {r["round"]: r for r in info["rounds"]}
 
 
-def test_three_node_swarm_trains_in_sync_and_stops_cleanly(tmp_path, nodes):
+def _joined_the_agreed_state(a, b, c) -> None:
+    """c, started after a and b trained together, downloaded the weights the swarm agreed on before its
+    first round, and that round is the swarm's current one."""
+    joined = c.info()
+    event = next(e for e in joined["events"] if e["event"] == "joined")
+    first = joined["rounds"][0]
+    assert joined["joined_round"] >= 3
+    assert first["round"] == joined["joined_round"], "the joiner's first round is the swarm's current round"
+    assert event["fingerprint"] == event["peer_fingerprint"]
+    assert event["reused"] == [], "a joiner from another seed, rounds late, holds nothing the swarm has"
+    # (under load a and b may end round r−1 apart, one of them averaging alone, and the peer it
+    # downloaded from may have resynced into round r itself rather than finished round r−1)
+    r = first["round"]
+    agreed = {rounds[r - 1]["fingerprint"] for rounds in map(_rounds_by_number, (a.info(), b.info())) if r - 1 in rounds}
+    agreed |= {e["fingerprint"] for h in (a, b) for e in h.info()["events"]
+               if e["event"] in ("joined", "resynced") and e.get("round") == r and "fingerprint" in e}
+    assert event["fingerprint"] in agreed, (event, agreed)
+
+
+def test_three_node_swarm_with_a_joiner_trains_in_sync_and_stops_cleanly(tmp_path, nodes):
     a = start_node(tmp_path, "a", FAST_ARGS + ["--seed", "1"])
     nodes.append(a)
     boot = a.multiaddr()
-    nodes.extend(start_node(tmp_path, n, FAST_ARGS + ["--seed", str(i + 2)], [boot]) for i, n in enumerate("bc"))
-    for handle in nodes:
-        handle.wait(lambda i: i.get("outer_rounds", 0) >= 4, 240, "4 outer rounds")
+    b = start_node(tmp_path, "b", FAST_ARGS + ["--seed", "2"], [boot])
+    nodes.append(b)
+    a.wait(lambda i: i.get("outer_rounds", 0) >= 3, 240, "3 outer rounds")
+    c = start_node(tmp_path, "c", FAST_ARGS + ["--seed", "3"], [boot])  # joins mid-run
+    nodes.append(c)
+    c.wait(lambda i: i.get("outer_rounds", 0) >= 2, 240, "2 outer rounds after joining")
+    _joined_the_agreed_state(a, b, c)
+
+    # after rounds that all three averaged together they hold the same weights (a member whose view of
+    # the group lagged averages without it and resyncs after its next round)
+    def full_rounds() -> list[int]:
+        by_node = [_rounds_by_number(h.info()) for h in nodes]
+        return [r for r in by_node[2] if all(r in n and n[r]["contributors"] == 3 for n in by_node)]
+
+    deadline = time.time() + 120
+    while len(full_rounds()) < 2 and time.time() < deadline:
+        time.sleep(0.5)
 
     # status over the DHT + the status protocol, as a user would run it
     out = subprocess.run([sys.executable, "-m", "node", "status", "--initial-peers", boot, "--json"],
@@ -56,11 +90,10 @@ def test_three_node_swarm_trains_in_sync_and_stops_cleanly(tmp_path, nodes):
         assert info["val_loss"] < infos[0]["train_loss_first"] - 1.5  # every replica is far better than the init
         assert info["bytes_sent"] > 0 and info["bytes_received"] > 0
     assert infos[0]["train_loss_last"] < infos[0]["train_loss_first"] - 1.5  # the bootstrap node started from scratch
-    # right after every round that all three averaged together, their weights are bit-identical
     by_node = [_rounds_by_number(i) for i in infos]
-    full_rounds = [r for r in by_node[0] if all(r in b and b[r]["contributors"] == 3 for b in by_node)]
-    assert len(full_rounds) >= 2, by_node
-    for r in full_rounds:
+    shared = full_rounds()
+    assert len(shared) >= 2, by_node
+    for r in shared:
         assert len({b[r]["fingerprint"] for b in by_node}) == 1, f"replicas differ after round {r}"
 
     # the checkpoint written at SIGTERM evaluates to the loss the node reported
@@ -69,51 +102,6 @@ def test_three_node_swarm_trains_in_sync_and_stops_cleanly(tmp_path, nodes):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["val_loss"] == pytest.approx(infos[0]["val_loss"], abs=1e-4)
-
-
-def test_joiner_downloads_state_and_uses_the_swarms_round(tmp_path, nodes):
-    a = start_node(tmp_path, "a", FAST_ARGS + ["--seed", "1"])
-    nodes.append(a)
-    boot = a.multiaddr()
-    b = start_node(tmp_path, "b", FAST_ARGS + ["--seed", "2"], [boot])
-    nodes.append(b)
-    a.wait(lambda i: i.get("outer_rounds", 0) >= 3, 240, "3 outer rounds")
-    c = start_node(tmp_path, "c", FAST_ARGS + ["--seed", "3"], [boot])
-    nodes.append(c)
-    joined = c.wait(lambda i: i.get("outer_rounds", 0) >= 2, 240, "2 outer rounds after joining")
-    event = next(e for e in joined["events"] if e["event"] == "joined")
-    first = joined["rounds"][0]
-    assert joined["joined_round"] >= 3
-    assert first["round"] == joined["joined_round"], "the joiner's first round is the swarm's current round"
-    # it downloaded exactly the weights the swarm agreed on before that round
-    assert event["fingerprint"] == event["peer_fingerprint"]
-    assert event["reused"] == [], "a joiner from another seed, rounds late, holds nothing the swarm has"
-    # (under load a and b may end round r−1 apart, one of them averaging alone, and the peer it
-    # downloaded from may have resynced into round r itself rather than finished round r−1)
-    r = first["round"]
-    agreed = {rounds[r - 1]["fingerprint"] for rounds in map(_rounds_by_number, (a.info(), b.info())) if r - 1 in rounds}
-    agreed |= {e["fingerprint"] for h in (a, b) for e in h.info()["events"]
-               if e["event"] in ("joined", "resynced") and e.get("round") == r and "fingerprint" in e}
-    assert event["fingerprint"] in agreed, (event, agreed)
-    # and after a round that all three averaged together it holds the same weights as they do (a
-    # member whose view of the group lagged averages without it and resyncs after its next round)
-    def shared_rounds() -> list[int]:
-        others = [_rounds_by_number(h.info()) for h in (a, b)]
-        return [r["round"] for r in c.info().get("rounds", [])
-                if r["contributors"] == 3 and all(r["round"] in o and o[r["round"]]["contributors"] == 3 for o in others)]
-
-    deadline = time.time() + 120
-    while not shared_rounds() and time.time() < deadline:
-        time.sleep(0.5)
-    shared = shared_rounds()
-    joined = c.info()
-    others = [_rounds_by_number(h.info()) for h in (a, b)]
-    assert shared, joined["rounds"]
-    for r in shared:
-        fps = {o[r]["fingerprint"] for o in others} | {_rounds_by_number(joined)[r]["fingerprint"]}
-        assert len(fps) == 1
-    for handle in nodes:
-        assert handle.stop() == 0
 
 
 def test_sigkill_of_the_daemon_alone_leaves_no_orphans(tmp_path, nodes):

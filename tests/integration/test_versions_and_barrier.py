@@ -1,14 +1,11 @@
 """Mixed versions and the start-up barrier, with real daemons.
 
 A peer of another protocol version (faked with ``LOCOMESH_FAKE_PROTOCOL_VERSION``) is refused with one
-line naming both versions while the run trains on; ``node swarm`` holds every node until all are in, so
-rounds have every member from the first; a node waiting for a run whose peers stopped says so at once.
+line naming both versions while the run trains on; a node waiting for a run whose peers stopped says so at
+once. (``node swarm`` holding every node until all are in: tests/integration/test_checkpoint_and_cli.py.)
 """
 
 import asyncio
-import json
-import subprocess
-import sys
 
 import pytest
 from hivemind.p2p import P2P
@@ -71,25 +68,6 @@ def test_a_peer_of_another_protocol_is_refused_once_and_the_run_trains_on(tmp_pa
     assert len(_lines(a.log(), f"peer {client} runs locomesh 0.2.0 (protocol 3); this node runs 0.2.0 (protocol 2)")) == 1
     assert "Traceback" not in a.log()
     assert a.stop() == 0
-
-
-def test_node_swarm_holds_the_first_node_until_the_others_are_in(tmp_path):
-    """The issue's run: node 0 used to finish alone in a second and node 1 failed to join it."""
-    report = tmp_path / "report.json"
-    out = subprocess.run(
-        [sys.executable, "-m", "node", "swarm", "--nodes", "2", "--max-steps", "60", "--model", "nano", "--duration", "300",
-         "--inner-steps", "20", "--batch-size", "8", "--eval-batches", "2", "--report", str(report)],
-        capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    data = json.loads(report.read_text())
-    for node in data["nodes"]:
-        assert node["exit_code"] == 0 and node["steps"] == 60, node
-        info = json.loads((tmp_path / f"node{node['index']}" / "info.json").read_text())
-        # both, from the first round (the last round, at --max-steps, may lose the node that finished first)
-        assert [r["contributors"] for r in info["rounds"]][:2] == [2, 2], info["rounds"]
-        assert any(e["event"] == "peers_ready" and e["peers"] == 2 for e in info["events"]), info["events"]
-    log0 = (tmp_path / "node0" / "log.txt").read_text()
-    assert "waiting for --min-peers 2 before the first step: 1 in run" in log0
 
 
 def test_a_node_is_told_when_the_run_stops_or_its_peers_do_not_come(tmp_path, nodes):

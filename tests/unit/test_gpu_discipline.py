@@ -21,11 +21,13 @@ CPU = torch.device("cpu")
 FAMILIES = [name for name in ("nano", "llama-tiny") if name in PRESETS]  # one preset of each model family
 
 
-def _batch(name: str, rows: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(name: str, rows: int, seed: int = 1, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` random sequences of ``length`` tokens (the preset's context by default)."""
     cfg = preset(name)
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, cfg.vocab_size, (rows, cfg.context), generator=g)
-    return x, torch.randint(0, cfg.vocab_size, (rows, cfg.context), generator=g)
+    shape = (rows, length or cfg.context)
+    x = torch.randint(0, cfg.vocab_size, shape, generator=g)
+    return x, torch.randint(0, cfg.vocab_size, shape, generator=g)
 
 
 def _loss_and_grads(trainer: LocalTrainer, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -364,7 +366,7 @@ def test_the_cuda_recipe_runs_on_the_cpu(name: str, optimizer: str) -> None:
     assert not plain.accelerated and LocalTrainer(**kwargs, accelerated=None).accelerated is False  # the CPU default
     adamw = fast.optimizer if optimizer == "adamw" else fast.optimizer.adamw
     assert all(group["fused"] for group in adamw.param_groups)
-    x, y = _batch(name, 4)
+    x, y = _batch(name, 4, length=64)  # bf16 autocast is slow on a CPU: short sequences keep this a few seconds
     fast_losses = [fast.step(x, y) for _ in range(4)]
     plain_losses = [plain.step(x, y) for _ in range(4)]
     assert fast_losses[-1] < fast_losses[0] - 0.05  # it learns the batch
