@@ -40,21 +40,23 @@ def race(r: Results, name: str) -> str:
     d = r.load(name)
     configs, target = d["configs"], d["target_loss"]
     ddp_t, hm_t = configs["ddp"]["time_to_target_s"], configs["hivemind"]["time_to_target_s"]
+    ddp_tokens = configs["ddp"]["tokens_total"]
     rows = []
     for key, label in RACE_ROWS.items():
         if key not in configs:
             continue
         c = configs[key]
         t = c["time_to_target_s"]
+        at_ddp = min(c["curve"], key=lambda p: abs(p["tokens"] - ddp_tokens))["val_loss"]
         before, _ = _crossing(c.get("curve", []), target)
         window = "–" if t is None or before is None or key == "ddp" else f"{before:.0f}–{t:.0f} s"
         rows.append([label, seconds(t), window, "–" if t is None else times(ddp_t / t, 2),
-                     "–" if t is None or key == "ddp" else times(hm_t / t, 2), loss(c["final_val_loss"]),
+                     "–" if t is None or key == "ddp" else times(hm_t / t, 2), loss(at_ddp), loss(c["final_val_loss"]),
                      size(c["exchange_bytes_per_node"]), share(c["comm_wait_fraction"])])
     header = [f"{d['link_mbit']} Mbit/s", f"time to {target:.3f}", "reached between evaluations at", "vs ddp",
-              "vs hivemind", "final loss", "exchange/node", "comm wait"]
+              "vs hivemind", "loss at ddp's tokens", "final loss", "exchange/node", "comm wait"]
     what = (f"{d['title']}; one run per row. ddp's final loss sets the target, so ddp's time is its whole run; "
-            "the others train 600 steps per node.")
+            "the others train 600 steps per node; the loss at ddp's tokens is their evaluation nearest to ddp's 300 steps.")
     return r.caption(name, what=what) + "\n\n" + table(header, rows)
 
 
