@@ -77,3 +77,27 @@ def test_an_unknown_table_is_refused() -> None:
 def test_every_registered_table_is_in_a_docs_page() -> None:
     names = {m.group("name") for page in DOCS for m in BLOCK.finditer(page.read_text())}
     assert names == set(TABLES)
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    out = set()
+    for line in text.splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return out
+
+
+def test_links_between_readme_and_docs_resolve() -> None:
+    root = DOCS[0].parents[1]
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", page.read_text()):
+            path, anchor = target
+            if path.startswith("http"):
+                continue
+            linked = (page.parent / path) if path else page
+            assert linked.exists(), f"{page.name}: link to missing {path}"
+            if anchor:
+                assert anchor in _anchors(linked.read_text()), f"{page.name}: no heading #{anchor} in {linked.name}"
