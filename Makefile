@@ -43,7 +43,7 @@ mutate: setup
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[mutate]'
 	$(PY) -m tests.mutate
 
-# Docker (README "Docker"): docker/build.sh makes the debootstrapped base image, the wheelhouse and
+# Docker (docs/operations.md "Docker"): docker/build.sh makes the debootstrapped base image, the wheelhouse and
 # the images, each cached; docker-smoke runs a compose swarm for a few minutes (slow, root, not in `test`).
 docker-base:
 	docker/build.sh base

@@ -16,7 +16,7 @@ swarm's mean φ, in units of one peer's update (the synthetic updates are indepe
 worst case for agreement: real pseudo-gradients share most of their direction).
 
 ``simulated`` extrapolates to 256, 1000 and 4000 peers with the model in ``benchmarks.scale_model``
-(README, Benchmarks), calibrated on the measured runs, for two links: 20 Mbit/s with 50 ms RTT and
+(docs/benchmarks.md), calibrated on the measured runs, for two links: 20 Mbit/s with 50 ms RTT and
 1 Gbit/s with 10 ms RTT. Loopback round times on a 2-core machine measure CPU, not links: they only
 calibrate the per-round fixed cost.
 """

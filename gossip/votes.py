@@ -5,7 +5,7 @@ make them resync from a fake state. Here a peer's vote counts only once this nod
 part in ``ESTABLISHED_ROUNDS`` of its own rounds (:class:`Tenure`: what this node observed, nothing a
 peer claims), and the node's own vote always counts. A node that knows no established voter yet (the
 run's first rounds, or its own first rounds after joining) counts every member, as a new member must
-be able to find it drifted: that window is what remains open to fake peers (README "Security"); the
+be able to find it drifted: that window is what remains open to fake peers (docs/robustness.md); the
 state it then resyncs to is still checked against the majority's content digests.
 """
 

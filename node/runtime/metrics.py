@@ -1,6 +1,6 @@
 """Prometheus metrics of one node (a registry of its own, served on ``--metrics-port``).
 
-Every metric is documented in README.md ("Metrics"); names are prefixed ``locomesh_``.
+Every metric is documented in docs/operations.md ("Metrics"); names are prefixed ``locomesh_``.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def test_a_large_swarm_reads_every_fresh_record_from_the_nearest_nodes():
                 assert set(peers) == set(ids), f"{len(peers)} of {NODES} members seen"
                 assert {rec.round for rec in peers.values()} == {2}, "a stale copy hid a fresh record"
             # the key's nearest nodes, not one request per member: 5 requests per read (measured the same
-            # with 11, 14 and 20 nodes; README cites it)
+            # with 11, 14 and 20 nodes; docs/design.md cites it)
             assert max(requests) <= 5, requests
         finally:
             for dht in dhts:

@@ -24,7 +24,7 @@ def test_nodes_reduce_scatter_at_about_twice_the_payload(count, tmp_path, nodes)
     for info in infos:
         rounds = full_rounds(info, count)[1:]  # the first full round may still carry a joiner's late bytes
         assert rounds and all(r["scheme"] == "reduce-scatter" for r in rounds), rounds
-        for r in rounds:  # README: ≤ 2.5× the payload whatever the size
+        for r in rounds:  # docs/testing.md: ≤ 2.5× the payload whatever the size
             assert r["average_bytes_sent"] <= 2.5 * payload, (r, payload)
             assert r["average_bytes_received"] <= 2.5 * payload, (r, payload)
         # on average within 15 % of 2(G − 1)/G: below what an all-gather of G ≥ 3 sends (G − 1 ≥ 2 payloads)

@@ -1,0 +1,231 @@
+"""Docs tables of what links and peers cost: thin-link races, NAT relays, swarm scale, upload caps, churn.
+
+Each function takes the :class:`~benchmarks.table_format.Results` to read and returns the markdown that
+goes between a ``<!-- table: NAME -->`` marker pair (``benchmarks.tables``): a caption naming the files,
+their commits and dates, then the table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.table_format import Results, loss, seconds, share, size, table, times
+
+RACE_ROWS = {
+    "ddp": "ddp (gloo all-reduce every step, 300 steps)",
+    "hivemind": "hivemind `Optimizer(use_local_updates=True)`, fp32",
+    "diloco": "diloco",
+    "diloco-q8": "diloco `--compression q8`",
+    "diloco-q4": "diloco `--compression q4`",
+    "diloco-q2": "diloco `--compression q2`",
+    "diloco-overlap": "diloco `--overlap` (asap)",
+    "diloco-eager": "diloco `--overlap-mode eager`",
+    "diloco-q8-eager": "diloco q8, eager",
+    "sparseloco": "sparseloco",
+}
+
+
+def _crossing(curve: list[dict[str, Any]], target: float) -> tuple[float | None, float | None]:
+    """The evaluation before the one that reached ``target``, and that one (seconds)."""
+    before = None
+    for point in curve:
+        if point["val_loss"] <= target + 1e-9:
+            return before, point["t_s"]
+        before = point["t_s"]
+    return before, None
+
+
+def race(r: Results, name: str) -> str:
+    """Time to data-parallel's held-out loss over thin links, one run per config."""
+    d = r.load(name)
+    configs, target = d["configs"], d["target_loss"]
+    ddp_t, hm_t = configs["ddp"]["time_to_target_s"], configs["hivemind"]["time_to_target_s"]
+    ddp_tokens = configs["ddp"]["tokens_total"]
+    rows = []
+    for key, label in RACE_ROWS.items():
+        if key not in configs:
+            continue
+        c = configs[key]
+        t = c["time_to_target_s"]
+        at_ddp = min(c["curve"], key=lambda p: abs(p["tokens"] - ddp_tokens))["val_loss"]
+        before, _ = _crossing(c.get("curve", []), target)
+        window = "–" if t is None or before is None or key == "ddp" else f"{before:.0f}–{t:.0f} s"
+        rows.append([label, seconds(t), window, "–" if t is None else times(ddp_t / t, 2),
+                     "–" if t is None or key == "ddp" else times(hm_t / t, 2), loss(at_ddp), loss(c["final_val_loss"]),
+                     size(c["exchange_bytes_per_node"]), share(c["comm_wait_fraction"])])
+    header = [f"{d['link_mbit']} Mbit/s", f"time to {target:.3f}", "reached between evaluations at", "vs ddp",
+              "vs hivemind", "loss at ddp's tokens", "final loss", "exchange/node", "comm wait"]
+    what = (f"{d['title']}; one run per row. ddp's final loss sets the target, so ddp's time is its whole run; "
+            "the others train 600 steps per node; the loss at ddp's tokens is their evaluation nearest to ddp's 300 steps.")
+    return r.caption(name, what=what) + "\n\n" + table(header, rows)
+
+
+def race_repeat(r: Results) -> str:
+    """The 20 Mbit/s race's deciding rows run twice more; ddp was not re-run, so no row is compared with it."""
+    d = r.load("thin20_race_repeat.json")
+    rows = []
+    for key in ("hivemind", "diloco-q2", "sparseloco"):
+        runs = {run: d["runs"][run][key] for run in d["runs"] if key in d["runs"][run]}
+        ts = ", ".join(f"{seconds(v['time_to_target_s'])} ({run})" for run, v in runs.items())
+        vs = ", ".join(times(d["runs"][run]["hivemind"]["time_to_target_s"] / v["time_to_target_s"], 2)
+                       for run, v in runs.items() if v["time_to_target_s"])
+        rows.append([RACE_ROWS[key], ts, "–" if key == "hivemind" else vs,
+                     ", ".join(loss(v["final_val_loss"]) for v in runs.values()),
+                     size(next(iter(runs.values()))["exchange_bytes_per_node"]),
+                     ", ".join(size(v["link_tx_bytes_per_node"]) for v in runs.values())])
+    header = ["20 Mbit/s, repeat", "time to 2.356 (run)", "vs hivemind, same run", "final loss", "exchange/node", "link bytes/node"]
+    what = "Same settings and target as `thin20_race.json`; the file records no machine state."
+    return r.caption("thin20_race_repeat.json", what=what) + "\n\n" + table(header, rows)
+
+
+def _ratios(configs: dict[str, Any], base: str) -> dict[str, float]:
+    t0 = configs[base]["time_to_target_s"]
+    return {k: t0 / c["time_to_target_s"] for k, c in configs.items() if k not in ("ddp", "hivemind") and c["time_to_target_s"]}
+
+
+def _met(configs: dict[str, Any], base: str, bar: float, target: float) -> tuple[str, str]:
+    ratios = _ratios(configs, base)
+    total = len([k for k in configs if k not in ("ddp", "hivemind")])
+    met = sorted((k for k, v in ratios.items() if v >= bar), key=lambda k: -ratios[k])
+    best = max(ratios, key=ratios.get)
+    t0, (before, t) = configs[base]["time_to_target_s"], _crossing(configs[best]["curve"], target)
+    window = f" (reached between evaluations at {before:.0f} s and {t:.0f} s: {t0 / t:.2f}–{t0 / before:.2f}×)" if before else ""
+    detail = f"best `{best}` {ratios[best]:.2f}×{window}; `diloco` (defaults) {ratios['diloco']:.2f}×; one run per config"
+    if not met:
+        return "missed", detail
+    return f"met by {len(met)} of {total} configs ({', '.join(f'`{k}`' for k in met)})", detail
+
+
+def targets(r: Results) -> str:
+    """Each target the benchmarks set, met or missed, from the files that measure it."""
+    rows: list[list[str]] = []
+    for name in ("frontier.json", "sparse_gap.json"):
+        for t in r.load(name).get("targets", []):
+            if t["result"] != "n/a":
+                rows.append([t["target"], f"`{name}`", "met" if t["result"] == "pass" else "missed", t["detail"]])
+    gap, h30 = r.load("gap_closed.json")["configs"], r.load("sparse_gap.json")["configs"]["diloco"]["final_val_loss"]
+    noloco = gap["noloco-h30-lr1"]["val_loss"] / h30 - 1
+    rows.append(["noloco at its defaults (β = γ = 1) within 2 % of diloco, both H = 30", "`gap_closed.json`, `sparse_gap.json`",
+                 "met" if noloco <= 0.02 else "missed", f"{100 * noloco:+.1f} % (two builds)"])
+    h50 = gap["diloco-h50"]
+    sparse = {k: (c["val_loss"] / h50["val_loss"] - 1, h50["averaging_bytes_sent_per_node"] / c["averaging_bytes_sent_per_node"])
+              for k, c in gap.items() if k.startswith("sparseloco")}
+    hit = [k for k, (rel, fewer) in sparse.items() if rel <= 0.03 and fewer >= 100]
+    near = max(sparse, key=lambda k: sparse[k][1])
+    rows.append(["sparseloco within 3 % of dense diloco (H = 50) at ≥ 100× fewer bytes", "`gap_closed.json`",
+                 "met" if hit else "missed", f"fewest bytes: `{near}` {sparse[near][1]:.0f}× at {100 * sparse[near][0]:+.1f} %"])
+    d = r.load("thin20_race.json")
+    race, target = d["configs"], d["target_loss"]
+    loco = [k for k in race if k not in ("ddp", "hivemind")]
+    verdict, detail = _met(race, "ddp", 5.0, target)
+    rows.append(["at 20 Mbit/s, time to target ≥ 5× shorter than ddp", "`thin20_race.json`", verdict, detail])
+    verdict, detail = _met(race, "hivemind", 1.5, target)
+    rows.append(["at 20 Mbit/s, time to target ≥ 1.5× shorter than hivemind (fp32)", "`thin20_race.json`", verdict, detail])
+    h = race["hivemind"]
+    behind = [k for k in loco if race[k]["tokens_per_s_per_node"] <= h["tokens_per_s_per_node"]
+              or race[k]["loss_drop_per_mb"] <= h["loss_drop_per_mb"]]
+    rows.append(["every locomesh config ahead of hivemind in tokens/s and in loss drop per MB sent", "`thin20_race.json`",
+                 "missed" if behind else "met",
+                 (f"behind hivemind's {h['loss_drop_per_mb']:.4f} nats/MB: " + ", ".join(
+                     f"`{k}` {race[k]['loss_drop_per_mb']:.4f}" for k in behind)) if behind else "every config ahead"])
+    overlap = {k: race[k]["comm_wait_fraction"] for k in ("diloco-overlap", "diloco-eager", "diloco-q8-eager") if k in race}
+    rows.append(["comm wait < 5 % with overlap", "`thin20_race.json`", "met" if max(overlap.values()) < 0.05 else "missed",
+                 ", ".join(f"`{k}` {share(v)}" for k, v in overlap.items()) + " (overlap rows; the `streaming` config was not run)"])
+    for name in ("churn.json", "churn_no_restart.json"):
+        for seed, s in r.load(name)["per_seed"].items():
+            gap = s["val_loss_gap"]
+            rows.append([f"churn: held-out loss within 5 % of the calm run ({'with' if name == 'churn.json' else 'without'} restarts, seed {seed})",
+                         f"`{name}`", "met" if gap <= 0.05 else "missed",
+                         f"{100 * gap:+.1f} % at {s['equal_steps']} trainer steps, {share(s['progress_fraction'])} progressing"])
+    for name, default in (("byzantine_diloco.json", "centered-clip"), ("byzantine_sparseloco.json", "sparse-clip")):
+        summary = [s for s in r.load(name)["summary"] if s["aggregator"] == default]
+        worst = max((s for s in summary if s["attack"] != "none"), key=lambda s: s["vs_clean_plain"])
+        clean = max(s["vs_clean_plain"] for s in summary if s["attack"] == "none")
+        rows.append([f"`{default}`: every attack within 5 % of the clean plain mean", f"`{name}`",
+                     "met" if worst["vs_clean_plain"] <= 0.05 else "missed",
+                     f"worst `{worst['attack']}` at {worst['nodes']} nodes: {100 * worst['vs_clean_plain']:+.1f} %"])
+        rows.append([f"`{default}`: clean run within 1 % of the plain mean", f"`{name}`", "met" if clean <= 0.01 else "missed",
+                     f"worst {100 * clean:+.1f} %"])
+    files = ["frontier.json", "sparse_gap.json", "gap_closed.json", "thin20_race.json", "churn.json", "churn_no_restart.json",
+             "byzantine_diloco.json", "byzantine_sparseloco.json"]
+    return r.caption(*files) + "\n\n" + table(["target", "file", "result", "detail"], rows)
+
+
+def thin_nat(r: Results) -> str:
+    """Three peers at 20 Mbit/s, all public or two behind NAT relayed through the third."""
+    rows = []
+    for c in r.load("thin_nat.json")["nat_cases"]:
+        homes = [n["relayed_bytes_per_round"] for n in c["per_node"] if n["reachability"] == "private"]
+        relayed = "–" if not homes else size(min(homes)) if size(min(homes)) == size(max(homes)) else f"{size(min(homes))} – {size(max(homes))}"
+        rows.append([f"`{c['codec']}`", c["topology"], f"{c['round_s_median']:.2f}", f"{c['exchange_s_median']:.2f}",
+                     str(c["full_rounds_min"]), size(c["average_bytes_sent_per_node_per_round"]), relayed])
+    header = ["codec", "path", "round s (median)", "exchange s", "full rounds (fewest of a node)", "averaging bytes/node/round",
+              "relayed bytes/home/round"]
+    return (r.caption("thin_nat.json", what="`tiny` DiLoCo, 3 peers at 20 Mbit/s each, H = 30, batch 8, one 120 s run per row.")
+            + "\n\n" + table(header, rows))
+
+
+def scale(r: Results) -> str:
+    """What one peer pays per dense round, measured with real lightweight peers on one machine."""
+    rows = []
+    for name in ("scale.json", "scale_groups.json"):
+        for run in r.load(name)["runs"]:
+            payload, spread = run["payload_bytes"], run["spread_after_each_round"]
+            groups = str(run["groups"][0]) if run["groups"] == [1] else \
+                f"{'/'.join(map(str, run['groups']))} (of {min(run['group_sizes'])}–{max(run['group_sizes'])})"
+            spread_text = "0" if max(spread) < 0.005 else f"{min(spread):.2f}–{max(spread):.2f}"
+            rows.append([str(run["peers"]), groups, f"{run['bytes_sent_per_node_per_round'] / payload:.2f} ×",
+                         f"{run['bytes_sent_per_node_per_round_max'] / payload:.2f} ×", f"{run['round_s_median']:.1f} s",
+                         f"{run['dht_requests_per_node_per_round']:.1f}", spread_text, f"{run['rss_mb_per_peer']:.0f} MB"])
+    header = ["peers", "groups", "sent/peer/round (× payload)", "busiest peer", "round (median)", "DHT requests/peer/round",
+              "replicas' spread", "RSS/peer"]
+    what = "Synthetic 1 M-parameter updates (a 4 MB payload), `none` codec, loopback on one 2-core machine."
+    return r.caption("scale.json", "scale_groups.json", what=what) + "\n\n" + table(header, rows)
+
+
+def scale_simulated(r: Results) -> str:
+    """The cost model's extrapolation, bounded groups against one group; it assumes groups of equal size."""
+    d = r.load("scale.json")
+    one = {(s["peers"], s["link"]): s for s in d["simulated_one_group"]}
+    rows = []
+    for s in d["simulated"]:
+        o = one[(s["peers"], s["link"])]
+        p = s["payload_bytes"]
+
+        def cost(x: dict[str, Any]) -> str:
+            return (f"{x['bytes_sent_per_node_per_round'] / p:.2f} ×, {x['bytes_sent_busiest_node_per_round'] / p:.2f} ×, "
+                    f"{x['round_s_median']:.2f} s")
+        rows.append([str(s["peers"]), s["link"], f"{s['group']:.1f}", cost(s), cost(o), f"{s['dht_requests_per_node_per_round']:.0f}"])
+    header = ["peers", "link", "members per group (assumed equal)", "groups of ≤ 32: mean sent, busiest, round",
+              "one group: mean sent, busiest, round", "DHT requests"]
+    return r.caption("scale.json", what="`simulated` and `simulated_one_group` (benchmarks/scale_model.py).") + "\n\n" + table(header, rows)
+
+
+def bandwidth_cap(r: Results) -> str:
+    """A node under `--max-upload-mbit`, measured on its namespace's interface."""
+    rows = []
+    for run in r.load("bandwidth_cap.json")["runs"]:
+        peak = run["peak_tx_mbit"]
+        rows.append(["uncapped" if not run["cap_mbit"] else f"{run['cap_mbit']:g} Mbit/s", f"{run['window_s']:.0f} s",
+                     f"{run['wire_tx_mbit']:.2f}", f"{run['locomesh_sent_mbit']:.2f}",
+                     f"{peak['1s']:.2f} / {peak['3s']:.2f} / {peak['10s']:.2f}", str(run["rounds_in_window"])])
+    header = ["upload cap", "window", "wire tx Mbit/s", "locomesh sent Mbit/s", "peak tx over 1 s / 3 s / 10 s", "rounds in window"]
+    return r.caption("bandwidth_cap.json") + "\n\n" + table(header, rows)
+
+
+def churn(r: Results) -> str:
+    """A 3-stage pipeline under random SIGKILLs, against a calm run of the same seed."""
+    rows = []
+    for name in ("churn.json", "churn_no_restart.json"):
+        d = r.load(name)
+        restarts = "restarts" if name == "churn.json" else "no restarts"
+        for seed, s in d["per_seed"].items():
+            v = s["val_loss_at_equal_steps"]
+            rows.append([f"{restarts}, seed {seed}", f"{d['minutes']:g} min", f"{s['kills']} / {s['trainer_kills']}",
+                         f"{share(s['progress_fraction'])} of {s['wall_s']:.0f} s", str(len(s["recoveries"])),
+                         str(s["fresh_initialisations"]), str(s["stages_emptied_by_recovery"]),
+                         f"{v['killed']:.3f} vs {v['calm']:.3f} ({100 * s['val_loss_gap']:+.1f} %) at {s['equal_steps']}"])
+    header = ["run", "length", "kills / trainer kills", "trainer progressing", "stage rebuilds", "fresh initialisations",
+              "stages emptied by a recovery", "held-out loss at equal trainer steps, killed vs calm"]
+    what = "`node swarm --stages 3 --checkfree-plus --model micro`, 8 processes on 2 cores, kills every 45 s."
+    return r.caption("churn.json", "churn_no_restart.json", what=what) + "\n\n" + table(header, rows)

@@ -1,0 +1,169 @@
+"""Docs tables of what training reaches: codecs, SparseLoCo's and NoLoCo's gap, inner optimizers, attacks, mutants.
+
+Each function takes the :class:`~benchmarks.table_format.Results` to read and returns the markdown that
+goes between a ``<!-- table: NAME -->`` marker pair (``benchmarks.tables``): a caption naming the
+files, their commits and dates, then the table. Only numbers read from the files go in a table; the
+row labels are prose.
+"""
+
+from __future__ import annotations
+
+from benchmarks.table_format import Results, loss, pct, size, table, times
+
+# configs of sparse_gap.json and gap_closed.json as a reader knows them (their flags are in each file)
+SPARSE_GAP_ROWS = {
+    "diloco": "diloco (H = 30)",
+    "sparseloco-mean": "sparseloco, `--aggregate mean` (the aggregation before `sparse-mean`)",
+    "sparseloco": "sparseloco, `sparse-mean`, η 1",
+    "sparseloco-mu5": "sparseloco, `sparse-mean`, η 1, outer μ 0.5",
+    "sparseloco-h20": "sparseloco, `sparse-mean`, η 1, H = 20 (a second run)",
+    "noloco": "noloco, H = 30, β = γ = 0.7",
+}
+GAP_CLOSED_ROWS = {
+    "diloco-h50": "diloco, defaults (H = 50, reduce-scatter)",
+    "sparseloco-final": "**sparseloco, defaults (H = 30, η 2, `topk:64/4096+q2`)**",
+    "sparseloco-h30-lr2": "sparseloco, η 2, q2 levels split at the median",
+    "sparseloco-h30-lr15": "sparseloco, η 1.5",
+    "sparseloco-cl-h30": "sparseloco, η 1",
+    "sparseloco-h30-lr3": "sparseloco, η 3",
+    "sparseloco-h27": "sparseloco, η 1, H = 27",
+    "sparseloco-cl-h24": "sparseloco, η 1, H = 24",
+    "sparseloco-h24-k52": "sparseloco, η 1, H = 24, `topk:52/4096+q2`",
+    "sparseloco-h30-k32-lr2": "sparseloco, η 2, `topk:32/4096+q2`",
+    "sparseloco-h30": "sparseloco, η 1, one q2 table per flat run (discarded)",
+    "noloco-h30-lr1": "**noloco, defaults (H = 30, β = γ = 1)**",
+    "noloco-h30": "noloco, H = 30, β = γ = 0.7 (the paper's)",
+}
+
+
+def frontier(r: Results) -> str:
+    """Held-out loss against averaging bytes per round, one DiLoCo run per codec."""
+    d = r.load("frontier.json")
+    lossy_outer = d["dense_with_lossy_outer_step"]["val_loss"]
+    rows = [[f"`{row['codec']}`", loss(row["val_loss"]), "–" if row["codec"] == "none" else pct(row["gap_to_dense"]),
+             pct(row["val_loss"] / lossy_outer - 1), size(row["bytes_per_round_per_node"]), times(row["fewer_bytes_than_dense"])]
+            for row in d["frontier"]]
+    header = ["codec", "held-out loss", "vs dense (lr 0.7, μ 0.9)", f"vs dense (lr 1.0, μ 0.5: {loss(lossy_outer)})",
+              "bytes/round/node", "fewer bytes"]
+    return r.caption("frontier.json", what=d["title"] + ".") + "\n\n" + table(header, rows)
+
+
+def q2_reduce_scatter(r: Results) -> str:
+    """2-bit DiLoCo against dense DiLoCo, both reduce-scattering at H = 50: two files, two builds."""
+    dense = r.load("gap_closed.json")["configs"]["diloco-h50"]
+    q2 = r.load("diloco_q2_reduce_scatter.json")["configs"]["diloco-q2-h50"]
+    q2_rounds = min(n["rounds_with_every_node"] for n in q2["nodes"])
+    rows = [
+        ["dense DiLoCo (`none`)", f"`gap_closed.json` `diloco-h50`, build {dense['build'].split()[0]}", loss(dense["val_loss"]),
+         "–", size(dense["averaging_bytes_sent_per_node"]), "1×", str(min(dense["rounds_with_every_node"]))],
+        ["DiLoCo `--compression q2`", "`diloco_q2_reduce_scatter.json`", loss(q2["final_val_loss"]),
+         pct(q2["final_val_loss"] / dense["val_loss"] - 1), size(q2["exchange_bytes_per_node"]),
+         times(dense["averaging_bytes_sent_per_node"] / q2["exchange_bytes_per_node"]), str(q2_rounds)],
+    ]
+    header = ["run", "from", "held-out loss", "vs dense", "averaging bytes/node", "fewer bytes", "rounds with every node"]
+    return (r.caption("diloco_q2_reduce_scatter.json", "gap_closed.json",
+                      what="`tiny`, 4 nodes × 600 steps, H = 50, batch 16, loopback, one run each.")
+            + "\n\n" + table(header, rows))
+
+
+def sparse_gap(r: Results) -> str:
+    """SparseLoCo and NoLoCo against dense DiLoCo at H = 30 (all-gather rounds), one build."""
+    d = r.load("sparse_gap.json")["configs"]
+    base = d["diloco"]
+    rows = []
+    for key, label in SPARSE_GAP_ROWS.items():
+        c = d[key]
+        rows.append([label, loss(c["final_val_loss"]), "–" if key == "diloco" else pct(c["final_val_loss"] / base["final_val_loss"] - 1),
+                     size(c["exchange_bytes_per_node"]), times(base["exchange_bytes_per_node"] / c["exchange_bytes_per_node"])])
+    header = ["config", "held-out loss", "vs diloco", "averaging bytes/node", "fewer bytes"]
+    return (r.caption("sparse_gap.json", what="`tiny`, 4 nodes × 600 steps, H = 30 unless the row says, batch 16, loopback, one run each.")
+            + "\n\n" + table(header, rows))
+
+
+def gap_closed(r: Results) -> str:
+    """The hand-made summary of SparseLoCo and NoLoCo runs from several builds, against both dense baselines."""
+    configs = r.load("gap_closed.json")["configs"]
+    h50 = configs["diloco-h50"]
+    h30 = r.load("sparse_gap.json")["configs"]["diloco"]
+    builds = sorted({c["build"].split()[0] for c in configs.values()})
+    rows = []
+    for key, label in GAP_CLOSED_ROWS.items():
+        c = configs[key]
+        rows.append([label, c["build"].split()[0] + (" (dirty)" if "working tree" in c["build"] else ""), loss(c["val_loss"]),
+                     "–" if key == "diloco-h50" else pct(c["val_loss"] / h50["val_loss"] - 1),
+                     pct(c["val_loss"] / h30["final_val_loss"] - 1), size(c["averaging_bytes_sent_per_node"]),
+                     times(h50["averaging_bytes_sent_per_node"] / c["averaging_bytes_sent_per_node"])])
+    header = ["config", "build", "held-out loss", f"vs diloco H = 50 ({loss(h50['val_loss'])})",
+              f"vs diloco H = 30 ({loss(h30['final_val_loss'])}, `sparse_gap.json`)", "averaging bytes/node",
+              "fewer bytes than diloco H = 50"]
+    what = (f"A hand-made summary of single runs from {len(builds)} builds ({', '.join(builds)}; each row names its own), "
+            "`tiny`, 4 nodes × 600 steps, batch 16, loopback; the H = 30 baseline is from `sparse_gap.json`.")
+    return r.caption("gap_closed.json", "sparse_gap.json", what=what) + "\n\n" + table(header, rows)
+
+
+def inner_optimizer(r: Results) -> str:
+    """AdamW against Muon, constant against cosine, mean ± std over seeds."""
+    header = ["--lr", "codec", "adamw constant", "adamw cosine", "muon constant", "muon cosine"]
+    rows = []
+    for name in ("inner_optimizer.json", "inner_optimizer_lr3e-3.json"):
+        d = r.load(name)
+        cells: dict[tuple[str, str, str], str] = {}
+        for s in d["summary"]:
+            cells[(s["codec"], s["optimizer"], s["schedule"])] = f"{s['val_loss_mean']:.3f} ± {s['val_loss_std']:.3f}"
+        for codec in dict.fromkeys(s["codec"] for s in d["summary"]):
+            rows.append([f"{d['settings']['lr']:g}", codec] + [cells.get((codec, o, s), "–") for o in ("adamw", "muon")
+                                                              for s in ("constant", "cosine")])
+    settings = r.load("inner_optimizer.json")["settings"]
+    what = (f"`{settings['model']}`, {settings['nodes']} replicas in one process, {settings['rounds']} rounds × H "
+            f"{settings['inner_steps']}, warm-up {settings['warmup_steps']}, seeds 0–2; held-out loss, nats per byte.")
+    return r.caption("inner_optimizer.json", "inner_optimizer_lr3e-3.json", what=what) + "\n\n" + table(header, rows)
+
+
+BYZANTINE_ORDER = {"diloco": ["mean", "centered-clip"], "sparseloco": ["sparse-mean", "sparse-clip"]}
+
+
+def byzantine(r: Results, name: str) -> str:
+    """Mean held-out loss per (swarm, attack) and aggregator, with its change against the clean plain mean."""
+    d = r.load(name)
+    summary = d["summary"]
+    algorithm = d["runs"][0]["algorithm"]
+    methods = [m for m in BYZANTINE_ORDER[algorithm] if any(s["aggregator"] == m for s in summary)]
+    keys = list(dict.fromkeys((s["nodes"], s["attackers"], s["attack"]) for s in summary))
+    rows = []
+    for nodes, attackers, attack in keys:
+        cells = []
+        for m in methods:
+            s = next((s for s in summary if (s["nodes"], s["attackers"], s["attack"], s["aggregator"]) == (nodes, attackers, attack, m)), None)
+            cells.append("–" if s is None else f"{s['val_loss']:.3f} ({pct(s['vs_clean_plain'])})")
+        rows.append([str(nodes) if attack == "none" else f"{nodes} ({attackers} attacking)", attack, *cells])
+    scale = d["scale"]
+    what = (f"{algorithm}, `{scale['model']}`, {scale['rounds']} rounds × H {scale['inner_steps']}, "
+            f"seeds {sorted({x['seed'] for x in d['runs']})}; in brackets the change against the clean run of `{methods[0]}`.")
+    return r.caption(name, what=what) + "\n\n" + table(["nodes", "attack", *methods], rows)
+
+
+def mutation(r: Results) -> str:
+    """Mutants killed per module by the math modules' unit tests."""
+    modules = r.load("mutation.json")["modules"]
+    rows = [[f"`{name}`", str(m["mutants"]), str(m["killed"]), f"{100 * m['score']:.1f} %"]
+            for name, m in sorted(modules.items(), key=lambda kv: -kv[1]["score"])]
+    total, killed = sum(m["mutants"] for m in modules.values()), sum(m["killed"] for m in modules.values())
+    rows.append(["all", str(total), str(killed), f"{100 * killed / total:.1f} %"])
+    return r.caption("mutation.json", what="`make mutate`.") + "\n\n" + table(["module", "mutants", "killed", "score"], rows)
+
+
+def codecs(r: Results) -> str:
+    """Bits per parameter and normalised squared error of every codec (speeds left out: the run shared its cores)."""
+    d = r.load("codecs_quick.json")
+    rows = []
+    named = [(f"`{k}`", v) for k, v in d["codecs"].items()] + [(f"hivemind `{k}`", v) for k, v in d["hivemind"].items()]
+    for label, c in named:
+        e = c["errors"]
+        rows.append([label, f"{c['bits_per_param']:.3g}", *(_nse(e[k]["nse"]) for k in ("gaussian", "student_t2", "low_rank"))])
+    what = (f"{d['numel']:,} values ({d['shape'][0]} × {d['shape'][1]}); normalised squared error ‖x̂−x‖²/‖x‖² "
+            "on a Gaussian, a Student-t(2) and a rank-4 matrix.")
+    return r.caption("codecs_quick.json", what=what) + "\n\n" + table(["codec", "bits/param", "Gaussian", "Student-t(2)", "low-rank"], rows)
+
+
+def _nse(x: float) -> str:
+    return "0" if x == 0 else f"{x:.3f}" if x >= 0.01 else f"{x:.1e}"
