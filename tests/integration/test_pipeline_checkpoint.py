@@ -2,7 +2,8 @@
 
 - The whole swarm stopped with SIGTERM and started again on the same folders resumes where it stopped:
   the trainer's held-out loss right after the restart is within 1 % of its loss right before the stop.
-- Stage servers checkpoint after every averaging round: SIGKILLed mid-run, each leaves a checkpoint
+- Stage servers checkpoint after every averaging round, and skip rounds while no trainer steps them (an
+  outer step on Δ = 0 would move φ by the momentum): SIGKILLed mid-run, each leaves a checkpoint
   that loads and holds its stage, and a restarted server resumes it (and clears a killed write's
   leftover temporary file).
 - A server started for stage 0 on a folder holding stage 1 refuses it in one line; ``--fresh`` moves
@@ -12,8 +13,10 @@
 import json
 import os
 import signal
+import time
 
 from node.checkpoints.checkpoint import load, save_atomic
+from node.runtime.base import HEARTBEAT_S
 from tests.helpers.swarm_utils import events, start_node
 
 BASE = ["--model", "nano", "--batch-size", "8", "--threads", "1", "--warmup-steps", "10", "--eval-batches", "4",
@@ -33,8 +36,8 @@ def _start_swarm(tmp_path, nodes, args):
 
 
 def test_a_whole_pipeline_stopped_and_restarted_resumes_where_it_stopped(tmp_path, nodes):
-    # the trainer writes its --info-file at its evaluations (every 20 steps); no averaging round within the test (a round moves the weights by the outer momentum even without
-    # steps), so the weights evaluated before the stop are exactly those checkpointed at exit
+    # the trainer writes its --info-file at its evaluations (every 20 steps); no averaging round within the
+    # test, so the weights evaluated before the stop are exactly those checkpointed at exit
     args = [*BASE, "--run-id", "pipe-restart", "--sync-every", "100000", "--eval-every", "2"]
     s0, s1, trainer = _start_swarm(tmp_path, nodes, args)
     trainer.wait(lambda i: i.get("steps", 0) >= 40, 240, "40 pipeline steps")
@@ -70,7 +73,15 @@ def test_c_stage_checkpoints_survive_sigkill_and_resume(tmp_path, nodes):
     s0, s1, trainer = _start_swarm(tmp_path, nodes, args)
     for server in (s0, s1):  # a checkpoint after every round: wait for a few, while the trainer keeps stepping
         server.wait(lambda i: i.get("outer_rounds", 0) >= 3 and i.get("steps", 0) > 0, 240, "3 averaging rounds")
-    for node in (s0, s1, trainer):
+    # without a trainer the stages take no steps: they skip their rounds (an outer step on Δ = 0 would move
+    # φ by the momentum alone, round after round)
+    os.killpg(trainer.process.pid, signal.SIGKILL)
+    trainer.process.wait(timeout=30)
+    time.sleep(2 * 2 + 2 * HEARTBEAT_S)  # a round in flight ends, its info is written
+    idle = {node.name: node.info()["outer_rounds"] for node in (s0, s1)}
+    time.sleep(3 * 2 + 2 * HEARTBEAT_S)  # three more boundaries of --sync-every 2, and a heartbeat's info
+    assert {node.name: node.info()["outer_rounds"] for node in (s0, s1)} == idle, "no averaging round without steps"
+    for node in (s0, s1):
         os.killpg(node.process.pid, signal.SIGKILL)
         node.process.wait(timeout=30)
     rounds = {}
