@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         args.numel = min(args.numel, 1_000_000)
     if args.numel < 1 or args.runs < 1:
         parser.error("--numel and --runs must be positive")
-    meta = results_io.begin(["python -m benchmarks.codecs", *(sys.argv[1:] if argv is None else argv)])
+    meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.codecs", *argv])
 
     threads = torch.get_num_threads()
     rows, cols = matrix_shape(args.numel)

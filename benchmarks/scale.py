@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-group-size", type=int, default=32, help="a larger swarm averages in random groups of about this many")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    meta = results_io.begin(None if argv is None else ["python -m benchmarks.scale", *argv])
+    meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.scale", *argv])
     runs: list[dict] = []
     out = Path(args.out)
     for n in [int(x) for x in args.peers.split(",")]:

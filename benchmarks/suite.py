@@ -23,6 +23,7 @@ entry's status, seconds and files.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -118,6 +119,21 @@ def run_entry(entry: Entry, scale: str, out_dir: Path, work: Path, timeout_s: fl
     return Outcome(entry.name, "ok", "", seconds, files)
 
 
+def record_outcomes(path: Path, outcomes: list[Outcome], scale: str, work: Path, meta: results_io.RunMeta) -> None:
+    """Write ``suite.json``: this invocation's outcomes, and an earlier invocation's at the same scale for
+    the entries not run this time (``--only``), marked ``earlier``."""
+    entries = [vars(o) for o in outcomes]
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        earlier = {}
+    if earlier.get("scale") == scale:
+        ran = {o.name for o in outcomes}
+        entries += [{**e, "earlier": True} for e in earlier.get("entries", []) if e.get("name") not in ran]
+    counts = {s: sum(e["status"] == s for e in entries) for s in ("ok", "failed", "skipped")}
+    results_io.write(path, {"scale": scale, "work": str(work), "summary": counts, "entries": entries}, meta)
+
+
 def status_line(outcome: Outcome, estimate: float | None) -> str:
     est = f" (est. {estimate:g} min)" if estimate is not None else ""
     took = f"{outcome.seconds / 60:5.1f} min" if outcome.status in ("ok", "failed") else " " * 9
@@ -156,7 +172,7 @@ def main(argv: list[str] | None = None, entries: Sequence[Entry] = ENTRIES) -> i
     if args.list:
         print(listing(chosen, args.scale, is_root))
         return 0
-    meta = results_io.begin(None if argv is None else ["python -m benchmarks.suite", *argv], scale=args.scale)
+    meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.suite", *argv], scale=args.scale)
     work = (args.work or Path("runs/bench") / args.scale).resolve()
     out_dir = args.out.resolve()
     outcomes: list[Outcome] = []
@@ -175,8 +191,7 @@ def main(argv: list[str] | None = None, entries: Sequence[Entry] = ENTRIES) -> i
     elapsed = time.monotonic() - began
     print(f"\n{counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} skipped in {elapsed / 60:.1f} min"
           + (f"; failed: {', '.join(o.name for o in outcomes if o.status == 'failed')}" if counts["failed"] else ""))
-    results_io.write(out_dir / "suite.json", {"scale": args.scale, "work": str(work), "summary": counts,
-                                              "entries": [vars(o) for o in outcomes]}, meta)
+    record_outcomes(out_dir / "suite.json", outcomes, args.scale, work, meta)
     return 1 if counts["failed"] else 0
 
 

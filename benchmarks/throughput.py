@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.out is None:
         parser.error("--out is required")
-    meta = results_io.begin(None if argv is None else ["python -m benchmarks.throughput", *argv])
+    meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.throughput", *argv])
     from node.runtime.local_training import pick_device
 
     if args.threads:
