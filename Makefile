@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: setup test-deps demo test test-slow bench mutate clean docker-base docker-wheelhouse docker-images docker-smoke
-SCALE = quick  # make bench SCALE=full OUT=DIR (command-line values win; an OUT in the environment does not)
+# make bench SCALE=full OUT=DIR: command-line values win; a SCALE or OUT in the environment does not
+SCALE = quick
 OUT = benchmarks/results
 
 setup: $(STAMP)
