@@ -76,7 +76,7 @@ def combine_seeds(per_seed: dict[int, dict[str, Any]], fields: Sequence[str] = H
     every seed finished: a mean over fewer seeds does not compare with the others."""
     ok = {s: r for s, r in per_seed.items() if r.get("status") == "ok"}
     first = next(iter(ok.values()), next(iter(per_seed.values()), {}))
-    rec = {k: v for k, v in first.items() if k not in fields}
+    rec = {k: v for k, v in first.items() if k not in fields and k != "seed"}
     rec["seeds"] = list(per_seed)
     rec["per_seed"] = {str(s): r for s, r in per_seed.items()}
     if len(ok) < len(per_seed):

@@ -135,10 +135,11 @@ def main() -> None:
         run = run_swarm(f"codec-{codec}", workdir, node_args, codec_duration, ["--activation-compression", codec])
         trainer = run["report"]["nodes"][-1]
         stage_bytes = trainer["bytes_sent_by_kind"].get("stage", 0) + trainer["bytes_received_by_kind"].get("stage", 0)
-        samples = max(1, trainer["steps"] * 8)
-        results["activation_codecs"][codec] = {"bytes_per_sample": stage_bytes / samples, "steps": trainer["steps"],
+        samples = trainer["steps"] * 8
+        results["activation_codecs"][codec] = {"bytes_per_sample": stage_bytes / samples if samples else None, "steps": trainer["steps"],
                                                "train_loss_last": trainer["train_loss_last"], "val_loss": trainer["val_loss"]}
-        print(f"activations {codec}: {stage_bytes / samples / 1e3:.1f} kB per sample", flush=True)
+        print(f"activations {codec}: " + (f"{stage_bytes / samples / 1e3:.1f} kB per sample" if samples else
+                                         f"no step in {codec_duration:.0f} s (the nodes did not start in time)"), flush=True)
 
     # equal budget: the single process trains on as many batches as the pipeline's trainer got through
     if "budget" in parts:
