@@ -4,7 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test-deps demo test test-slow mutate clean docker-base docker-wheelhouse docker-images docker-smoke
+.PHONY: setup test-deps demo test test-slow bench mutate clean docker-base docker-wheelhouse docker-images docker-smoke
+# make bench SCALE=full OUT=DIR: command-line values win; a SCALE or OUT in the environment does not
+SCALE = quick
+OUT = benchmarks/results
 
 setup: $(STAMP)
 
@@ -36,6 +39,12 @@ test: setup test-deps
 
 test-slow: setup test-deps
 	$(PY) -m pytest -q -m slow
+
+# Every benchmark the docs quote (benchmarks/suite.py): SCALE=quick fits about 45 minutes on 2 cores,
+# SCALE=full runs the docs' settings for hours; each writes OUT/NAME.json with a meta record. Entries that
+# need root (network namespaces) skip with a one-line reason otherwise. Not part of `test`.
+bench: setup
+	$(PY) -m benchmarks.suite --scale $(SCALE) --out $(OUT)
 
 # Mutation testing of the math modules (tests/mutate.py; settings in pyproject's [tool.mutmut]):
 # ~2,800 mutants, writes benchmarks/results/mutation.json. Not part of `test`: it takes tens of minutes.

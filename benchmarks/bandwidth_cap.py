@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import results_io
 from benchmarks.nat_topology import NatTopology, NsNode, missing_tools
 
 try:
@@ -142,7 +143,7 @@ def main() -> None:
     args = parser.parse_args()
     if missing_tools() is not None:
         sys.exit(f"bandwidth_cap {missing_tools()}; run it with sudo")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = results_io.begin()
     runs = []
     for cap in args.cap_mbit:
         with tempfile.TemporaryDirectory() as d:
@@ -150,11 +151,8 @@ def main() -> None:
         run.pop("logs")
         print(json.dumps({k: v for k, v in run.items() if k != "samples"}), flush=True)
         runs.append(run)
-    report = {"commit": commit, "command": " ".join(["python -m benchmarks.bandwidth_cap", *sys.argv[1:]]), "runs": runs}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(args.out)
+    report = {"commit": meta.git_commit, "command": meta.command, "runs": runs}
+    results_io.write(args.out, report, meta)
     print(f"wrote {args.out}")
 
 

@@ -19,8 +19,10 @@ with the same initial weights on every worker (``torch.manual_seed(seed)`` befor
 - ``hivemind``: ``hivemind.Optimizer(use_local_updates=True)``: local AdamW steps every step, parameters
   averaged with the swarm at every epoch, one epoch being ``target_batch_size = H·B·N`` samples. Bytes
   sent are an *estimate*: 2·(n−1)/n·4·params per completed averaging round of n peers (butterfly
-  all-reduce of fp32 parameters, no compression), rounds counted from hivemind's own log records. Comm
-  wait is measured as the time inside ``Optimizer.step`` above its median (a step without averaging).
+  all-reduce of fp32 parameters), rounds counted from hivemind's own log records; ``--compression fp16``
+  or ``8bit`` averages with hivemind's ``Float16Compression`` or ``Uniform8BitQuantization``
+  (``state_averaging_compression``: 2 or 1 bytes per value in the estimate). Comm wait is measured
+  as the time inside ``Optimizer.step`` above its median (a step without averaging).
   By default parameters are averaged inside ``step`` (``delay_state_averaging=False``), with
   ``matchmaking_time`` 1 s and ``averaging_timeout`` 10 s: with hivemind's default background averaging
   and epochs of a few seconds, peers drift into different epochs, miss each other's groups and each
@@ -33,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import statistics
 import time
@@ -43,6 +44,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import results_io
 from node.data.byte_corpus import load_corpus
 from node.data.bytes import ByteBatches, validation_batches
 from swarm.models.presets import preset
@@ -116,9 +118,7 @@ class Worker:
             "val_loss": self.evals[-1]["val_loss"] if self.evals else None,
             "evals": self.evals, **fields,
         }
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, out)
+        results_io.write_json(out, result, indent=2)
 
 
 # ---------------------------------------------------------------------------------------- ddp
@@ -198,6 +198,16 @@ class _RoundCounter(logging.Handler):
             self.out_of_sync += 1
 
 
+BYTES_PER_VALUE = {"none": 4, "fp16": 2, "8bit": 1}  # what hivemind's codecs send per averaged value
+
+
+def hivemind_codec(name: str) -> Any:
+    """hivemind's compression object for ``--compression`` (none, fp16 or 8bit)."""
+    from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
+
+    return {"none": NoCompression, "fp16": Float16Compression, "8bit": Uniform8BitQuantization}[name]()
+
+
 def _barrier(directory: Path, name: str, rank: int, world: int, timeout: float) -> bool:
     """A file barrier among the hivemind peers (they share no process group)."""
     (directory / f"{name}.{rank}").touch()
@@ -230,9 +240,7 @@ def run_hivemind(args: argparse.Namespace) -> None:
         initial = json.loads(maddr_file.read_text())
     dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{args.host}/tcp/0"], initial_peers=initial)
     if args.rank == 0:
-        tmp = maddr_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps([str(a) for a in dht.get_visible_maddrs()]))
-        os.replace(tmp, maddr_file)
+        results_io.write_json(maddr_file, [str(a) for a in dht.get_visible_maddrs()])
 
     decay = [p for n, p in w.trainer.model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in w.trainer.model.named_parameters() if p.dim() < 2]
@@ -248,6 +256,7 @@ def run_hivemind(args: argparse.Namespace) -> None:
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=args.averaging_timeout,
         averager_opts={"request_timeout": args.matchmaking_time / 2},  # hivemind warns unless < matchmaking_time
+        state_averaging_compression=hivemind_codec(args.compression),
         verbose=True,
     )
     # hivemind.Optimizer.param_groups returns copies: the lr must be set on the wrapped torch optimizer
@@ -276,12 +285,15 @@ def run_hivemind(args: argparse.Namespace) -> None:
     wall = time.perf_counter() - started
     median = statistics.median(step_s) if step_s else 0.0
     comm = sum(max(0.0, s - median) for s in step_s)
-    n_bytes = sum(2 * (n - 1) / n * 4 * w.num_params for n in counter.groups if n > 1)
+    width = BYTES_PER_VALUE[args.compression]
+    n_bytes = sum(2 * (n - 1) / n * width * w.num_params for n in counter.groups if n > 1)
     w.write(kind="hivemind", t_start=t_start, t_end=time.time(), wall_s=wall, comm_wait_s=comm,
             comm_wait_method="measured: time inside hivemind.Optimizer.step above its median step",
             bytes_sent=int(n_bytes),
-            bytes_method="estimate: 2(n-1)/n x 4 x params per averaging round of n peers (fp32 butterfly all-reduce), "
-                         "rounds counted from hivemind's log; DHT and progress-tracker traffic not counted",
+            bytes_method=f"estimate: 2(n-1)/n x {width} x params per averaging round of n peers (butterfly all-reduce, "
+                         f"{args.compression} averaging), rounds counted from hivemind's log; DHT and progress-tracker "
+                         "traffic not counted" + (", nor the 8-bit code tables" if args.compression == "8bit" else ""),
+            compression=args.compression,
             averaging_rounds=len(counter.groups), averaging_group_sizes=counter.groups,
             averaging_failed=counter.failed, out_of_sync=counter.out_of_sync,
             epochs=epochs[-1] if epochs else 0, target_batch_size=args.inner_steps * args.batch_size * args.world,
@@ -309,6 +321,9 @@ def main() -> None:
     hm.add_argument("--inner-steps", type=int, default=30, help="local steps per epoch on every peer (H)")
     hm.add_argument("--matchmaking-time", type=float, default=1.0)
     hm.add_argument("--averaging-timeout", type=float, default=10.0)
+    hm.add_argument("--compression", choices=sorted(BYTES_PER_VALUE), default="none",
+                    help="hivemind's parameter averaging codec: none (fp32), fp16 (Float16Compression) or "
+                         "8bit (Uniform8BitQuantization)")
     hm.add_argument("--background", action="store_true",
                     help="hivemind's default delay_state_averaging=True (average in a background thread); by default "
                          "this worker averages inside step (False): with epochs of a few seconds the background mode "

@@ -19,10 +19,10 @@ per byte; "vs clean" is the ratio to the clean run of *mean* (the plain baseline
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import results_io
 from compression import get_codec
 from compression.feedback import ErrorFeedback
 from gossip.aggregate import aggregate
@@ -115,14 +116,9 @@ def run_one(algorithm: str, method: str, attack: str | None, nodes: int, attacke
 
 
 def _environment() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip()
-        except OSError:
-            return ""
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "torch": torch.__version__, "python": platform.python_version(), "cores": os.cpu_count(),
-            "load_before": os.getloadavg()}
+    commit, dirty = results_io.git_state()
+    return {"commit": commit or "", "dirty": bool(dirty), "torch": torch.__version__, "python": platform.python_version(),
+            "cores": os.cpu_count(), "load_before": os.getloadavg()}
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -181,14 +177,27 @@ def main() -> None:
     parser.add_argument("--aggregators", default="", help="comma-separated; default: every aggregator of ALGORITHMS "
                         "(the plain one is always run: it is the baseline)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, help="outer rounds (default: the scale's)")
+    parser.add_argument("--inner-steps", type=int, help="H (default: the scale's)")
+    parser.add_argument("--configs", help="comma-separated NODES:ATTACKERS, e.g. 4:1,8:2 (default: the scale's)")
     args = parser.parse_args()
     if args.table:
         print("\n\n".join(markdown_table(json.loads(f.read_text()), str(f)) for f in args.table))
         return
     if args.out is None:
         parser.error("--out is required to run the benchmark")
+    meta = results_io.begin()
     torch.set_num_threads(args.threads)
     scale = SCALES[args.scale]
+    if args.rounds is not None:
+        scale = dataclasses.replace(scale, rounds=args.rounds)
+    if args.inner_steps is not None:
+        scale = dataclasses.replace(scale, inner_steps=args.inner_steps)
+    if args.configs:
+        pairs = tuple(tuple(int(x) for x in c.split(":")) for c in args.configs.split(","))
+        if any(len(c) != 2 or not 0 < c[1] < c[0] for c in pairs):
+            parser.error("--configs: NODES:ATTACKERS pairs with 0 < ATTACKERS < NODES")
+        scale = dataclasses.replace(scale, configs=pairs)
     corpus = load_embedded_corpus()
     val = validation_batches(corpus.val, 16, PRESETS[scale.model].context, max_batches=scale.eval_batches)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -211,10 +220,7 @@ def main() -> None:
     env.update(load_after=os.getloadavg(), seconds=round(time.time() - started, 1))
     result = {"command": "python -m benchmarks.byzantine " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
               "environment": env, "scale": asdict(scale), "runs": rows, "summary": summarize(rows)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(args.out)
+    results_io.write(args.out, result, meta)
     print(f"wrote {args.out}")
 
 

@@ -12,7 +12,7 @@ two reports it computes, for the run with kills:
   ``stages_emptied_by_recovery`` (a stage declared lost within 30 s after one of its servers left it
   to rebuild another);
 - held-out loss at equal trainer steps: both runs' trainer evaluations, compared at the largest
-  step both reached (linear interpolation between evaluations).
+  step both reached (linear interpolation between evaluations, ``benchmarks.curves.value_at``).
 
 The swarm runs on one machine: with 8 processes on 2 cores the absolute speed is low and noisy;
 the comparison between the two runs is what it measures. With several seeds (``--seeds``: the swarm's
@@ -24,13 +24,14 @@ mean and spread.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import results_io
+from benchmarks.curves import value_at
 
 SWARM_ARGS = ["--stages", "3", "--checkfree-plus", "--model", "micro", "--batch-size", "8", "--eval-every", "2",
               "--eval-batches", "4", "--sync-every", "20", "--recovery-grace", "6", "--microbatches", "2",
@@ -50,15 +51,6 @@ def run_swarm(folder: Path, nodes: int, seconds: float, chaos: bool, seed: int =
 def _trainer(report: dict[str, Any]) -> dict[str, Any]:
     trainers = [n for n in report["nodes"] if n.get("role") == "trainer"]
     return max(trainers, key=lambda n: n.get("steps", 0)) if trainers else {}
-
-
-def val_at(points: list[tuple[int, float]], step: int) -> float | None:
-    """Held-out loss at ``step``, interpolated between evaluations."""
-    points = sorted(points)
-    for (s0, v0), (s1, v1) in zip(points, points[1:]):
-        if s0 <= step <= s1:
-            return v0 + (v1 - v0) * (step - s0) / max(1, s1 - s0)
-    return points[-1][1] if points and points[-1][0] == step else None
 
 
 def analyse(killed: dict[str, Any], calm: dict[str, Any]) -> dict[str, Any]:
@@ -86,7 +78,7 @@ def analyse(killed: dict[str, Any], calm: dict[str, Any]) -> dict[str, Any]:
     points = {name: [(r["step"], r["val_loss"]) for r in _trainer(rep).get("rounds", []) if "val_loss" in r and r["step"] > 0]
               for name, rep in (("killed", killed), ("calm", calm))}
     common = min((max(s for s, _ in p) for p in points.values() if p), default=0)
-    at = {name: val_at(p, common) for name, p in points.items()}
+    at = {name: value_at(p, common) for name, p in points.items()}
     return {
         "wall_s": killed["duration_s"],
         "progress_fraction": round(max(0.0, 1.0 - (waits + dead) / wall), 4),
@@ -104,9 +96,11 @@ def analyse(killed: dict[str, Any], calm: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def churn(out: Path, nodes: int = 8, minutes: float = 15.0, seeds: tuple[int, ...] = (0,), restart: bool = True) -> dict[str, Any]:
+def churn(out: Path, nodes: int = 8, minutes: float = 15.0, seeds: tuple[int, ...] = (0,), restart: bool = True,
+          meta: results_io.RunMeta | None = None) -> dict[str, Any]:
+    """Run a killed and a calm swarm per seed (alternating), analyse each pair, write ``out`` and return it."""
+    meta = meta or results_io.begin()
     folder = out.parent / (out.stem + "-runs")
-    started, load_before = time.time(), os.getloadavg()
     per_seed = {}
     for seed in seeds:
         killed = run_swarm(folder / f"killed-{seed}", nodes, minutes * 60, chaos=True, seed=seed, restart=restart)
@@ -117,11 +111,8 @@ def churn(out: Path, nodes: int = 8, minutes: float = 15.0, seeds: tuple[int, ..
         values = [r[key] for r in per_seed.values() if r.get(key) is not None]
         if values:
             summary[key] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
-    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
-    result = {"command": " ".join(["python -m benchmarks.recovery", *sys.argv[1:]]), "commit": git("rev-parse", "HEAD"),
-              "dirty": bool(git("status", "--porcelain")), "cores": os.cpu_count(), "load_before": load_before,
-              "load_after": os.getloadavg(), "started": started, "ended": time.time(), "nodes": nodes, "minutes": minutes,
+    result = {"command": meta.command, "commit": meta.git_commit, "dirty": meta.git_dirty, "cores": meta.cpu_count,
+              "load_before": meta.load_before, "nodes": nodes, "minutes": minutes,
               "swarm_args": SWARM_ARGS, "restart_killed": restart, "seeds": list(seeds), "summary": summary, "per_seed": per_seed}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    return result
+    results_io.write(out, result, meta)
+    return {"meta": meta.finish(), **result}

@@ -25,7 +25,6 @@ the same shape (``errors``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -39,6 +38,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from benchmarks import results_io
 from compression import Payload, get_codec
 
 DEFAULT_SPECS = [
@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         args.numel = min(args.numel, 1_000_000)
     if args.numel < 1 or args.runs < 1:
         parser.error("--numel and --runs must be positive")
+    meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.codecs", *argv])
 
     threads = torch.get_num_threads()
     rows, cols = matrix_shape(args.numel)
@@ -291,8 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         results["hivemind"] = bench_hivemind(x, args.runs, threads, others)
     print_table(results)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        results_io.write(args.out, results, meta)
     return 0
 
 

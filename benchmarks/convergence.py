@@ -12,7 +12,9 @@ evaluated on the same held-out windows (``node.data.bytes.validation_batches``):
 - ``single``: one process trains on all N·S batches (no communication).
 - ``ddp``: N processes, gradients all-reduced with gloo every step (``benchmarks.baselines``).
 - ``hivemind``: N processes with ``hivemind.Optimizer(use_local_updates=True)`` averaging parameters
-  every epoch of H local steps per peer, over a hivemind DHT.
+  every epoch of H local steps per peer, over a hivemind DHT; ``hivemind-fp16`` and ``hivemind-8bit``
+  the same with hivemind's Float16Compression or Uniform8BitQuantization averaging (its best offered
+  settings, beside the uncompressed one: every comparison with hivemind takes its best variant).
 - ``diloco``, ``noloco``, ``sparseloco``, ``noloco-sparse``, ``streaming``: the real ``node swarm``
   CLI (``node join`` per namespace with ``--link-mbit``), ``--max-steps S --eval-every 1``. A
   configuration whose flags this build of ``node join`` does not accept is recorded as unsupported.
@@ -21,8 +23,14 @@ Per configuration the JSON report holds the final validation loss (mean over nod
 validation loss against tokens (and seconds since launch), bytes sent per node (how each was obtained
 is written next to it: measured, computed or estimated), wall time, tokens/s per node, the fraction
 of training time blocked on communication, and the wall time to a target validation loss (the
-data-parallel baseline's final loss, else the worst final loss, unless ``--target-loss``). A PNG next
-to the report plots validation loss against tokens and against wall time, and a markdown table is printed.
+data-parallel baseline's final loss of the same seed, else the worst final loss, unless
+``--target-loss``; read between the evaluations that bracket it). Each locomesh configuration's
+``vs_dense`` compares it with dense DiLoCo at its own H: when ``diloco`` runs and a variant sets another
+``--inner-steps``, a dense ``diloco-h<H>`` run at that H is added. ``--seeds 0,1,2`` runs every
+configuration once per seed, alternating (A B C, A B C, ...: a change in the machine's load falls on
+all of them), and reports mean ± spread; every seed's record is kept under ``per_seed``. A PNG next
+to the report plots validation loss against tokens and against wall time (the first seed), and a
+markdown table is printed. The report is written with ``benchmarks.results_io`` (a ``meta`` record).
 
 ``--link-mbit R`` puts every process in its own network namespace behind a ``tc tbf`` limit of R
 Mbit/s each way (``benchmarks.thin_links``; root required) and also measures the bytes each node's
@@ -32,11 +40,13 @@ interface sent (every protocol, headers included).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import platform
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -47,9 +57,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import thin_links
+from benchmarks import results_io, thin_links
+from benchmarks.convergence_report import (  # noqa: F401 - the analysis is part of this benchmark's interface
+    BASELINES, COMPRESSED, HIVEMIND, UNIFORM_LOSS, _fmt_bytes, check_targets, combine_seeds, dense_same_h, inner_steps,
+    is_dense_diloco, markdown_table, plot, summarize, target_loss, time_to_target)
 
-BASELINES = ("single", "ddp", "hivemind")
 LOCOMESH: dict[str, list[str]] = {
     "diloco": ["--algorithm", "diloco"],
     "noloco": ["--algorithm", "noloco"],
@@ -58,8 +70,6 @@ LOCOMESH: dict[str, list[str]] = {
     "streaming": ["--algorithm", "diloco", "--fragments", "4", "--overlap"],
 }
 ALL_CONFIGS = (*BASELINES, *LOCOMESH)
-COMPRESSED = ("sparseloco", "noloco-sparse")
-UNIFORM_LOSS = math.log(256)  # nats/byte of the uniform predictor: where every run starts
 
 
 @dataclass
@@ -153,18 +163,20 @@ def run_baseline(name: str, settings: Settings, directory: Path) -> dict[str, An
               "--eval-batches", str(s.eval_batches), "--threads", str(s.threads), "--seed", str(s.seed)]
     procs, outs = [], []
     t0 = time.time()
-    if name == "hivemind":
+    if name in HIVEMIND:
         rdv = directory / "rendezvous"
+        shutil.rmtree(rdv, ignore_errors=True)  # an earlier run's addresses and barriers must not be read
         rdv.mkdir(parents=True, exist_ok=True)
     port = 29500 if s.link_mbit else _free_port()
     for rank in range(world):
         out = directory / f"worker{rank}.json"
         out.unlink(missing_ok=True)
         outs.append(out)
-        if name == "hivemind":
+        if name in HIVEMIND:
             cmd = [*_python(), "-m", "benchmarks.baselines", "hivemind", "--rank", str(rank), *common, "--out", str(out),
                    "--rendezvous", str(rdv), "--host", _host(rank, s), "--inner-steps", str(s.inner_steps),
-                   "--run-id", f"conv-{int(t0)}", "--timeout", str(min(600.0, s.config_timeout))]
+                   "--run-id", f"conv-{int(t0)}", "--timeout", str(min(600.0, s.config_timeout)),
+                   "--compression", HIVEMIND[name]]
             if s.hivemind_background:
                 cmd.append("--background")
             env = None
@@ -205,8 +217,9 @@ def run_baseline(name: str, settings: Settings, directory: Path) -> dict[str, An
         "wall_s": wall, "nodes": nodes, "curve": curve, "num_params": workers[0]["num_params"],
         "bytes_method": workers[0]["bytes_method"], "comm_wait_method": workers[0]["comm_wait_method"],
         "train_wall_method": "measured by the worker: its training loop (steps and evaluations)",
-        **({"hivemind": {k: workers[0][k] for k in ("delay_state_averaging", "matchmaking_time", "target_batch_size")}}
-           if name == "hivemind" else {}),
+        **({"hivemind": {k: workers[0].get(k) for k in ("delay_state_averaging", "matchmaking_time", "target_batch_size",
+                                                           "compression")}}
+           if name in HIVEMIND else {}),
     }
 
 
@@ -414,217 +427,64 @@ def _context(model: str) -> int:
     return preset(model).context
 
 
-# ---------------------------------------------------------------------------------- analysis
-
-
-def summarize(name: str, rec: dict[str, Any]) -> dict[str, Any]:
-    """Per-config headline numbers, added to ``rec``."""
-    nodes = rec.get("nodes") or []
-    if rec.get("status") != "ok" or not nodes:
-        return rec
-    finals = [n["val_loss"] for n in nodes if n["val_loss"] is not None and math.isfinite(n["val_loss"])]
-    rec["final_val_loss"] = statistics.fmean(finals) if finals else None
-    rec["tokens_total"] = sum(n["tokens"] for n in nodes)
-    rec["bytes_sent_per_node"] = statistics.fmean(n["bytes_sent"] for n in nodes)
-    # the training exchange alone: without one-off state downloads (joins, catch-ups) and status queries,
-    # which the baselines do not have (they start from the same seed)
-    rec["exchange_bytes_per_node"] = statistics.fmean(
-        n["bytes_sent"] - sum(v for k, v in n.get("bytes_sent_by_kind", {}).items() if k in ("state", "status")) for n in nodes)
-    link = [n.get("link_tx_bytes") for n in nodes]
-    rec["link_tx_bytes_per_node"] = statistics.fmean(link) if all(b is not None for b in link) else None
-    rec["tokens_per_s_per_node"] = statistics.fmean(n["tokens"] / n["train_wall_s"] for n in nodes if n["train_wall_s"] > 0)
-    rec["comm_wait_s_per_node"] = statistics.fmean(n["comm_wait_s"] for n in nodes)
-    rec["comm_wait_fraction"] = statistics.fmean(n["comm_wait_s"] / n["train_wall_s"] for n in nodes if n["train_wall_s"] > 0)
-    if rec["final_val_loss"] is not None and rec["exchange_bytes_per_node"] > 0:
-        rec["loss_drop_per_mb"] = (UNIFORM_LOSS - rec["final_val_loss"]) / (rec["exchange_bytes_per_node"] / 1e6)
-    else:
-        rec["loss_drop_per_mb"] = None
-    total = rec["tokens_total"] or 1
-    for p in rec.get("curve", []):  # exchange bytes grow with rounds, i.e. with tokens
-        p["exchange_bytes_per_node"] = rec["exchange_bytes_per_node"] * min(1.0, p["tokens"] / total)
-    return rec
-
-
-def target_loss(results: dict[str, dict[str, Any]], given: float | None) -> tuple[float | None, str]:
-    """The held-out loss every configuration races to, and where it came from: ``--target-loss``, else
-    data-parallel's final loss (what synchronous training reaches with these tokens: a target that
-    only the best configurations reach), else the worst final loss of the run."""
-    if given is not None:
-        return given, "--target-loss"
-    ddp = results.get("ddp", {})
-    if ddp.get("status") == "ok" and ddp.get("final_val_loss") is not None:
-        return ddp["final_val_loss"], "ddp final val loss"
-    finals = [r["final_val_loss"] for r in results.values() if r.get("status") == "ok" and r.get("final_val_loss") is not None]
-    return (max(finals), "worst final val loss") if finals else (None, "none: no configuration finished")
-
-
-def time_to_target(rec: dict[str, Any], target: float) -> float | None:
-    for p in rec.get("curve", []):
-        if p["val_loss"] <= target + 1e-9:
-            return p["t_s"]
-    return None
-
-
-def check_targets(results: dict[str, dict[str, Any]], settings: Settings) -> list[dict[str, Any]]:
-    ok = {k: v for k, v in results.items() if v.get("status") == "ok" and v.get("final_val_loss") is not None}
-    loco = [k for k in LOCOMESH if k in ok]
-    out: list[dict[str, Any]] = []
-
-    def add(target: str, passed: bool | None, detail: str) -> None:
-        out.append({"target": target, "result": "n/a" if passed is None else ("pass" if passed else "FAIL"), "detail": detail})
-
-    t = "every locomesh config ahead of hivemind in tokens/s and in val-loss drop per MB sent"
-    if "hivemind" not in ok or not loco:
-        add(t, None, "needs hivemind and at least one locomesh config")
-    else:
-        h = ok["hivemind"]
-        rows, good = [], True
-        for k in loco:
-            r = ok[k]
-            a = r["tokens_per_s_per_node"] > h["tokens_per_s_per_node"]
-            b = (r["loss_drop_per_mb"] or 0) > (h["loss_drop_per_mb"] or 0)
-            good &= a and b
-            rows.append(f"{k}: {r['tokens_per_s_per_node']:.0f} vs {h['tokens_per_s_per_node']:.0f} tok/s, "
-                        f"{r['loss_drop_per_mb'] or 0:.3g} vs {h['loss_drop_per_mb'] or 0:.3g} nats of val loss per MB")
-        missing = [k for k in LOCOMESH if k not in ok]
-        add(t, good, "; ".join(rows) + (f" (not run: {', '.join(missing)})" if missing else ""))
-
-    t = "best compressed config within 3% of ddp val loss with >=1000x fewer bytes per node"
-    comp = [k for k in COMPRESSED if k in ok]
-    if "ddp" not in ok or not comp:
-        add(t, None, "needs ddp and sparseloco or noloco-sparse")
-    else:
-        best = min(comp, key=lambda k: ok[k]["final_val_loss"])
-        d, r = ok["ddp"], ok[best]
-        rel = r["final_val_loss"] / d["final_val_loss"] - 1
-        ratio = d["exchange_bytes_per_node"] / max(1.0, r["exchange_bytes_per_node"])
-        add(t, rel <= 0.03 and ratio >= 1000,
-            f"{best}: val {r['final_val_loss']:.4f} vs ddp {d['final_val_loss']:.4f} ({rel:+.1%}), {ratio:.0f}x fewer bytes")
-
-    t = "noloco within 2% of diloco val loss"
-    if "noloco" not in ok or "diloco" not in ok:
-        add(t, None, "needs noloco and diloco")
-    else:
-        rel = ok["noloco"]["final_val_loss"] / ok["diloco"]["final_val_loss"] - 1
-        add(t, rel <= 0.02, f"noloco {ok['noloco']['final_val_loss']:.4f} vs diloco {ok['diloco']['final_val_loss']:.4f} ({rel:+.1%})")
-
-    t = "comm wait < 5% with overlap (streaming)"
-    if "streaming" not in ok:
-        add(t, None, "needs streaming")
-    else:
-        f = ok["streaming"]["comm_wait_fraction"]
-        add(t, f < 0.05, f"streaming waits {f:.1%} of its training time ({ok['streaming']['comm_wait_method']})")
-
-    t = "at 20 Mbit/s, time to target >=5x shorter than ddp"
-    if settings.link_mbit is None:
-        add(t, None, "loopback run; use --link-mbit 20")
-    elif "ddp" not in ok or not loco or ok["ddp"].get("time_to_target_s") is None:
-        add(t, None, "needs ddp reaching the target and a locomesh config")
-    else:
-        ddp_t = ok["ddp"]["time_to_target_s"]
-        ratios = {k: ddp_t / ok[k]["time_to_target_s"] for k in loco if ok[k].get("time_to_target_s")}
-        best = max(ratios, key=ratios.get) if ratios else None
-        note = "" if settings.link_mbit == 20 else f" (measured at {settings.link_mbit:g} Mbit/s, not 20)"
-        add(t, None if best is None or settings.link_mbit != 20 else ratios[best] >= 5,
-            ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items()) + f" faster than ddp ({ddp_t:.0f}s){note}")
-
-    t = "at 20 Mbit/s, time to target >=1.5x shorter than hivemind"
-    reached = {k: ok[k]["time_to_target_s"] for k in loco if ok[k].get("time_to_target_s")}
-    if settings.link_mbit is None:
-        add(t, None, "loopback run; use --link-mbit 20")
-    elif "hivemind" not in ok or not reached:
-        add(t, None, "needs hivemind and a locomesh config that reached the target")
-    else:
-        best = min(reached, key=reached.get)
-        h_t = ok["hivemind"].get("time_to_target_s")
-        if h_t is None:
-            add(t, None if settings.link_mbit != 20 else True, f"{best} reached the target in {reached[best]:.0f}s; hivemind never did")
-        else:
-            add(t, None if settings.link_mbit != 20 else h_t / reached[best] >= 1.5,
-                f"{best} {h_t / reached[best]:.1f}x faster than hivemind ({h_t:.0f}s)")
-    return out
-
-
-def _fmt_bytes(b: float | None) -> str:
-    if b is None:
-        return "-"
-    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if b >= div:
-            return f"{b / div:.2f} {unit}"
-    return f"{b:.0f} B"
-
-
-def markdown_table(results: dict[str, dict[str, Any]], link: bool) -> str:
-    ddp_bytes = results.get("ddp", {}).get("exchange_bytes_per_node")
-    head = ["config", "status", "final val loss", "tokens", "exchange sent/node", "x fewer than ddp", "all sent/node",
-            "wall s", "tok/s/node", "comm wait", "time to target s"]
-    if link:
-        head.insert(7, "link tx/node")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, r in results.items():
-        if r.get("status") != "ok":
-            row = [name, r.get("status", "?") + (": " + r["reason"] if r.get("reason") else "")] + [""] * (len(head) - 2)
-        else:
-            b = r["exchange_bytes_per_node"]
-            fewer = f"{ddp_bytes / b:.0f}x" if ddp_bytes and b else ("no comm" if not b else "-")
-            ttt = r.get("time_to_target_s")
-            row = [name, "ok", f"{r['final_val_loss']:.4f}", f"{r['tokens_total'] / 1e6:.2f} M", _fmt_bytes(b), fewer,
-                   _fmt_bytes(r["bytes_sent_per_node"]), f"{r['wall_s']:.0f}", f"{r['tokens_per_s_per_node']:.0f}",
-                   f"{r['comm_wait_fraction']:.1%}", "-" if ttt is None else f"{ttt:.0f}"]
-            if link:
-                row.insert(7, _fmt_bytes(r.get("link_tx_bytes_per_node")))
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
-
-
-def plot(results: dict[str, dict[str, Any]], path: Path, title: str, target: float | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(19, 5))
-    colors = plt.get_cmap("tab10")
-    for name, r in results.items():
-        curve = r.get("curve") or []
-        if r.get("status") != "ok" or not curve:
-            continue
-        style = "--" if name in BASELINES else "-"
-        color = colors((ALL_CONFIGS.index(name) if name in ALL_CONFIGS else len(ALL_CONFIGS) + list(results).index(name)) % 10)
-        ax1.plot([p["tokens"] / 1e6 for p in curve], [p["val_loss"] for p in curve], style, marker=".", label=name, color=color)
-        ax3.plot([p["t_s"] for p in curve], [p["val_loss"] for p in curve], style, marker=".", label=name, color=color)
-        pts = [(p["exchange_bytes_per_node"], p["val_loss"]) for p in curve if p.get("exchange_bytes_per_node", 0) > 0]
-        if pts:
-            ax2.plot([x for x, _ in pts], [y for _, y in pts], style, marker=".", label=name, color=color)
-    ax1.set_xlabel("tokens trained, all nodes (M)")
-    ax1.set_ylabel("validation loss (nats/byte)")
-    ax1.set_title("validation loss vs tokens")
-    ax2.set_xscale("log")
-    ax2.set_xlabel("bytes sent per node for the training exchange (log; assumed linear in tokens)")
-    ax2.set_title("validation loss vs bytes sent (single: none)")
-    ax3.set_xlabel("wall time since launch (s)")
-    ax3.set_title("validation loss vs wall time")
-    if target is not None:
-        ax3.axhline(target, color="gray", linestyle=":", label=f"target {target:.3f}")
-    for ax in (ax1, ax2, ax3):
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # ---------------------------------------------------------------------------------- main
 
 
 def _environment() -> dict[str, Any]:
-    import hivemind
-    import torch
+    """The ``environment`` record of a report (its ``meta`` says more: ``benchmarks.results_io``)."""
+    commit, _ = results_io.git_state()
+    v = results_io.versions()
+    return {"python": platform.python_version(), "torch": v["torch"], "hivemind": v["hivemind"],
+            "cpus": os.cpu_count(), "platform": platform.platform(), "git": (commit or "")[:7],
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"python": platform.python_version(), "torch": torch.__version__, "hivemind": hivemind.__version__,
-            "cpus": os.cpu_count(), "platform": platform.platform(), "git": commit, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+def add_dense_per_h(configs: list[str], settings: Settings) -> list[str]:
+    """When dense ``diloco`` runs, a dense run at every other H a locomesh configuration uses
+    (``diloco-h<H>``), so each is compared with dense DiLoCo at its own H; returns the added names."""
+    if not any(c in LOCOMESH and is_dense_diloco(LOCOMESH[c]) for c in configs):
+        return []
+    have = {inner_steps(LOCOMESH[c], settings.inner_steps) for c in configs if c in LOCOMESH and is_dense_diloco(LOCOMESH[c])}
+    added = []
+    for c in list(configs):
+        h = inner_steps(LOCOMESH[c], settings.inner_steps) if c in LOCOMESH else None
+        if h is not None and h not in have:
+            name = f"diloco-h{h}"
+            LOCOMESH[name] = ["--algorithm", "diloco", "--inner-steps", str(h)]
+            configs.append(name)
+            added.append(name)
+            have.add(h)
+    return added
+
+
+def run_config(name: str, settings: Settings, directory: Path, help_text: str) -> dict[str, Any]:
+    """One configuration, one seed: its summarized record (failures are records too)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        if name in LOCOMESH and (why := supported(name, settings, help_text)):
+            rec = {"status": "unsupported", "reason": why}
+        else:
+            if settings.link_mbit is not None:
+                thin_links.setup(1 if name == "single" else settings.nodes, settings.link_mbit)
+            try:
+                rec = run_baseline(name, settings, directory) if name in BASELINES else run_locomesh(name, settings, directory)
+            finally:
+                if settings.link_mbit is not None:
+                    thin_links.teardown(settings.nodes)
+    except Exception as e:  # noqa: BLE001 - one broken config must not lose the others
+        rec = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
+    rec["directory"] = str(directory)
+    rec["seed"] = settings.seed
+    return summarize(name, rec)
+
+
+def race(results: dict[str, dict[str, Any]], given: float | None) -> tuple[float | None, str]:
+    """One seed's race: its target (``target_loss``) and every finished run's time to it."""
+    target, source = target_loss(results, given)
+    for r in results.values():
+        if r.get("status") == "ok" and target is not None:
+            r["time_to_target_s"] = time_to_target(r, target)
+    return target, source
 
 
 def main() -> None:
@@ -632,11 +492,15 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON report; the plot is written next to it (.png)")
     parser.add_argument("--quick", action="store_true", help="nano model, 2 nodes x 600 steps, H=30: every config in minutes")
     parser.add_argument("--configs", default=",".join(ALL_CONFIGS), help=f"comma separated, of {', '.join(ALL_CONFIGS)}")
+    parser.add_argument("--seeds", default=None, help="comma separated seeds (init seed; node i draws data with seed + i); "
+                        "every config runs once per seed, alternating; default: 0")
     parser.add_argument("--link-mbit", type=float, default=None, help="each process in a network namespace behind tc tbf R Mbit/s (root)")
     parser.add_argument("--target-loss", type=float, default=None, help="for time to target (default: ddp's final val loss, else the worst final val loss)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=CONFIG:FLAGS",
                         help="an ablation: CONFIG's node flags plus FLAGS, reported as NAME (repeatable), "
                              "e.g. 'sparseloco-mean=sparseloco:--aggregate mean'")
+    parser.add_argument("--no-dense-per-h", action="store_true",
+                        help="do not add a dense diloco run at each other H a variant uses")
     parser.add_argument("--model")
     parser.add_argument("--nodes", type=int)
     parser.add_argument("--steps", type=int, help="optimizer steps per node")
@@ -644,6 +508,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--lr", type=float)
     parser.add_argument("--warmup-steps", type=int)
+    parser.add_argument("--eval-batches", type=int)
     parser.add_argument("--config-timeout", type=float, help="seconds before a configuration is stopped")
     parser.add_argument("--swarm-launcher", action="store_true",
                         help="launch locomesh nodes with `node swarm` (node 0 trains alone while the others start up) "
@@ -651,9 +516,10 @@ def main() -> None:
     parser.add_argument("--hivemind-background", action="store_true",
                         help="hivemind averages in the background (its default delay_state_averaging=True)")
     args = parser.parse_args()
+    meta = results_io.begin()
 
     settings = Settings.quick() if args.quick else Settings()
-    for key in ("model", "nodes", "steps", "inner_steps", "batch_size", "lr", "warmup_steps", "config_timeout"):
+    for key in ("model", "nodes", "steps", "inner_steps", "batch_size", "lr", "warmup_steps", "eval_batches", "config_timeout"):
         if getattr(args, key) is not None:
             setattr(settings, key, getattr(args, key))
     settings.link_mbit = args.link_mbit
@@ -669,6 +535,9 @@ def main() -> None:
     unknown = [c for c in configs if c not in ALL_CONFIGS and c not in LOCOMESH]
     if unknown:
         sys.exit(f"unknown config(s) {', '.join(unknown)}; choose from {', '.join(ALL_CONFIGS)} or a --variant")
+    if not args.no_dense_per_h and (added := add_dense_per_h(configs, settings)):
+        print(f"added dense DiLoCo at the H of the variants, to compare like with like: {', '.join(added)}", flush=True)
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [settings.seed]
     if settings.link_mbit is not None and os.geteuid() != 0:
         sys.exit("--link-mbit needs root for ip netns and tc; run it with sudo")
     out = Path(args.out)
@@ -676,46 +545,41 @@ def main() -> None:
 
     help_text = subprocess.run([*_python(), "-m", "node", "join", "--help"], capture_output=True, text=True,
                                env={**os.environ, "COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"}).stdout
-    results: dict[str, dict[str, Any]] = {}
+    per_seed: dict[int, dict[str, dict[str, Any]]] = {}
+    targets_per_seed: dict[int, tuple[float | None, str]] = {}
     started = time.time()
-    for name in configs:
-        directory = out.parent / f"{out.stem}-{name}"
-        directory.mkdir(parents=True, exist_ok=True)
-        print(f"== {name}", flush=True)
-        t0 = time.time()
-        try:
-            if name in LOCOMESH and (why := supported(name, settings, help_text)):
-                rec = {"status": "unsupported", "reason": why}
+    for seed in seeds:  # seed-major: A B C, A B C, ... so a slow spell of the machine falls on every config
+        s = dataclasses.replace(settings, seed=seed)
+        per_seed[seed] = {}
+        for name in configs:
+            directory = out.parent / (f"{out.stem}-{name}" + (f"-seed{seed}" if len(seeds) > 1 else ""))
+            print(f"== {name}" + (f", seed {seed}" if len(seeds) > 1 else ""), flush=True)
+            t0 = time.time()
+            r = per_seed[seed][name] = run_config(name, s, directory, help_text)
+            if r.get("status") == "ok":
+                print(f"   val {r['final_val_loss']:.4f}, {r['tokens_per_s_per_node']:.0f} tok/s/node, "
+                      f"exchange {_fmt_bytes(r['exchange_bytes_per_node'])}/node, comm wait {r['comm_wait_fraction']:.1%}, "
+                      f"{time.time() - t0:.0f}s", flush=True)
             else:
-                if settings.link_mbit is not None:
-                    thin_links.setup(1 if name == "single" else settings.nodes, settings.link_mbit)
-                try:
-                    rec = run_baseline(name, settings, directory) if name in BASELINES else run_locomesh(name, settings, directory)
-                finally:
-                    if settings.link_mbit is not None:
-                        thin_links.teardown(settings.nodes)
-        except Exception as e:  # noqa: BLE001 - one broken config must not lose the others
-            rec = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
-        rec["directory"] = str(directory)
-        results[name] = summarize(name, rec)
-        r = results[name]
-        if r.get("status") == "ok":
-            print(f"   val {r['final_val_loss']:.4f}, {r['tokens_per_s_per_node']:.0f} tok/s/node, "
-                  f"exchange {_fmt_bytes(r['exchange_bytes_per_node'])}/node, comm wait {r['comm_wait_fraction']:.1%}, "
-                  f"{time.time() - t0:.0f}s", flush=True)
-        else:
-            print(f"   {r['status']}: {r.get('reason', '')}", flush=True)
+                print(f"   {r['status']}: {r.get('reason', '')}", flush=True)
+        targets_per_seed[seed] = race(per_seed[seed], args.target_loss)
+        dense_same_h(per_seed[seed], LOCOMESH, settings.inner_steps)
 
-    target, target_source = target_loss(results, args.target_loss)
-    for r in results.values():
-        if r.get("status") == "ok" and target is not None:
-            r["time_to_target_s"] = time_to_target(r, target)
+    if len(seeds) == 1:
+        results = per_seed[seeds[0]]
+        target, target_source = targets_per_seed[seeds[0]]
+    else:
+        results = {name: combine_seeds({seed: per_seed[seed][name] for seed in seeds}) for name in configs}
+        dense_same_h(results, LOCOMESH, settings.inner_steps)
+        found = [t for t, _ in targets_per_seed.values() if t is not None]
+        target = statistics.fmean(found) if found else None
+        target_source = f"mean over seeds of: {targets_per_seed[seeds[0]][1]} (each seed races to its own)"
     targets = check_targets(results, settings)
     table = markdown_table(results, settings.link_mbit is not None)
     png = out.with_suffix(".png")
     link = f", {settings.link_mbit:g} Mbit/s links" if settings.link_mbit else ", loopback"
     title = (f"{settings.model}, {settings.nodes} nodes x {settings.steps} steps, H={settings.inner_steps}, "
-             f"batch {settings.batch_size}{link}")
+             f"batch {settings.batch_size}{link}" + (f", seed {seeds[0]} of {len(seeds)}" if len(seeds) > 1 else ""))
     try:
         plot(results, png, title, target)
     except Exception as e:  # noqa: BLE001 - the report matters more than the picture
@@ -726,9 +590,9 @@ def main() -> None:
         "target_loss": target, "target_loss_source": target_source, "link_mbit": settings.link_mbit,
         "configs": results, "targets": targets, "table": table, "plot": str(png) if png else None,
     }
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=str))
-    os.replace(tmp, out)
+    if len(seeds) > 1:
+        report.update(seeds=seeds, target_loss_per_seed={str(k): v[0] for k, v in targets_per_seed.items()})
+    results_io.write(out, report, meta)
     print(f"\n{title}; target val loss {target if target is None else round(target, 4)}\n")
     print(table)
     print()

@@ -11,6 +11,10 @@ bytes each node sent per outer round (the exchange alone: state downloads and st
 counted), how many times fewer that is than dense, and whether the run diverged (a non-finite or rising
 loss). A PNG next to the report plots held-out loss against bytes per round, one point per codec.
 
+``--seeds 0,1,2`` runs every codec once per seed, alternating (every codec for seed 0, then for seed
+1, ...), and reports the mean loss with its spread; a codec counts as diverged when any seed did.
+The report is written with ``benchmarks.results_io`` (a ``meta`` record).
+
 Targets (shared-seed issue): ``rot2`` within 1.5 % of dense at ≥ 16× fewer bytes per round, ``rot1``
 within 3 % at ≥ 32×, and no shared-seed codec (``rot*``, ``seed:*``) diverging.
 """
@@ -18,16 +22,17 @@ within 3 % at ≥ 32×, and no shared-seed codec (``rot*``, ``seed:*``) divergin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import os
 import re
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import convergence
+from benchmarks import convergence, results_io
 from benchmarks.convergence import Settings
+from benchmarks.convergence_report import HEADLINE, combine_seeds
 
 CODECS = ("none", "q8", "q4", "q2", "rot1", "rot2", "topk:64/4096+q2", "topk:64/4096+rot2", "seed:r=8")
 SHARED_SEED = ("rot", "seed:", "topk:64/4096+rot")
@@ -64,19 +69,26 @@ def diverged(rec: dict[str, Any]) -> bool:
     return bool(curve) and final > curve[0]["val_loss"]
 
 
+def _bytes(rec: dict[str, Any]) -> float | None:
+    return rec["bytes_per_round_per_node"] if "bytes_per_round_per_node" in rec else per_round(rec)
+
+
 def frontier(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per codec: loss, gap to dense, bytes per round and how many times fewer than dense."""
+    """One row per codec: loss, gap to dense, bytes per round and how many times fewer than dense
+    (with several seeds: means, and the loss's standard deviation over the seeds)."""
     dense = results.get("none", {})
-    dense_loss, dense_bytes = dense.get("final_val_loss"), per_round(dense)
+    dense_loss, dense_bytes = dense.get("final_val_loss"), _bytes(dense)
     rows = []
     for spec, rec in results.items():
-        loss, b = rec.get("final_val_loss"), per_round(rec)
+        loss, b = rec.get("final_val_loss"), _bytes(rec)
+        spread = rec.get("spread", {}).get("final_val_loss")
         rows.append({
             "codec": spec, "status": rec.get("status"), "val_loss": loss,
+            **({"val_loss_std": spread["std"], "seeds": spread["n"]} if spread else {}),
             "gap_to_dense": None if loss is None or not dense_loss else loss / dense_loss - 1.0,
             "bytes_per_round_per_node": b,
             "fewer_bytes_than_dense": None if not b or not dense_bytes else dense_bytes / b,
-            "diverged": diverged(rec) if rec.get("status") == "ok" else None,
+            "diverged": rec.get("diverged", diverged(rec)) if rec.get("status") == "ok" else None,
             "outer_rounds": [n.get("outer_rounds") for n in rec.get("nodes") or []],
         })
     return rows
@@ -95,7 +107,7 @@ def check(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "detail": f"gap {r['gap_to_dense']:+.2%}, {r['fewer_bytes_than_dense']:.1f}× fewer"})
     seeded = [r for r in rows if r["codec"].startswith(SHARED_SEED)]
     bad = [r["codec"] for r in seeded if r["diverged"] is not False]
-    out.append({"target": "no shared-seed codec diverges", "result": "pass" if seeded and not bad else "FAIL",
+    out.append({"target": "no shared-seed codec diverges", "result": "n/a" if not seeded else "FAIL" if bad else "pass",
                 "detail": f"diverged or failed: {', '.join(bad) or 'none'} of {', '.join(r['codec'] for r in seeded)}"})
     return out
 
@@ -109,7 +121,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         gap = "–" if r["gap_to_dense"] is None else f"{r['gap_to_dense']:+.2%}"
         b = "–" if r["bytes_per_round_per_node"] is None else f"{r['bytes_per_round_per_node'] / 1e3:,.1f} kB"
         fewer = "–" if r["fewer_bytes_than_dense"] is None else f"{r['fewer_bytes_than_dense']:.1f}×"
-        lines.append(f"| `{r['codec']}` | {r['val_loss']:.4f} | {gap} | {b} | {fewer} | {'yes' if r['diverged'] else 'no'} |")
+        loss = f"{r['val_loss']:.4f}" + (f" ± {r['val_loss_std']:.4f}" if "val_loss_std" in r else "")
+        lines.append(f"| `{r['codec']}` | {loss} | {gap} | {b} | {fewer} | {'yes' if r['diverged'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -153,6 +166,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps per node")
     parser.add_argument("--inner-steps", type=int, default=30, help="H: local steps per outer round")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--warmup-steps", type=int, default=30)
+    parser.add_argument("--seeds", default="0", help="comma separated seeds; every codec runs once per seed, alternating")
     parser.add_argument("--config-timeout", type=float, default=1200.0)
     parser.add_argument("--from-report", type=Path, help="recompute the frontier, targets and plot of an earlier report")
     args = parser.parse_args()
@@ -161,44 +176,54 @@ def main() -> None:
         rows = frontier(earlier["configs"])
         earlier.update(frontier=rows, targets=check(rows))
         plot(rows, args.from_report.with_suffix(".png"), earlier.get("title", ""))
-        args.from_report.write_text(json.dumps(earlier, indent=2, default=str))
+        results_io.write_json(args.from_report, earlier, indent=2)
         print(table(rows))
         for t in earlier["targets"]:
             print(f"- [{t['result']}] {t['target']}: {t.get('detail', '')}")
         return
     if not args.out:
         parser.error("--out is required (or --from-report)")
+    meta = results_io.begin()
     settings = Settings(model=args.model, nodes=args.nodes, steps=args.steps, inner_steps=args.inner_steps,
-                        batch_size=args.batch_size, warmup_steps=30, config_timeout=args.config_timeout)
+                        batch_size=args.batch_size, warmup_steps=args.warmup_steps, config_timeout=args.config_timeout)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    specs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict[str, Any]] = {}
+    per_seed: dict[str, dict[int, dict[str, Any]]] = {spec: {} for spec in specs}
     started = time.time()
-    for spec in [c.strip() for c in args.codecs.split(",") if c.strip()]:
-        name = register(spec)
-        directory = out.parent / f"{out.stem}-{name}"
-        directory.mkdir(parents=True, exist_ok=True)
-        print(f"== {spec}", flush=True)
-        t0 = time.time()
-        try:
-            rec = convergence.run_locomesh(name, settings, directory)
-        except Exception as e:  # noqa: BLE001 - one broken codec must not lose the others
-            rec = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
-        rec["directory"] = str(directory)
-        results[spec] = convergence.summarize(name, rec)
-        r = results[spec]
-        print(f"   {r.get('status')}: val {r.get('final_val_loss')}, {per_round(r)} B/round/node, "
-              f"{time.time() - t0:.0f}s {r.get('reason', '')}", flush=True)
+    for seed in seeds:  # seed-major: every codec once per seed, so the machine's slow spells fall on all of them
+        for spec in specs:
+            name = register(spec)
+            directory = out.parent / (f"{out.stem}-{name}" + (f"-seed{seed}" if len(seeds) > 1 else ""))
+            directory.mkdir(parents=True, exist_ok=True)
+            print(f"== {spec}" + (f", seed {seed}" if len(seeds) > 1 else ""), flush=True)
+            t0 = time.time()
+            try:
+                rec = convergence.run_locomesh(name, dataclasses.replace(settings, seed=seed), directory)
+            except Exception as e:  # noqa: BLE001 - one broken codec must not lose the others
+                rec = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
+            rec["directory"] = str(directory)
+            r = per_seed[spec][seed] = convergence.summarize(name, rec)
+            r["bytes_per_round_per_node"] = per_round(r)
+            r["diverged"] = diverged(r) if r.get("status") == "ok" else None
+            print(f"   {r.get('status')}: val {r.get('final_val_loss')}, {r['bytes_per_round_per_node']} B/round/node, "
+                  f"{time.time() - t0:.0f}s {r.get('reason', '')}", flush=True)
+    if len(seeds) == 1:
+        results = {spec: runs[seeds[0]] for spec, runs in per_seed.items()}
+    else:
+        results = {}
+        for spec, runs in per_seed.items():
+            results[spec] = combine_seeds(runs, (*HEADLINE, "bytes_per_round_per_node"))
+            results[spec]["diverged"] = any(r.get("diverged") is not False for r in runs.values())
     rows = frontier(results)
     title = (f"{settings.model}, {settings.nodes} nodes x {settings.steps} steps, H={settings.inner_steps}, "
-             f"batch {settings.batch_size}, DiLoCo, loopback")
+             f"batch {settings.batch_size}, DiLoCo, loopback" + (f", {len(seeds)} seeds" if len(seeds) > 1 else ""))
     png = out.with_suffix(".png")
     plot(rows, png, title)
     report = {"settings": {k: v for k, v in vars(args).items() if k != "from_report"}, "title": title, "environment": convergence._environment(), "elapsed_s": round(time.time() - started, 1),
               "frontier": rows, "targets": check(rows), "configs": results, "plot": str(png)}
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=str))
-    os.replace(tmp, out)
+    results_io.write(out, report, meta)
     print(f"\n{title}\n\n{table(rows)}\n")
     for t in report["targets"]:
         print(f"- [{t['result']}] {t['target']}: {t.get('detail', '')}")

@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import results_io
 from compression import get_codec
 from compression.feedback import ErrorFeedback
 from gossip.outer import NesterovOuter
@@ -131,13 +131,9 @@ def table(result: dict[str, Any]) -> str:
 
 
 def _environment() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip()
-        except OSError:
-            return ""
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "torch": torch.__version__, "python": platform.python_version(), "cores": os.cpu_count(), "load_before": os.getloadavg()}
+    commit, dirty = results_io.git_state()
+    return {"commit": commit or "", "dirty": bool(dirty), "torch": torch.__version__, "python": platform.python_version(),
+            "cores": os.cpu_count(), "load_before": os.getloadavg()}
 
 
 def main() -> None:
@@ -154,6 +150,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=Settings.lr)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    meta = results_io.begin()
     torch.set_num_threads(args.threads)
     s = Settings(model=args.model, nodes=args.nodes, rounds=args.rounds, inner_steps=args.inner_steps, lr=args.lr)
     corpus = load_embedded_corpus()
@@ -169,10 +166,7 @@ def main() -> None:
     env.update(load_after=os.getloadavg(), seconds=round(time.time() - started, 1), cpu_seconds=round(time.process_time(), 1))
     result = {"command": "python -m benchmarks.inner_optimizer " + " ".join(sys.argv[1:]), "environment": env,
               "settings": asdict(s), "runs": rows, "summary": summarize(rows)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(args.out)
+    results_io.write(args.out, result, meta)
     print(table(result))
     print(f"wrote {args.out}")
 

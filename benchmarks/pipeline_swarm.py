@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import results_io
 from node.cli.app import parse_join_args
 from node.ops.launcher import SwarmLauncher
 from node.ops.progress import scrape, total
@@ -98,8 +99,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true", help="shorter runs (about 8 minutes in all)")
     parser.add_argument("--parts", default="rebalancing,codecs,budget", help="comma-separated subset of the three parts")
+    parser.add_argument("--duration", type=float, help="seconds of each rebalancing run (default 150, 75 with --quick)")
+    parser.add_argument("--codec-duration", type=float, help="seconds of each activation codec run (default 60, 35 with --quick)")
+    parser.add_argument("--budget-duration", type=float, help="seconds of the equal-budget run (default 240, 90 with --quick)")
     args = parser.parse_args()
-    duration = 75.0 if args.quick else 150.0
+    meta = results_io.begin()
+    duration = args.duration or (75.0 if args.quick else 150.0)
     workdir = Path(tempfile.mkdtemp(prefix="locomesh-pipeline-"))
     results: dict[str, Any] = {"duration_s": duration, "setup": "2 stages; A,B,C slowdown 3, D slowdown 6; 1 trainer, 8 microbatches in flight"}
 
@@ -123,23 +128,23 @@ def main() -> None:
     for name in ("imbalanced", "rebalancing") if "rebalancing" in parts else []:
         results[name]["fraction_of_optimal"] = rates[name] / rates["optimal"] if rates["optimal"] else math.nan
 
-    codec_duration = 35.0 if args.quick else 60.0
+    codec_duration = args.codec_duration or (35.0 if args.quick else 60.0)
     results["activation_codecs"] = {}
     for codec in ("none", "fp16", "int8-block") if "codecs" in parts else []:
         node_args = {0: _server(0, 1), 1: _server(1, 1), 2: ["--role", "trainer"]}
         run = run_swarm(f"codec-{codec}", workdir, node_args, codec_duration, ["--activation-compression", codec])
         trainer = run["report"]["nodes"][-1]
         stage_bytes = trainer["bytes_sent_by_kind"].get("stage", 0) + trainer["bytes_received_by_kind"].get("stage", 0)
-        samples = max(1, trainer["steps"] * 8)
-        results["activation_codecs"][codec] = {"bytes_per_sample": stage_bytes / samples, "steps": trainer["steps"],
+        samples = trainer["steps"] * 8
+        results["activation_codecs"][codec] = {"bytes_per_sample": stage_bytes / samples if samples else None, "steps": trainer["steps"],
                                                "train_loss_last": trainer["train_loss_last"], "val_loss": trainer["val_loss"]}
-        print(f"activations {codec}: {stage_bytes / samples / 1e3:.1f} kB per sample", flush=True)
+        print(f"activations {codec}: " + (f"{stage_bytes / samples / 1e3:.1f} kB per sample" if samples else
+                                         f"no step in {codec_duration:.0f} s (the nodes did not start in time)"), flush=True)
 
     # equal budget: the single process trains on as many batches as the pipeline's trainer got through
     if "budget" in parts:
-        _budget(results, workdir, args.quick)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str))
+        _budget(results, workdir, args.budget_duration or (90.0 if args.quick else 240.0))
+    results_io.write(args.out, results, meta)
     if "rebalancing" in parts:
         print("| run | samples/s | fraction of optimal |\n|---|---|---|")
         for name in ("imbalanced", "rebalancing", "optimal"):
@@ -147,9 +152,9 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
-def _budget(results: dict[str, Any], workdir: Path, quick: bool) -> None:
+def _budget(results: dict[str, Any], workdir: Path, seconds: float) -> None:
     node_args = {0: _server(0, 1), 1: _server(1, 1), 2: ["--role", "trainer"]}
-    run = run_swarm("budget", workdir, node_args, 90.0 if quick else 240.0)
+    run = run_swarm("budget", workdir, node_args, seconds)
     trainer = run["report"]["nodes"][-1]
     budget = trainer["steps"]
     results["fixed_budget"] = {"batches": budget, "pipeline_val_loss": trainer["val_loss"],

@@ -22,8 +22,9 @@ by every strategy. As in the paper's CheckFree experiments, failures hit the int
   last checkpoint (timed read; the steps since then are lost and redone).
 
 Reported per rate and strategy: steps (including redone ones) and wall seconds to a target held-out
-loss (the no-failure run's loss at 80 % of its budget), final held-out loss at the fixed budget,
-failures, and checkpoint costs.
+loss (the no-failure run's loss at 80 % of its budget; both read between the two evaluations that
+bracket it), final held-out loss at the fixed budget, failures, and checkpoint costs. ``--rates``
+picks the hourly failure rates. The report is written with ``benchmarks.results_io``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from typing import Any
 
 import torch
 
+from benchmarks import results_io
+from benchmarks.curves import crossing
 from node.data.byte_corpus import load_corpus
 from node.data.bytes import ByteBatches, validation_batches
 from swarm.models.presets import preset
@@ -172,20 +175,24 @@ def run(strategy: str | None, steps: int, schedule: dict[int, list[int]], data: 
             "checkpoint_read_s": ckpt_read, "lost_steps": lost_steps}
 
 
-def to_target(result: dict[str, Any], target: float) -> tuple[int | None, float | None]:
-    for point in result["curve"]:
-        if point["val_loss"] <= target:
-            return point["executed"], point["seconds"]
-    return None, None
+def to_target(result: dict[str, Any], target: float) -> tuple[float | None, float | None]:
+    """(steps executed, seconds) when the held-out loss reached ``target``, each read between the two
+    evaluations that bracket it; (None, None) when it never did."""
+    curve = result["curve"]
+    steps = crossing([(p["executed"], p["val_loss"]) for p in curve], target)
+    seconds = crossing([(p["seconds"], p["val_loss"]) for p in curve], target)
+    return (None if steps is None else round(steps, 1)), seconds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--quick", action="store_true", help="one failure rate (16 %/h), 700 steps: a few minutes")
+    parser.add_argument("--quick", action="store_true", help="one failure rate (16 %%/h), 700 steps: a few minutes")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--step-seconds", type=float, default=300.0, help="nominal pipeline step time the hourly rates refer to")
     parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--rates", help="comma-separated failure rates per stage per hour, e.g. 0.05,0.16 "
+                        "(default: 0.05,0.10,0.16; 0.16 with --quick)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--churn", action="store_true", help="instead: a real-process churn run (benchmarks/churn.py), with and without kills")
     parser.add_argument("--minutes", type=float, default=15.0, help="with --churn: wall time of each run")
@@ -193,14 +200,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="with --churn: swarm seeds, a killed and a calm run each")
     parser.add_argument("--no-restart", action="store_true", help="with --churn: killed nodes stay dead (stages must be rebuilt)")
     args = parser.parse_args()
+    meta = results_io.begin()
     torch.set_num_threads(args.threads)
     if args.churn:
         from benchmarks.churn import churn
 
-        print(json.dumps(churn(args.out, args.nodes, args.minutes, tuple(args.seeds), restart=not args.no_restart), indent=2))
+        print(json.dumps(churn(args.out, args.nodes, args.minutes, tuple(args.seeds), restart=not args.no_restart, meta=meta), indent=2))
         return
     steps = args.steps or (700 if args.quick else 1500)
-    rates = (0.16,) if args.quick else (0.05, 0.10, 0.16)
+    rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else (0.16,) if args.quick else (0.05, 0.10, 0.16)
     corpus = load_corpus(None, context=preset("micro").context)
     val = validation_batches(corpus.val, 16, preset("micro").context, max_batches=8)
     eval_every = 50
@@ -224,10 +232,10 @@ def main() -> None:
             print(f"rate {rate:.0%}/h (p={p:.4f}/stage/step): {label:28s} final {res['final_val_loss']:.3f} "
                   f"steps-to-target {res['steps_to_target']} failures {res['failures']} lost {res['lost_steps']}", flush=True)
         results["rates"][f"{rate:.2f}"] = {"p_per_stage_step": p, "schedule": schedule, "schedule_all_stages": every_stage, "strategies": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    results_io.write(args.out, results, meta)
     print("\n| rate/h | strategy | final val loss | steps to target | seconds to target | failures | lost steps |\n|---|---|---|---|---|---|---|")
-    print(f"| - | no failure | {baseline['final_val_loss']:.3f} | {to_target(baseline, target)[0]} | {to_target(baseline, target)[1]:.0f} | 0 | 0 |")
+    base_steps, base_secs = to_target(baseline, target)
+    print(f"| - | no failure | {baseline['final_val_loss']:.3f} | {base_steps} | {'-' if base_secs is None else f'{base_secs:.0f}'} | 0 | 0 |")
     for rate, block in results["rates"].items():
         for strategy, res in block["strategies"].items():
             secs = res["seconds_to_target"]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -39,6 +38,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 
+from benchmarks import results_io
 from benchmarks.scale_model import LINKS, SIM_PEERS, calibrate, simulate, synthetic_shapes
 from gossip.diloco import DiLoCoAverager
 from gossip.exchange import RoundExchange
@@ -193,7 +193,8 @@ async def run_size(n: int, params: int, codec: str, rounds: int, timeout: float,
     }
 
 
-def write_report(out: Path, runs: list[dict], args: argparse.Namespace, argv: list[str] | None) -> dict:
+def write_report(out: Path, runs: list[dict], args: argparse.Namespace, argv: list[str] | None,
+                 meta: results_io.RunMeta) -> dict:
     """The report of the sizes measured so far, with the model calibrated on them (written atomically)."""
     model = calibrate(runs)
     report = {
@@ -205,10 +206,7 @@ def write_report(out: Path, runs: list[dict], args: argparse.Namespace, argv: li
                         "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
         "command": "python -m benchmarks.scale " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(out)
+    results_io.write(out, report, meta)
     return report
 
 
@@ -222,20 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-group-size", type=int, default=32, help="a larger swarm averages in random groups of about this many")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.scale", *argv])
     runs: list[dict] = []
     out = Path(args.out)
     for n in [int(x) for x in args.peers.split(",")]:
         started = time.monotonic()
         run = asyncio.run(run_size(n, args.params, args.codec, args.rounds, args.timeout, args.max_group_size))
         runs.append(run)
-        write_report(out, runs, args, argv)  # what was measured survives a later size that fails
+        write_report(out, runs, args, argv, meta)  # what was measured survives a later size that fails
         payload = run["payload_bytes"] or 1
         print(f"{n:5d} peers: sent {run['bytes_sent_per_node_per_round'] / payload:.2f}x payload/round "
               f"(max {run['bytes_sent_per_node_per_round_max'] / payload:.2f}x), round {run['round_s_median']:.2f}s "
               f"(p95 {run['round_s_p95']:.2f}s), {run['dht_requests_per_node_per_round']:.1f} DHT requests/round, "
               f"{run['rss_mb_per_peer']:.0f} MB/peer, {run['full_rounds']} full rounds, groups {run['groups']} of {run['group_sizes']}, "
               f"spread {run['spread_after_each_round'][-1]:.3f} [{time.monotonic() - started:.0f}s]", flush=True)
-    report = write_report(out, runs, args, argv)
+    report = write_report(out, runs, args, argv, meta)
     for row in report["simulated"]:
         print(f"simulated {row['peers']:5d} peers (groups of {row['group']:.0f}), {row['link']}: sent {row['bytes_sent_per_node_per_round'] / (args.params * 4):.2f}x payload, "
               f"round {row['round_s_median']:.2f}s, {row['dht_requests_per_node_per_round']:.1f} DHT requests")

@@ -19,6 +19,11 @@ rendezvous + 2 × RTT + max_sent / bandwidth, with the rendezvous = a DHT lookup
 × RTT + one poll interval (0.2 s). DHT requests per peer per round are a + b × log2(N), fitted on
 the measured sizes. Codec and reduction compute, and p2pd's own per-stream costs, are left out:
 on real links they are small next to the transfer, on loopback they are all there is.
+
+Bounded groups are unequal, as measured (16 peers in groups of 8 came out as 5 and 11): the model
+deals N synthetic peer ids into groups with ``gossip.groups`` over several rounds, as the daemon
+does; the mean bytes are weighted by members, and the busiest member and the round time come from
+the round's largest group (median over the rounds). Every row is named ``simulated: ...``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import math
 import statistics
 from typing import Any
 
-from gossip.groups import group_count
+from gossip.groups import group_count, split_into_groups
 from gossip.reduce_scatter import wire_partition
 
 SIM_PEERS = (256, 1000, 4000)
@@ -36,6 +41,7 @@ LINKS = (
     {"link": "1 Gbit/s, 10 ms RTT", "bytes_per_s": 1e9 / 8, "rtt_s": 0.01},
 )
 POLL_S = 0.2
+SIM_ROUNDS = 8  # rounds of synthetic group draws per simulated swarm
 
 
 ROW = 1024
@@ -82,21 +88,38 @@ def calibrate(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "fit": "dht_requests = a + b * log2(peers), least squares over the measured sizes"}
 
 
-def simulate(model: dict[str, Any], peers: int, payload: int, link: dict[str, Any], max_group_size: int | None = None) -> dict[str, Any]:
-    """One round's cost per peer for ``peers`` peers in bounded groups (``gossip.groups``: their mean
-    size; None: one group). A grouped round sends the members' weights, as many bytes as the update."""
-    g = peers if max_group_size is None else peers / group_count(peers, max_group_size)
+def group_sizes(peers: int, max_group_size: int, rounds: int = SIM_ROUNDS) -> list[list[int]]:
+    """Per round, the sizes of the non-empty groups ``peers`` synthetic members fall into (``gossip.groups``)."""
+    count = group_count(peers, max_group_size)
+    members = [f"sim-peer-{i}" for i in range(peers)]
+    return [[len(g) for g in split_into_groups("simulated", r, members, count) if g] for r in range(rounds)]
+
+
+def _member_cost(g: float, model: dict[str, Any], payload: int) -> tuple[float, float, int]:
+    """(mean bytes a member of a group of g sends, bytes its busiest owner sends, owners)."""
     owners = max(1, min(g, model["parts"]))
     share = payload / owners
     overhead = 2 * (g - 1) * model["stream_overhead_bytes"]
-    mean_sent = 2 * (g - 1) / g * payload + overhead
-    owner_sent = payload - share + (g - 1) * share + overhead
+    return 2 * (g - 1) / g * payload + overhead, payload - share + (g - 1) * share + overhead, owners
+
+
+def simulate(model: dict[str, Any], peers: int, payload: int, link: dict[str, Any], max_group_size: int | None = None) -> dict[str, Any]:
+    """One round's cost per peer for ``peers`` peers in one group (``max_group_size`` None) or in bounded
+    groups drawn as the daemon draws them (unequal: the busiest member is in the largest group). A
+    grouped round sends the members' weights, as many bytes as the update."""
+    rounds = [[peers]] if max_group_size is None else group_sizes(peers, max_group_size)
+    mean_sent = statistics.fmean(sum(g * _member_cost(g, model, payload)[0] for g in sizes) / sum(sizes) for sizes in rounds)
+    largest = statistics.median(max(sizes) for sizes in rounds)
+    _, owner_sent, owners = _member_cost(largest, model, payload)
     hops = 1 + max(0, math.ceil(math.log2(peers / 8)))
     rendezvous = hops * link["rtt_s"] + POLL_S
     round_s = rendezvous + 2 * link["rtt_s"] + owner_sent / link["bytes_per_s"]
+    g = peers if max_group_size is None else peers / group_count(peers, max_group_size)
     return {
-        "peers": peers, "group": g, "link": link["link"], "payload_bytes": payload, "owners": owners,
-        "bytes_sent_per_node_per_round": mean_sent, "bytes_received_per_node_per_round": mean_sent,
+        "name": f"simulated: {peers} peers, " + ("one group" if max_group_size is None else f"groups of <= {max_group_size}")
+                + f", {link['link']}",
+        "simulated": True, "peers": peers, "group": g, "largest_group": largest, "link": link["link"], "payload_bytes": payload,
+        "owners": owners, "bytes_sent_per_node_per_round": mean_sent, "bytes_received_per_node_per_round": mean_sent,
         "bytes_sent_busiest_node_per_round": owner_sent,
         "round_s_median": round_s, "round_s_p95": round_s,
         "dht_requests_per_node_per_round": model["dht_a"] + model["dht_b"] * math.log2(peers),

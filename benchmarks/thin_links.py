@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import results_io
+
 SUBNET = "10.201.0"
 NS_HUB = "lmhub"
 
@@ -225,6 +227,7 @@ def main() -> None:
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("thin_links needs root for ip netns and tc; run it with sudo")
+    meta = results_io.begin()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cases = []
@@ -237,7 +240,7 @@ def main() -> None:
                     shutil.rmtree(where, ignore_errors=True)  # every run starts from fresh checkpoint folders
                     cases.append(run_nat_case(rate, codec, args.duration, where, args.timeout, behind_nat))
                     print(json.dumps({k: v for k, v in cases[-1].items() if k != "per_node"}), flush=True)
-        out.write_text(json.dumps({"nat_cases": cases}, indent=2))
+        results_io.write(out, {"nat_cases": cases}, meta)
         print(f"report: {out}")
         return
     for rate in [float(r) for r in args.rates.split(",")]:
@@ -253,7 +256,7 @@ def main() -> None:
         shutil.rmtree(out.parent / "partition", ignore_errors=True)
         cases.append(run_case(args.nodes, rate, "none", args.duration, out.parent / "partition", True, args.timeout))
         print(json.dumps({k: v for k, v in cases[-1].items() if k != "per_node"}), flush=True)
-    out.write_text(json.dumps({"cases": cases}, indent=2))
+    results_io.write(out, {"cases": cases}, meta)
     print(f"report: {out}")
 
 

@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from benchmarks import results_io
+
 
 def _options(args: argparse.Namespace) -> list[str]:
     """The trainer options, as ``node join`` flags (the bare loop gets the same)."""
@@ -299,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.out is None:
         parser.error("--out is required")
+    meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.throughput", *argv])
     from node.runtime.local_training import pick_device
 
     if args.threads:
@@ -310,8 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     for model in models:
         report["runs"].append(measure(args, model))
         print(json.dumps(report["runs"][-1]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    results_io.write(args.out, report, meta)
 
 
 if __name__ == "__main__":

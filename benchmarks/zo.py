@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import results_io
 from node.ops.launcher import free_port
 
 
@@ -164,12 +165,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/zo.json"))
     parser.add_argument("--quick", action="store_true", help=f"{QUICK.pretrain_steps} pretraining steps, {QUICK.steps} ZO steps per peer")
     parser.add_argument("--peers", default=None, help="comma-separated swarm sizes (default 1,2,4)")
+    parser.add_argument("--pretrain-steps", type=int, help="DiLoCo steps of the pretraining run (default: the scale's)")
+    parser.add_argument("--steps", type=int, help="ZO steps per peer (default: the scale's)")
     parser.add_argument("--seed-pool", type=int, default=0,
                         help="also run the largest swarm with a FedKSeed pool of K seeds (--zo-seed-pool K)")
     args = parser.parse_args()
+    meta = results_io.begin()
     s = QUICK if args.quick else Settings()
     if args.peers:
         s.peers = tuple(int(p) for p in args.peers.split(","))
+    if args.pretrain_steps:
+        s.pretrain_steps = args.pretrain_steps
+    if args.steps:
+        s.steps = args.steps
     run_dir = args.out.with_suffix("")
     run_dir.mkdir(parents=True, exist_ok=True)
     began = time.time()
@@ -185,8 +193,7 @@ def main() -> None:
         print(json.dumps(result), flush=True)
     report = {"settings": asdict(s), "quick": args.quick, "host": platform.node(), "torch": torch.__version__,
               "wall_s": round(time.time() - began, 1), "val_loss_before": before, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    results_io.write(args.out, report, meta)
     print(f"\nheld-out loss before: {before:.4f} nats/byte (the pretrained nano on an unseen play)")
     print("| peers | seed pool | held-out loss after | Δ | zo bytes/peer/step | all bytes/peer/step | fingerprints matched | wall s |")
     print("|---|---|---|---|---|---|---|---|")

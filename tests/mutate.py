@@ -13,7 +13,6 @@ Summarise an existing run without re-running it: ``python -m tests.mutate --summ
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -21,6 +20,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import results_io
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "mutation.json"
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--summary-only", action="store_true", help="summarise the last run in ./mutants")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
+    meta = results_io.begin(["make", "mutate", *sys.argv[1:]])
     started = time.time()
     if not args.summary_only:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -63,12 +65,11 @@ def main() -> None:
     listing = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout
     modules = summarise(listing)
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    report = {"command": "make mutate", "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
+    report = {"command": "make mutate", "commit": meta.git_commit, "dirty": meta.git_dirty,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cores": os.cpu_count(),
               "python": platform.python_version(), "seconds": None if args.summary_only else round(time.time() - started),
               "modules": modules}
-    OUT.write_text(json.dumps(report, indent=1) + "\n")
+    results_io.write(OUT, report, meta)
     total = {k: sum(e[k] for e in modules.values()) for k in ("mutants", "killed")}
     for module, entry in sorted(modules.items()):
         print(f"{module:24s} {entry['killed']:4d}/{entry['mutants']:<4d} killed ({entry['score']:.1%})  "

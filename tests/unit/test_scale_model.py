@@ -34,3 +34,13 @@ def test_calibration_recovers_the_stream_overhead_and_the_dht_fit():
     assert model["stream_overhead_bytes"] == pytest.approx(300)
     assert (model["dht_a"], model["dht_b"]) == (pytest.approx(6), pytest.approx(2))
     assert model["parts"] == part_count(1_000_000)
+
+
+def test_simulated_groups_are_unequal_as_measured_and_the_largest_sets_the_pace():
+    model = {"stream_overhead_bytes": 0.0, "dht_a": 5.0, "dht_b": 1.0, "parts": 245}
+    row = simulate(model, 1000, 4_000_000, LINKS[0], max_group_size=32)
+    assert row["name"].startswith("simulated: 1000 peers, groups of <= 32") and row["simulated"] is True
+    assert row["largest_group"] > row["group"]  # binomial sizes around the mean: the pace is the largest group's
+    busiest = 2 * (row["largest_group"] - 1) / row["largest_group"] * 4_000_000
+    assert row["bytes_sent_busiest_node_per_round"] == pytest.approx(busiest)
+    assert row["bytes_sent_per_node_per_round"] < row["bytes_sent_busiest_node_per_round"]
