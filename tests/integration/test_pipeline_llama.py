@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from node.runtime.base import HEARTBEAT_S
 from tests.helpers.swarm_utils import start_node
 
 RUN = "pipe-llama"
@@ -74,10 +76,11 @@ def test_a_llama_pipeline_trains_on_shards_and_exports_a_transformers_model(tmp_
     assert trainer.process.wait(timeout=240) == 0, trainer.log()[-3000:]
     done = trainer.info()
     assert done["steps"] >= 100 and done["train_loss_last"] < done["train_loss_first"] - 1.0, done
-    # a round after the trainer's last step makes every stage's agreed weights its trained ones
+    # the first --sync-every boundary after the trainer's last step averages it (outer lr 1, no momentum: the
+    # stage's agreed weights become its trained ones); later boundaries find no step and skip their round
+    time.sleep(2 * 2 + 2 * HEARTBEAT_S)
     for server in (s0, s1):
-        rounds = server.info().get("outer_rounds", 0)
-        server.wait(lambda i, n=rounds: i.get("outer_rounds", 0) >= n + 2, 60, "two rounds after training")
+        assert server.info()["rounds"], server.log()[-2000:]
 
     out = tmp_path / "hf"
     from node.cli.app import main  # the command a user runs, in this process (a fresh one would import torch again)
