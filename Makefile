@@ -42,9 +42,11 @@ test-slow: setup test-deps
 
 # Every benchmark the docs quote (benchmarks/suite.py): SCALE=quick fits about 45 minutes on 2 cores,
 # SCALE=full runs the docs' settings for hours; each writes OUT/NAME.json with a meta record. Entries that
-# need root (network namespaces) skip with a one-line reason otherwise. Not part of `test`.
+# need root (network namespaces) skip with a one-line reason otherwise. Not part of `test`. Into the
+# default OUT, the tables of docs/ are then regenerated from the files (python -m benchmarks.tables).
 bench: setup
-	$(PY) -m benchmarks.suite --scale $(SCALE) --out $(OUT)
+	$(PY) -m benchmarks.suite --scale $(SCALE) --out $(OUT); rc=$$?; \
+	  if [ "$(OUT)" = benchmarks/results ]; then $(PY) -m benchmarks.tables || rc=1; fi; exit $$rc
 
 # Mutation testing of the math modules (tests/mutate.py; settings in pyproject's [tool.mutmut]):
 # ~2,800 mutants, writes benchmarks/results/mutation.json. Not part of `test`: it takes tens of minutes.
