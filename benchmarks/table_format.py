@@ -2,7 +2,8 @@
 
 A results file says which build made it in one of several shapes, newest first:
 
-- a top-level ``meta`` object (``commit``, ``dirty``, ``started``, ``ended``, ``command``);
+- a top-level ``meta`` object, as ``benchmarks.results_io`` writes it (``git_commit``, ``git_dirty``,
+  ``started``, ``ended``, ``command``; ``commit`` and ``dirty`` are read too);
 - top-level ``commit`` / ``dirty`` / ``started`` or ``date`` (``churn.json``, ``mutation.json``, ``bandwidth_cap.json``);
 - an ``environment`` object with ``commit`` or ``git`` and ``started`` (``byzantine``, ``convergence``, ``scale``);
 - a list of such ``environment`` objects, one per run merged into the file (``thin20_race.json``).
@@ -52,9 +53,10 @@ def _date(value: Any) -> str | None:
 
 
 def _record(meta: dict[str, Any]) -> tuple[list[str], bool | None, str | None]:
-    commit = meta.get("commit") or meta.get("git")
+    commit = meta.get("git_commit") or meta.get("commit") or meta.get("git")
     commits = [str(commit)[:7]] if commit else []
-    dirty = meta.get("dirty") if isinstance(meta.get("dirty"), bool) else None
+    flag = meta.get("git_dirty", meta.get("dirty"))
+    dirty = flag if isinstance(flag, bool) else None
     return commits, dirty, _date(meta.get("started", meta.get("date")))
 
 

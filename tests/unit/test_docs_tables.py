@@ -62,6 +62,17 @@ def test_meta_is_preferred_and_a_missing_commit_is_said(tmp_path: Path) -> None:
     assert "commit 0123456 with uncommitted changes, 2027-01-02" in caption
 
 
+def test_the_meta_that_results_io_writes_names_its_commit(tmp_path: Path) -> None:
+    from benchmarks import results_io
+
+    folder = _copy_results(tmp_path)
+    data = {k: v for k, v in json.loads((folder / "thin_nat.json").read_text()).items() if k != "meta"}
+    results_io.write(folder / "thin_nat.json", data, results_io.begin(["python", "-m", "benchmarks.thin_links"]))
+    meta = json.loads((folder / "thin_nat.json").read_text())["meta"]
+    caption = Results(folder).caption("thin_nat.json")
+    assert meta["git_commit"] and f"commit {meta['git_commit'][:7]}" in caption, caption
+
+
 def test_epoch_seconds_and_several_environments_read_as_dates_and_commits() -> None:
     results = Results()
     assert results.provenance("churn.json").date == "2026-11-25"  # "started" in epoch seconds
