@@ -48,6 +48,7 @@ def _a(line: str) -> tuple[str, ...]:
     return ("--out", "{out}", *shlex.split(line))
 
 
+CHURN_FULL_ONLY = "full scale only: kills come every 45 s, a run needs minutes per seed to see any"
 CONVERGENCE_QUICK = "ddp,hivemind,hivemind-8bit,diloco,sparseloco"
 ENTRIES: tuple[Entry, ...] = (
     Entry("codecs", "benchmarks.codecs", _a("--quick"), _a("--numel 25000000"), {"quick": 1, "full": 15},
@@ -80,10 +81,10 @@ ENTRIES: tuple[Entry, ...] = (
           "Lost stages: recovery strategies under simulated failures, steps and seconds to target (interpolated)"),
     Entry("churn", "benchmarks.recovery", None, _a("--churn --minutes 5 --nodes 8 --seeds 0 1 2"), {"full": 35},
           "Lost stages: real-process churn with restarts, killed and calm runs alternated per seed",
-          why_not={"quick": "full scale only: kills come every 45 s, a run needs minutes per seed to see any"}),
+          why_not={"quick": CHURN_FULL_ONLY}),
     Entry("churn_no_restart", "benchmarks.recovery", None, _a("--churn --no-restart --minutes 4 --nodes 8 --seeds 0 1 2"),
           {"full": 28}, "Lost stages: churn without restarts (stages rebuilt by CheckFree)",
-          why_not={"quick": "full scale only: kills come every 45 s, a run needs minutes per seed to see any"}),
+          why_not={"quick": CHURN_FULL_ONLY}),
     Entry("convergence", "benchmarks.convergence", _a(f"--quick --steps 240 --seeds {SEEDS} --configs {CONVERGENCE_QUICK}"),
           _a(f"--quick --seeds {SEEDS}"), {"quick": 8, "full": 100},
           "Benchmarks, convergence: every algorithm against ddp and hivemind (plain and 8-bit), 3 seeds alternated"),

@@ -305,18 +305,16 @@ class StageServer:
             self._apply_round(self.pending[0].result(), self.pending[1])
             self.pending = None
         epoch = int(time.time() // self.cfg.sync_every)
-        if self.pending is None and epoch > self.round and worker.samples == 0:
-            # no step since the last round: nothing to average, and an outer step on Δ = 0 would still move
-            # φ by the momentum (up to μ/(1 − μ) = 9 more steps while the trainers are gone)
-            self.round = epoch
-        elif self.pending is None and epoch > self.round:
+        if self.pending is None and epoch > self.round:
             # replicas of a stage average on a shared wall-clock schedule, so they meet at the
             # rendezvous however unevenly the router spread the microbatches among them
             self.round = epoch
-            theta = worker.snapshot(self.placement.device)
-            samples = worker.samples
-            worker.samples = 0
-            self.pending = (self.net.submit(self.averager.run_round(epoch, self.phi, theta, samples, feedback=self.feedback)), worker)
+            # no step since the last round: nothing to average, and an outer step on Δ = 0 would still move
+            # φ by the momentum (up to μ/(1 − μ) = 9 more steps while the trainers are gone)
+            if worker.samples:
+                theta = worker.snapshot(self.placement.device)
+                samples, worker.samples = worker.samples, 0
+                self.pending = (self.net.submit(self.averager.run_round(epoch, self.phi, theta, samples, feedback=self.feedback)), worker)
         return self.pending is not None
 
     def _record_throughput(self, tokens_per_s: float) -> None:
