@@ -9,13 +9,18 @@ subkey, value and expiration); :class:`OwnedRecordValidator` also refuses:
 - a record without an owner (a plain value, or a subkey without ``[owner:…]``);
 - a subkey whose peer id is not the one derived from its owner key (someone speaking for another peer);
 - an expiration farther than ``max_ttl`` + ``CLOCK_SKEW_S`` from now (a record that outlives its writer);
-- a new subkey under a key that already holds ``max_subkeys`` of them (a flood of invented members).
+- a new subkey under a key that already holds ``max_subkeys`` of them (a flood of invented members);
+- in a private swarm (``swarm_key``), a record without ``[swarm:<HMAC>]`` at the end of its value: an
+  HMAC-SHA256 with the swarm key over key, subkey, signed value and expiration. p2pd has no pre-shared
+  key option, so a keyless stranger can still reach the DHT, but nothing it writes is stored or read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import hmac
 import logging
 import os
 import re
@@ -40,6 +45,7 @@ MAX_RECORD_TTL_S = 1200.0  # the longest any locomesh record lives (a round entr
 CLOCK_SKEW_S = 30.0  # how far ahead of ours a writer's clock may run
 MAX_SUBKEYS = 1024  # owned subkeys one key may hold (members of a run, entries of a round, claims of a stage)
 _OWNED = re.compile(rb"^([1-9A-HJ-NP-Za-km-z]{20,64})\[owner:(.+)\]$", re.S)
+_SWARM_PROOF = re.compile(rb"\[swarm:([0-9a-f]{64})\]$")
 
 
 class IdentityError(ValueError):
@@ -124,16 +130,51 @@ class OwnedRecordValidator(RSASignatureValidator):
     """hivemind's RSA signature check plus the owner binding, expiration and subkey caps above."""
 
     def __init__(self, private_key: RSAPrivateKey | None = None, max_ttl: float = MAX_RECORD_TTL_S,
-                 max_subkeys: int = MAX_SUBKEYS) -> None:
+                 max_subkeys: int = MAX_SUBKEYS, swarm_key: bytes | None = None) -> None:
         super().__init__(private_key or RSAPrivateKey())
-        self.max_ttl, self.max_subkeys = max_ttl, max_subkeys
+        self.max_ttl, self.max_subkeys, self.swarm_key = max_ttl, max_subkeys, swarm_key
         self.peer_id = peer_id_of(self._private_key)
         self.storage = None  # the DHT's local storage, once bound (see :func:`bind`)
+        self.foreign_seals = 0  # records refused because a swarm key this node does not hold sealed them
         self._log = _Throttled()
 
     def owned_subkey(self) -> bytes:
         """The subkey under which this node writes its record of a key."""
         return self.peer_id.encode() + self.local_public_key
+
+    def _swarm_proof(self, record: DHTRecord) -> bytes:
+        assert self.swarm_key is not None
+        message = b"locomesh-record|" + MSGPackSerializer.dumps(dataclasses.astuple(record))
+        return hmac.new(self.swarm_key, message, hashlib.sha256).hexdigest().encode()
+
+    def _unsealed(self, record: DHTRecord) -> DHTRecord | None:
+        """``record`` without its swarm-key proof, or None when it lacks a valid one in a private swarm or
+        carries one in a public swarm (a public swarm's record is returned as it is)."""
+        proof = _SWARM_PROOF.search(record.value)
+        if self.swarm_key is None:
+            if proof is not None:
+                self.foreign_seals += 1
+                return None
+            return record
+        if proof is None:
+            return None
+        inner = dataclasses.replace(record, value=record.value[: proof.start()])
+        if hmac.compare_digest(proof.group(1), self._swarm_proof(inner)):
+            return inner
+        self.foreign_seals += 1
+        return None
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        """The RSA signature (hivemind's), then in a private swarm the swarm-key proof over the signed value."""
+        value = super().sign_value(record)
+        if self.swarm_key is None:
+            return value
+        return value + b"[swarm:" + self._swarm_proof(dataclasses.replace(record, value=value)) + b"]"
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        if self.swarm_key is not None:
+            record = dataclasses.replace(record, value=_SWARM_PROOF.sub(b"", record.value))
+        return super().strip_value(record)
 
     def validate(self, record: DHTRecord) -> bool:
         reason = self.refusal(record)
@@ -154,7 +195,12 @@ class OwnedRecordValidator(RSASignatureValidator):
                     "(an unsigned record, or one written for another peer)")
         if record.expiration_time > get_dht_time() + self.max_ttl + CLOCK_SKEW_S:
             return f"its expiration is more than {self.max_ttl:.0f}s + {CLOCK_SKEW_S:.0f}s ahead (a writer's clock far ahead, or a record meant to outlive its writer)"
-        if not super().validate(record):
+        unsealed = self._unsealed(record)
+        if unsealed is None:
+            if self.swarm_key is None:
+                return "it is sealed with a private swarm's key, which this node was not given (--swarm-key)"
+            return "it carries no valid proof of the swarm key (written by a node outside this private swarm)"
+        if not super().validate(unsealed):
             return "its signature does not match its owner key (altered or forged)"
         if stored and self.storage is not None and self._full(record.key, subkey):
             return f"its key already holds {self.max_subkeys} subkeys"

@@ -32,7 +32,7 @@ class StatusClient:
         self.p2p = await P2P.create(initial_peers=self.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         try:
             self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=self.initial_peers, client_mode=True,
-                                            record_validator=OwnedRecordValidator())
+                                            record_validator=OwnedRecordValidator(swarm_key=self.swarm_key))
         except BaseException:
             await self.p2p.shutdown()
             raise

@@ -107,10 +107,14 @@ def wait_for_peers(net: NetworkThread, run_id: str, me: str, wanted: int, timeou
 
 def check_joinable(net: NetworkThread, run_id: str, me: str) -> None:
     """For a joiner that found no trainer to take the state from: raise :class:`NotStarted` when the
-    run's peers have stopped, :class:`JoinRefused` when every peer runs another protocol version."""
+    run's peers have stopped, :class:`JoinRefused` when every peer runs another protocol version or the
+    run is a private swarm whose key this node lacks (its records are sealed, ``protocol.peer_identity``)."""
     found = census(net, run_id, me)
     if found.trainers:
         return
+    if net.validator is not None and net.validator.foreign_seals:
+        raise JoinRefused(f"run {run_id!r} is a private swarm: its peers' records are sealed with a swarm key this node "
+                          "does not hold. Ask its operator for the swarm key and pass it with --swarm-key FILE.")
     if found.incompatible:
         raise JoinRefused(incompatible_message(run_id, found.incompatible))
     if found.leaving:

@@ -138,7 +138,7 @@ class NetworkThread:
         naming every peer and why it failed) for ``join_timeout`` seconds, then :class:`UserError`
         names each peer tried and why."""
         key, check_taken = self._identity(identity)
-        self.validator = OwnedRecordValidator(key)
+        self.validator = OwnedRecordValidator(key, swarm_key=swarm_key)
         self._thread.start()
         self._initial_peers = list(initial_peers)
 

@@ -100,6 +100,27 @@ def test_malformed_streams_are_refused_and_the_node_keeps_serving(tmp_path, node
     assert node.stop() == 0
 
 
+async def _records_of_a_keyless_stranger(boot: str, member: str, key: bytes) -> bool:
+    """A stranger without the swarm key writes a well-signed record of itself into the private swarm's DHT
+    (through the member's DHT node): the member refuses to store it, and a reader holding the key sees the
+    member only. True when both hold."""
+    p2p, validator = await identified_p2p(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    reader_p2p, reader_validator = await identified_p2p(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    reader_validator.swarm_key = key
+    try:
+        dht = await DHTNode.create(p2p=p2p, initial_peers=[boot], record_validator=validator, client_mode=True)
+        reader = await DHTNode.create(p2p=reader_p2p, initial_peers=[boot], record_validator=reader_validator, client_mode=True)
+        stranger = p2p.peer_id.to_base58()
+        stored = await publish_peer(dht, validator, "locomesh-demo", PeerRecord(peer_id=stranger, round=10**6), 8)
+        seen = await list_peers(reader, "locomesh-demo")
+        await asyncio.gather(dht.shutdown(), reader.shutdown())
+        assert not stored, "the member stored a record without the swarm key's proof"
+        assert set(seen) == {member}, seen
+        return True
+    finally:
+        await asyncio.gather(p2p.shutdown(), reader_p2p.shutdown())
+
+
 def test_private_swarm_refuses_peers_without_the_key(tmp_path, nodes):
     key_file = tmp_path / "swarm.key"
     key_file.write_text("ab" * 32)
@@ -139,6 +160,7 @@ def test_private_swarm_refuses_peers_without_the_key(tmp_path, nodes):
     answers = asyncio.run(ask_wrong_key(20))
     assert answers == ["auth"] * 20, answers  # the refusal reaches a daemon every time, not only now and then
     assert _metric(node.metrics_port, 'locomesh_errors_total{kind="auth"}') >= 1
+    assert asyncio.run(_records_of_a_keyless_stranger(boot, peer, key=bytes.fromhex("ab" * 32)))
 
     # a daemon without the key is refused by every peer and says what to do
     outsider = start_node(tmp_path, "outsider", FAST_ARGS + ["--max-steps", "5"], [boot])

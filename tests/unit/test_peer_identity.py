@@ -106,3 +106,25 @@ def test_identity_files_round_trip_and_refuse_other_keys(tmp_path):
     (tmp_path / "junk").write_bytes(b"\x08\x01\x12\x03abc")  # an Ed25519 key type
     with pytest.raises(IdentityError, match="RSA"):
         load_identity(tmp_path / "junk")
+
+
+def test_a_private_swarm_stores_and_reads_only_records_sealed_with_its_key():
+    member = OwnedRecordValidator(swarm_key=b"k" * 32)
+    reader = OwnedRecordValidator(swarm_key=b"k" * 32)
+    sealed = _signed(member, member.owned_subkey())
+    assert reader.refusal(sealed) is None
+    assert MSGPackSerializer.loads(reader.strip_value(sealed)) == {"round": 1}
+    # a keyless stranger's record is owned and signed, but carries no proof of the key
+    stranger = OwnedRecordValidator()
+    unsealed = _signed(stranger, stranger.owned_subkey())
+    assert "swarm key" in reader.refusal(unsealed)
+    # another swarm's key, or a proof copied onto another value or expiration, is refused too
+    other = OwnedRecordValidator(swarm_key=b"x" * 32)
+    assert "swarm key" in reader.refusal(_signed(other, other.owned_subkey()))
+    moved = dataclasses.replace(sealed, expiration_time=sealed.expiration_time + 1)
+    assert "swarm key" in reader.refusal(moved)
+    # and a node without the key does not take a private swarm's record for one of its own: it counts it,
+    # so a joiner can say that the run is a private swarm (node.runtime.barrier.check_joinable)
+    keyless = OwnedRecordValidator()
+    assert "--swarm-key" in keyless.refusal(sealed) and keyless.foreign_seals == 1
+    assert keyless.refusal(unsealed) is None and keyless.foreign_seals == 1
