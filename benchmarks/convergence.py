@@ -88,6 +88,7 @@ class Settings:
     link_mbit: float | None = None
     hivemind_background: bool = False
     swarm_launcher: bool = False
+    forger: bool = False  # a forging peer (tests.helpers.attacker) runs beside the nodes
 
     @classmethod
     def quick(cls) -> "Settings":
@@ -332,7 +333,16 @@ def launch_nodes(args: list[str], settings: Settings, directory: Path, t0: float
             cmd = [*_python(), "-m", "benchmarks.warm_join", "--bootstrap", bootstrap, "--timeout", "300", "--",
                    *node_args, "--listen", f"/ip4/{_host(i, s)}/tcp/0"]
         procs.append(_spawn(_in_namespace(i, s, cmd), d / "log.txt"))
-    return _wait_all(procs, t0 + s.config_timeout)
+    forger = None
+    if s.forger:  # it joins as soon as node 0 listens, and forges records until the nodes are done
+        run_id = args[args.index("--run-id") + 1]
+        (directory / "forger.json").unlink(missing_ok=True)
+        forger = _spawn([*_python(), "-m", "tests.helpers.attacker", "--initial-peers", bootstrap, "--run-id", run_id,
+                         "--report", str(directory / "forger.json")], directory / "forger.log")
+    codes = _wait_all(procs, t0 + s.config_timeout)
+    if forger is not None:
+        _wait_all([forger], time.time())
+    return codes
 
 
 def run_locomesh(name: str, settings: Settings, directory: Path) -> dict[str, Any]:
@@ -409,7 +419,15 @@ def run_locomesh(name: str, settings: Settings, directory: Path) -> dict[str, An
         ends = [poller.stopped_at[i] or t0 + wall for i in range(s.nodes)]
         curve.append({"tokens": total_tokens, "val_loss": statistics.fmean(finals), "t_s": max(ends) - t0})
     ok = all(c == 0 for c in codes)
-    return {
+    forger = None
+    if s.forger:
+        try:
+            forger = json.loads((directory / "forger.json").read_text())
+        except (OSError, ValueError):
+            forger = {"passes": 0}
+        if not forger.get("passes"):
+            ok, codes = False, codes + ["the forger stored nothing (see forger.log)"]
+    return ({"forger": forger} if forger is not None else {}) | {
         "status": "ok" if ok else "failed", "reason": "" if ok else f"node exit codes {codes}; see logs under {directory}",
         "wall_s": wall, "nodes": nodes, "curve": curve, "join_args": args,
         "bytes_method": "measured: wire bytes the node wrote on locomesh protocols (average, state, status); "
@@ -513,6 +531,10 @@ def main() -> None:
     parser.add_argument("--swarm-launcher", action="store_true",
                         help="launch locomesh nodes with `node swarm` (node 0 trains alone while the others start up) "
                              "instead of starting them together")
+    parser.add_argument("--forged", default="", metavar="NAME[,NAME]",
+                        help="these locomesh configs run beside a forging peer (tests.helpers.attacker: records 'of' every "
+                             "member, invented members, a round 1000 ahead); e.g. --variant 'diloco-forged=diloco:' "
+                             "--forged diloco-forged compares DiLoCo with and without it")
     parser.add_argument("--hivemind-background", action="store_true",
                         help="hivemind averages in the background (its default delay_state_averaging=True)")
     args = parser.parse_args()
@@ -537,6 +559,9 @@ def main() -> None:
         sys.exit(f"unknown config(s) {', '.join(unknown)}; choose from {', '.join(ALL_CONFIGS)} or a --variant")
     if not args.no_dense_per_h and (added := add_dense_per_h(configs, settings)):
         print(f"added dense DiLoCo at the H of the variants, to compare like with like: {', '.join(added)}", flush=True)
+    forged = {c.strip() for c in args.forged.split(",") if c.strip()}
+    if not forged <= set(configs) or any(c not in LOCOMESH for c in forged):
+        sys.exit(f"--forged {args.forged!r}: name locomesh configs of --configs")
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [settings.seed]
     if settings.link_mbit is not None and os.geteuid() != 0:
         sys.exit("--link-mbit needs root for ip netns and tc; run it with sudo")
@@ -555,7 +580,7 @@ def main() -> None:
             directory = out.parent / (f"{out.stem}-{name}" + (f"-seed{seed}" if len(seeds) > 1 else ""))
             print(f"== {name}" + (f", seed {seed}" if len(seeds) > 1 else ""), flush=True)
             t0 = time.time()
-            r = per_seed[seed][name] = run_config(name, s, directory, help_text)
+            r = per_seed[seed][name] = run_config(name, dataclasses.replace(s, forger=name in forged), directory, help_text)
             if r.get("status") == "ok":
                 print(f"   val {r['final_val_loss']:.4f}, {r['tokens_per_s_per_node']:.0f} tok/s/node, "
                       f"exchange {_fmt_bytes(r['exchange_bytes_per_node'])}/node, comm wait {r['comm_wait_fraction']:.1%}, "
