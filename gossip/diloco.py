@@ -51,7 +51,7 @@ from gossip.groups import group_count, group_of, group_tag
 from gossip.outer import NesterovOuter, pseudo_gradient
 from gossip.partition import Partition
 from gossip.placement import to_host
-from gossip.reduce_scatter import assign_owners, is_dense, use_reduce_scatter
+from gossip.reduce_scatter import assign_owners, implausible_share, is_dense, use_reduce_scatter
 from gossip.rendezvous import Reachable, gather_group, round_members
 from gossip.votes import Tenure, vote
 from protocol.records import RoundEntry
@@ -366,6 +366,10 @@ class DiLoCoAverager(GroupAverager):
                                                     retry_for=min(5.0, self.fetch_timeout / 4))
         for owner, got in shares.items():
             assert isinstance(got, ReducedShare)
+            if (reason := implausible_share(got, sources[owner], my_decoded)) is not None:
+                logger.warning("round %d: not applying the parts %s reduced: %s", round_no, owner, reason)
+                failed[owner] = "implausible"
+                continue
             update.update(got.decoded)
         if failed:
             # owners gone or broken: fetch all their parts at once from the other members (one fetch
@@ -382,3 +386,4 @@ class DiLoCoAverager(GroupAverager):
             agg = await asyncio.to_thread(self.combine, senders, [direct[p] for p in senders], samples, method)
             update.update(dict(zip(parts, agg.update)))
         return [update[i] for i in range(len(specs))]
+

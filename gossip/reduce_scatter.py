@@ -10,6 +10,10 @@ size (hivemind's butterfly all-reduce, ``hivemind/averaging/allreduce.py``, has 
 The owners of a group are assigned here, from the sorted member ids and the parts' sizes only, so
 every member computes the same assignment without talking. Parts are dealt as contiguous runs whose
 element counts are as even as the parts allow.
+
+An owner's answer is a claim: a member applies reduced parts only when their norm is plausible against
+its own update on the same parts (:func:`implausible_share`); otherwise it reduces those parts itself
+from the members' contributions, as it does when an owner is gone.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import torch
+
 from compression import get_codec
 from compression.topk import TopKCompression
+from gossip.exchange import ReducedShare
 from gossip.partition import DEFAULT_PART_NUMEL, Partition
 
 # codecs whose reduced result keeps its form (a mean of dense updates is dense); sparse and
@@ -99,3 +106,21 @@ def round_bytes(payload: int, group_size: int, reduce_scatter: bool) -> int:
     if reduce_scatter:
         return int(2 * payload * (group_size - 1) / group_size)
     return payload * (group_size - 1)
+
+
+# An owner's reduced parts may be at most this many times the norm of this member's own update on the same
+# parts: the mean of the members' parts is no longer than the longest, and centered clipping moves a part
+# by about one honest update at most. A share beyond it is not applied; its parts are reduced here from the
+# members' contributions (the fallback for a failed owner), so an honest share wrongly refused costs bytes,
+# not correctness.
+OWNER_NORM_BOUND = 4.0
+
+
+def implausible_share(share: ReducedShare, parts: Sequence[int], own: Sequence[torch.Tensor]) -> str | None:
+    """Why an owner's reduced ``parts`` cannot be an aggregate of the round's updates (their norm is over
+    ``OWNER_NORM_BOUND`` times this member's own update on those parts), or None when they can be."""
+    theirs = sum(float(share.decoded[i].double().pow(2).sum()) for i in parts) ** 0.5
+    mine = sum(float(own[i].double().pow(2).sum()) for i in parts) ** 0.5
+    if theirs > OWNER_NORM_BOUND * mine:
+        return f"norm {theirs:.4g} against this member's own {mine:.4g} on the same parts (bound: {OWNER_NORM_BOUND:g}x)"
+    return None

@@ -133,3 +133,45 @@ def test_wire_partition_per_codec():
     # one quantizer table per payload (+q4/+q8), rotation blocks and DCT tiles keep tensors apart
     for codec in ("topk:64/4096+q4", "topk:64/4096+rot2", "dct:32/4096", "seed:r=8"):
         assert not wire_partition(codec, shapes).flat
+
+
+def test_an_owner_that_serves_a_scaled_reduction_is_not_applied(monkeypatch):
+    """A hostile owner reduces honestly but serves 50x its result: the others find its share implausible
+    against their own update on those parts, reduce those parts themselves and end at the honest mean."""
+    from compression import get_codec
+    from gossip.exchange import ReducedShare
+
+    network = Network()
+    phi, members = diloco_members(4, network, SHAPES, "none", PART_NUMEL, seed=11)
+    liar = members[1]
+
+    def scaled(round_no, share, original=liar["exchange"].publish_reduced):
+        if share is not None:
+            blobs = {i: get_codec("none").encode(50 * t).to_bytes() for i, t in share.decoded.items()}
+            share = ReducedShare(share.round, share.samples, share.contributors, share.fingerprint, blobs, share.decoded)
+        original(round_no, share)
+
+    liar["exchange"].publish_reduced = scaled
+    results = _run_round(members, monkeypatch)
+    expected = weighted_mean([m["delta"] for m in members], [m["samples"] for m in members])
+    honest = [m for m in members if m is not liar]
+    for m, r in zip(members, results):
+        if m is liar:
+            continue
+        assert r.failures.get(liar["peer"]) == "reduce_implausible", r.failures
+        for got, p, d in zip(m["phi"], phi, expected):
+            assert torch.allclose(got, p - d, atol=1e-5)
+    for m in honest[1:]:
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(m["phi"], honest[0]["phi"]))
+
+
+def test_an_honest_share_is_plausible_and_a_scaled_one_is_not():
+    from gossip.exchange import ReducedShare
+    from gossip.reduce_scatter import OWNER_NORM_BOUND, implausible_share
+
+    own = [torch.ones(4), torch.ones(3)]
+    share = lambda k: ReducedShare(0, 8, ["a"], "fp", {}, {0: k * torch.ones(4), 1: k * torch.ones(3)})  # noqa: E731
+    assert implausible_share(share(1.0), [0, 1], own) is None
+    assert implausible_share(share(OWNER_NORM_BOUND * 0.99), [0, 1], own) is None
+    assert "norm" in implausible_share(share(OWNER_NORM_BOUND * 1.01), [0, 1], own)
+    assert implausible_share(share(1.0), [0], [torch.zeros(4), torch.ones(3)]) is not None  # own part zero: reduce here
