@@ -53,6 +53,8 @@ CONVERGENCE_QUICK = "ddp,hivemind,hivemind-8bit,diloco,sparseloco"
 ENTRIES: tuple[Entry, ...] = (
     Entry("codecs", "benchmarks.codecs", _a("--quick"), _a("--numel 25000000"), {"quick": 1, "full": 15},
           "Compression: codec speed, bits per parameter and error, beside hivemind's Float16 and 8-bit codecs"),
+    Entry("codec_speed", "benchmarks.codecs", _a("--codecs fp16;q8 --numel 25000000"), _a("--codecs fp16;q8 --numel 25000000 --runs 9"),
+          {"quick": 1, "full": 2}, "Compression, speed: fp16 and q8 against hivemind's Float16 and 8-bit codecs on 25M values"),
     Entry("throughput", "benchmarks.throughput", _a("--model tiny --steps 20 --warmup 3 --threads 1"),
           _a("--model tiny,small --steps 80 --warmup 5 --threads 1 --repeats 2"), {"quick": 1, "full": 10},
           "Benchmarks: bare training loop against a node join daemon (bare and daemon alternated per pair)"),
@@ -88,6 +90,12 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("convergence", "benchmarks.convergence", _a(f"--quick --steps 240 --seeds {SEEDS} --configs {CONVERGENCE_QUICK}"),
           _a(f"--quick --seeds {SEEDS}"), {"quick": 8, "full": 100},
           "Benchmarks, convergence: every algorithm against ddp and hivemind (plain and 8-bit), 3 seeds alternated"),
+    Entry("forging", "benchmarks.convergence",
+          _a(f"--quick --nodes 3 --steps 150 --inner-steps 15 --seeds {SEEDS} --configs diloco,diloco-forged "
+             "--variant diloco-forged=diloco: --forged diloco-forged --no-dense-per-h"),
+          _a(f"--model tiny --nodes 4 --steps 600 --inner-steps 30 --batch-size 16 --seeds {SEEDS} --configs diloco,diloco-forged "
+             "--variant diloco-forged=diloco: --forged diloco-forged --no-dense-per-h"),
+          {"quick": 4, "full": 45}, "Robustness: DiLoCo beside a forging peer against a clean run, 3 seeds alternated"),
     Entry("sparse_gap", "benchmarks.convergence", None,
           _a(f"--model tiny --nodes 4 --steps 600 --inner-steps 30 --batch-size 16 --seeds {SEEDS} "
              "--configs diloco,noloco,sparseloco,sparseloco-h20 --variant 'sparseloco-h20=sparseloco:--inner-steps 20'"),

@@ -32,6 +32,8 @@ class Provenance:
     commits: tuple[str, ...]  # short hashes, in the order the file lists them
     dirty: bool | None
     date: str | None
+    scale: str | None = None  # the suite's scale (quick, full) that made it, where it says
+
 
     def text(self) -> str:
         """``benchmarks/results/x.json`` (commit 1a2b3c4, 2026-11-25), or what is not recorded."""
@@ -41,7 +43,8 @@ class Provenance:
                 commit += " with uncommitted changes"
         else:
             commit = "commit not recorded"
-        return f"`{self.path}` ({commit}, {self.date or 'date not recorded'})"
+        scale = f", {self.scale} scale" if self.scale else ""
+        return f"`{self.path}` ({commit}, {self.date or 'date not recorded'}{scale})"
 
 
 def _date(value: Any) -> str | None:
@@ -96,7 +99,8 @@ class Results:
         span = None
         if dates:
             span = min(dates) if min(dates) == max(dates) else f"{min(dates)} to {max(dates)}"
-        return Provenance(f"benchmarks/results/{name}", tuple(commits), dirty, span)
+        scales = sorted({str(m["scale"]) for m in shapes if m.get("scale")})
+        return Provenance(f"benchmarks/results/{name}", tuple(commits), dirty, span, "/".join(scales) or None)
 
     def caption(self, *names: str, what: str = "") -> str:
         """The line above a generated table: its files, their commits and dates, and what it shows."""

@@ -35,6 +35,7 @@ BLOCK = re.compile(r"<!-- table: (?P<name>[a-z0-9_]+) -->\n(?P<body>.*?)<!-- /ta
 TABLES: dict[str, Callable[[Results], str]] = {
     "targets": net.targets,
     "codecs": train.codecs,
+    "codec_speed": train.codec_speed,
     "frontier": train.frontier,
     "q2_reduce_scatter": train.q2_reduce_scatter,
     "sparse_gap": train.sparse_gap,
@@ -51,6 +52,8 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "byzantine_diloco": partial(train.byzantine, name="byzantine_diloco.json"),
     "byzantine_sparseloco": partial(train.byzantine, name="byzantine_sparseloco.json"),
     "mutation": train.mutation,
+    "convergence": train.convergence,
+    "forging": train.forging,
 }
 
 

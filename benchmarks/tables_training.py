@@ -154,7 +154,7 @@ def mutation(r: Results) -> str:
 
 def codecs(r: Results) -> str:
     """Bits per parameter and normalised squared error of every codec (speeds left out: the run shared its cores)."""
-    d = r.load("codecs_quick.json")
+    d = r.load("codecs.json")
     rows = []
     named = [(f"`{k}`", v) for k, v in d["codecs"].items()] + [(f"hivemind `{k}`", v) for k, v in d["hivemind"].items()]
     for label, c in named:
@@ -162,8 +162,85 @@ def codecs(r: Results) -> str:
         rows.append([label, f"{c['bits_per_param']:.3g}", *(_nse(e[k]["nse"]) for k in ("gaussian", "student_t2", "low_rank"))])
     what = (f"{d['numel']:,} values ({d['shape'][0]} × {d['shape'][1]}); normalised squared error ‖x̂−x‖²/‖x‖² "
             "on a Gaussian, a Student-t(2) and a rank-4 matrix.")
-    return r.caption("codecs_quick.json", what=what) + "\n\n" + table(["codec", "bits/param", "Gaussian", "Student-t(2)", "low-rank"], rows)
+    return r.caption("codecs.json", what=what) + "\n\n" + table(["codec", "bits/param", "Gaussian", "Student-t(2)", "low-rank"], rows)
+
+
+CODEC_RIVALS = (("fp16", "Float16Compression"), ("q8", "Uniform8BitQuantization"))
+
+
+def codec_speed(r: Results) -> str:
+    """Encode and decode speed (one thread) of fp16 and q8 against hivemind's Float16 and 8-bit codecs, bytes to bytes."""
+    d = r.load("codec_speed.json")
+    rows = []
+    for ours, theirs in CODEC_RIVALS:
+        a, b = d["codecs"].get(ours), d["hivemind"].get(theirs)
+        if a is None or b is None:
+            continue
+        for key, what in (("encode_gbps_1t", "encode"), ("decode_gbps_1t", "decode")):
+            rows.append([f"`{ours}` / hivemind `{theirs}`", what, f"{a[key]:.2f}", f"{b[key]:.2f}", f"{a[key] / b[key]:.2f}×"])
+    what = (f"{d['numel']:,} float32 values, one thread, median of {d['runs']} runs, from a tensor to the bytes that travel "
+            "and back (GB/s of float32 input).")
+    return r.caption("codec_speed.json", what=what) + "\n\n" + table(["codecs", "", "locomesh GB/s", "hivemind GB/s", "ratio"], rows)
 
 
 def _nse(x: float) -> str:
     return "0" if x == 0 else f"{x:.3f}" if x >= 0.01 else f"{x:.1e}"
+
+
+def _mean_std(rec: dict, field: str, fmt: str = "{:.3f}") -> str:
+    """``mean ± std`` of a field over the seeds (``combine_seeds``), or the single value."""
+    s = rec.get("spread", {}).get(field)
+    if s is None:
+        value = rec.get(field)
+        return "–" if value is None else fmt.format(value)
+    return f"{fmt.format(s['mean'])} ± {fmt.format(s['std'])}"
+
+
+def _seeds(d: dict) -> str:
+    seeds = d.get("seeds") or [d["settings"]["seed"]]
+    return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
+
+
+def convergence(r: Results, name: str = "convergence.json") -> str:
+    """Held-out loss, bytes and time to data-parallel's loss per configuration, mean ± std over the seeds."""
+    d = r.load(name)
+    configs, s = d["configs"], d["settings"]
+    ddp = configs.get("ddp", {})
+    rows = []
+    for config, rec in configs.items():
+        if rec.get("status") != "ok":
+            rows.append([f"`{config}`", rec.get("status", "?"), "–", "–", "–", "–"])
+            continue
+        ttt = rec.get("time_to_target_s")
+        sooner = "–"
+        if ttt and ddp.get("time_to_target_s") and config != "ddp":
+            sooner = f"{ddp['time_to_target_s'] / ttt:.2f}×"
+        rows.append([f"`{config}`", _mean_std(rec, "final_val_loss"), size(rec["exchange_bytes_per_node"]),
+                     "–" if ttt is None else f"{ttt:.0f}", sooner, f"{rec['tokens_per_s_per_node']:.0f}"])
+    what = (f"`{s['model']}`, {s['nodes']} nodes × {s['steps']} steps, H = {s['inner_steps']}, batch {s['batch_size']}, "
+            f"loopback, {_seeds(d)} (configurations alternated per seed); held-out loss mean ± std over the seeds; "
+            "time to target: to each seed's data-parallel loss, read between evaluations, mean over the seeds "
+            "(– where a seed never reached it).")
+    return r.caption(name, what=what) + "\n\n" + table(
+        ["config", "held-out loss", "sent/node", "time to ddp's loss (s)", "sooner than ddp", "tokens/s/node"], rows)
+
+
+def forging(r: Results) -> str:
+    """DiLoCo's held-out loss beside a forging peer against the clean run of the same seeds."""
+    d = r.load("forging.json")
+    configs, s = d["configs"], d["settings"]
+    clean, forged = configs["diloco"], configs["diloco-forged"]
+    rows = []
+    for seed in map(str, d.get("seeds") or [s["seed"]]):
+        a, b = (clean.get("per_seed", {}).get(seed, clean), forged.get("per_seed", {}).get(seed, forged))
+        if a.get("status") != "ok" or b.get("status") != "ok":
+            rows.append([seed, "–", "–", "–", a.get("status", "?") + " / " + b.get("status", "?")])
+            continue
+        change = b["final_val_loss"] / a["final_val_loss"] - 1
+        passes = (b.get("forger") or {}).get("passes", 0)
+        rows.append([seed, loss(a["final_val_loss"]), loss(b["final_val_loss"]), pct(change), str(passes)])
+    what = (f"`{s['model']}`, {s['nodes']} honest nodes × {s['steps']} steps, H = {s['inner_steps']}, loopback, default "
+            "aggregation; the forger (`tests/helpers/attacker.py`) stores, every second, records \"of\" every member "
+            "announcing round R + 1000, invented members, and its own record 1000 rounds ahead.")
+    return r.caption("forging.json", what=what) + "\n\n" + table(
+        ["seed", "clean held-out loss", "with the forger", "change", "forger passes"], rows)
