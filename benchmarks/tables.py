@@ -54,6 +54,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "mutation": train.mutation,
     "convergence": train.convergence,
     "forging": train.forging,
+    "quick_suite": net.quick_suite,
 }
 
 

@@ -229,3 +229,22 @@ def churn(r: Results) -> str:
               "stages emptied by a recovery", "held-out loss at equal trainer steps, killed vs calm"]
     what = "`node swarm --stages 3 --checkfree-plus --model micro`, 8 processes on 2 cores, kills every 45 s."
     return r.caption("churn.json", "churn_no_restart.json", what=what) + "\n\n" + table(header, rows)
+
+
+def quick_suite(r: Results) -> str:
+    """What the last ``make bench SCALE=quick`` ran: every entry's status and minutes, and the total."""
+    name = "quick/suite.json"
+    from benchmarks.suite_entries import ENTRIES
+
+    d = r.load(name)
+    order = {e.name: i for i, e in enumerate(ENTRIES)}
+    rows, total = [], 0.0
+    for e in sorted(d["entries"], key=lambda e: order.get(e["name"], len(order))):
+        minutes = e.get("seconds", 0.0) / 60
+        total += minutes if e["status"] != "skipped" else 0.0
+        what = e["status"] if e["status"] != "skipped" else f"skipped: {e.get('detail', '')}"
+        rows.append([f"`{e['name']}`", what, f"{minutes:.1f}" if e["status"] != "skipped" else "–"])
+    rows.append(["all", f"{d['summary']['ok']} ok, {d['summary']['failed']} failed, {d['summary']['skipped']} skipped", f"{total:.1f}"])
+    what = ("Each entry's results file is in `benchmarks/results/quick/` with its own commit; entries marked "
+            "`earlier` in the file ran in an earlier invocation at the same scale (`--only`).")
+    return r.caption(name, what=what) + "\n\n" + table(["entry", "status", "minutes"], rows)
