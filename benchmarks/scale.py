@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import statistics
@@ -210,6 +211,23 @@ def write_report(out: Path, runs: list[dict], args: argparse.Namespace, argv: li
     return report
 
 
+def resimulate(path: Path, max_group_size: int) -> dict:
+    """Recompute a report's model and simulated rows from its measured runs with this build's cost model
+    (nothing is measured again); the file records which build simulated them (``resimulated``)."""
+    report = json.loads(path.read_text())
+    runs = report["runs"]
+    params = runs[0]["params"]
+    report["model"] = calibrate(runs)
+    report["simulated"] = [simulate(report["model"], n, params * 4, link, max_group_size=max_group_size) for n in SIM_PEERS for link in LINKS]
+    report["simulated_one_group"] = [simulate(report["model"], n, params * 4, link) for n in SIM_PEERS for link in LINKS]
+    commit, dirty = results_io.git_state()
+    report["resimulated"] = {"commit": commit, "dirty": dirty, "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                             "note": "simulated rows recomputed from the measured runs with this build's benchmarks/scale_model.py"}
+    meta = report.pop("meta", None)
+    results_io.write_json(path, report if meta is None else {**report, "meta": meta})
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", default="8,16,32,64", help="comma separated swarm sizes")
@@ -218,8 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=60.0, help="rendezvous and fetch timeout per round")
     ap.add_argument("--max-group-size", type=int, default=32, help="a larger swarm averages in random groups of about this many")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="JSON report to write")
+    ap.add_argument("--resimulate", type=Path, metavar="REPORT",
+                    help="only recompute REPORT's simulated rows from its measured runs with this build's model")
     args = ap.parse_args(argv)
+    if args.resimulate:
+        resimulate(args.resimulate, args.max_group_size)
+        print(f"resimulated: {args.resimulate}")
+        return 0
+    if not args.out:
+        ap.error("--out is required")
     meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.scale", *argv])
     runs: list[dict] = []
     out = Path(args.out)
