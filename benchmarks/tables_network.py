@@ -184,7 +184,7 @@ def scale(r: Results) -> str:
 
 
 def scale_simulated(r: Results) -> str:
-    """The cost model's extrapolation, bounded groups against one group; it assumes groups of equal size."""
+    """The cost model's extrapolation, bounded groups (drawn as the daemon draws them: unequal) against one group."""
     d = r.load("scale.json")
     one = {(s["peers"], s["link"]): s for s in d["simulated_one_group"]}
     rows = []
@@ -195,10 +195,14 @@ def scale_simulated(r: Results) -> str:
         def cost(x: dict[str, Any]) -> str:
             return (f"{x['bytes_sent_per_node_per_round'] / p:.2f} ×, {x['bytes_sent_busiest_node_per_round'] / p:.2f} ×, "
                     f"{x['round_s_median']:.2f} s")
-        rows.append([str(s["peers"]), s["link"], f"{s['group']:.1f}", cost(s), cost(o), f"{s['dht_requests_per_node_per_round']:.0f}"])
-    header = ["peers", "link", "members per group (assumed equal)", "groups of ≤ 32: mean sent, busiest, round",
+        members = f"{s['group']:.1f}" + (f" (largest {s['largest_group']:.0f})" if "largest_group" in s else " (assumed equal)")
+        rows.append([str(s["peers"]), s["link"], members, cost(s), cost(o), f"{s['dht_requests_per_node_per_round']:.0f}"])
+    header = ["peers", "link", "members per group: mean (largest)", "groups of ≤ 32: mean sent, busiest, round",
               "one group: mean sent, busiest, round", "DHT requests"]
-    return r.caption("scale.json", what="`simulated` and `simulated_one_group` (benchmarks/scale_model.py).") + "\n\n" + table(header, rows)
+    what = "`simulated` and `simulated_one_group` (benchmarks/scale_model.py)"
+    if "resimulated" in d:
+        what += f", recomputed from the file's measured runs at commit {str(d['resimulated']['commit'])[:7]}"
+    return r.caption("scale.json", what=what + ".") + "\n\n" + table(header, rows)
 
 
 def bandwidth_cap(r: Results) -> str:
