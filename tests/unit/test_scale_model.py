@@ -44,3 +44,21 @@ def test_simulated_groups_are_unequal_as_measured_and_the_largest_sets_the_pace(
     busiest = 2 * (row["largest_group"] - 1) / row["largest_group"] * 4_000_000
     assert row["bytes_sent_busiest_node_per_round"] == pytest.approx(busiest)
     assert row["bytes_sent_per_node_per_round"] < row["bytes_sent_busiest_node_per_round"]
+
+
+def test_resimulate_recomputes_a_reports_simulated_rows_from_its_measured_runs(tmp_path):
+    import json
+
+    from benchmarks.scale import resimulate
+
+    payload = 4_000_000
+    runs = [{"peers": g, "params": 1_000_000, "codec": "none", "payload_bytes": payload, "schemes": ["reduce-scatter"],
+             "bytes_sent_per_node_per_round": 2 * (g - 1) / g * payload, "dht_requests_per_node_per_round": 6 + 2 * math.log2(g)}
+            for g in (8, 16)]
+    path = tmp_path / "scale.json"
+    path.write_text(json.dumps({"runs": runs, "simulated": [], "simulated_one_group": [], "meta": {"git_commit": "abc"}}))
+    resimulate(path, 32)
+    report = json.loads(path.read_text())
+    assert report["runs"] == runs and report["meta"] == {"git_commit": "abc"}, "the measurements and their provenance stay"
+    assert report["simulated"] and all(row["largest_group"] >= row["group"] for row in report["simulated"])
+    assert report["resimulated"]["note"] and "commit" in report["resimulated"]
