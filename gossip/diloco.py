@@ -147,11 +147,16 @@ class DiLoCoAverager(GroupAverager):
     def _rendezvous_view(self, round_no: int, members: set[str] | None,
                          grouping: tuple[int, int] | None) -> Callable[[], Awaitable[set[str]]]:
         """The members the rendezvous waits for (of this member's group only, in a grouped round); its
-        first poll reuses ``members``, the read that decided the grouping."""
+        first poll reuses ``members``, the read that decided the grouping. A peer that came into the
+        round after that read is not waited for: it counted the members again and may have decided on
+        another number of groups, so it would register under another key (a joiner's round of three
+        once waited its whole deadline for a member that was averaging in a group of two)."""
         first = [] if members is None else [members]
 
         async def expected() -> set[str]:
             live = first.pop() if first else await self.expected_members(round_no)
+            if members is not None:
+                live &= members | {self.peer_id}
             if self.reachable is not None:
                 live = self.reachable.filter(live - {self.peer_id}) | (live & {self.peer_id})
             if grouping is None:

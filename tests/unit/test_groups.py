@@ -140,6 +140,32 @@ def test_members_that_count_a_different_number_of_groups_do_not_mix(monkeypatch)
     assert not got and failed == {b["peer"]: "remote"}  # refused by the peer: "wire mismatch"
 
 
+def test_a_peer_that_came_into_the_round_after_the_grouping_was_decided_is_not_waited_for(monkeypatch):
+    """Three joiners counted themselves only (one group); the first node, which had raced a round ahead,
+    came back into their round and counted four (two groups): it registers under a group's key and never
+    in theirs. Their rendezvous must not wait for it (it once waited its whole 60 s deadline)."""
+    network = Network()
+    _, members = diloco_members(3, network, SHAPES, "none", PART_NUMEL, max_group_size=2)
+    joiner = members[0]["averager"]
+    snapshot = {m["peer"] for m in members}
+    later = snapshot | {"peer-ahead"}
+
+    async def fresh_read(round_no):
+        return set(later)
+
+    monkeypatch.setattr(joiner, "expected_members", fresh_read)
+
+    async def views():
+        view = joiner._rendezvous_view(5, snapshot, None)
+        return await view(), await view()
+
+    first, second = asyncio.run(views())
+    assert first == second == snapshot
+    # without bounded groups nothing is decided from a snapshot: the fresh read counts
+    members[0]["averager"].max_group_size = None
+    assert asyncio.run(joiner._rendezvous_view(5, None, None)()) == later
+
+
 def test_a_robust_run_averages_a_grouped_round_of_two_as_the_mean_of_weights(monkeypatch):
     """Grouped rounds average weights: a robust aggregation must not clip weights by their norm per sample
     (a round of two clips to the smaller norm per sample, which would shrink a member's weights)."""
