@@ -47,12 +47,12 @@ from gossip.byzantine import Attacker
 from gossip.exchange import Contribution, PartSpec, ReducedShare, RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.group_round import GroupAverager, RoundResult
-from gossip.groups import group_count, group_of, group_tag
+from gossip.groups import group_count, group_of, group_tag, other_groupings
 from gossip.outer import NesterovOuter, pseudo_gradient
 from gossip.partition import Partition
 from gossip.placement import to_host
 from gossip.reduce_scatter import assign_owners, implausible_share, is_dense, use_reduce_scatter
-from gossip.rendezvous import Reachable, gather_group, round_members
+from gossip.rendezvous import Reachable, gather_group, read_round_entries, round_members
 from gossip.votes import Tenure, vote
 from protocol.records import RoundEntry
 
@@ -165,6 +165,17 @@ class DiLoCoAverager(GroupAverager):
 
         return expected
 
+    async def _registered_elsewhere(self, round_no: int, peers: set[str], grouping: tuple[int, int] | None) -> set[str]:
+        """Which of ``peers`` (awaited, not yet come) registered for ``round_no`` under another number of
+        groups than this member's: they counted the members otherwise and will not come to its key."""
+        if not peers or self.max_group_size is None:
+            return set()
+        keys = other_groupings(self.run_id, round_no, peers, 1 if grouping is None else grouping[1], self.max_group_size)
+        found: set[str] = set()
+        for tag, candidates in keys.items():
+            found |= candidates & set(await read_round_entries(self.dht, self.run_id, round_no, tag))
+        return found
+
     async def run_round(
         self,
         round_no: int,
@@ -231,9 +242,13 @@ class DiLoCoAverager(GroupAverager):
         group, up to the adaptive deadline (which learns from this wait). Returns the group, self included."""
         entry = RoundEntry(peer_id=self.peer_id, samples=rnd.samples, codec=rnd.wire, up_mbit=self.up_mbit)
         rnd.deadline_s, registered = self.deadline.value, time.monotonic()
+        async def elsewhere(peers: set[str]) -> set[str]:
+            return await self._registered_elsewhere(rnd.number, peers, rnd.grouping)
+
         group, complete = await gather_group(self.dht, self.validator, self.run_id, rnd.number, entry,
                                              self._rendezvous_view(rnd.number, rnd.members, rnd.grouping),
-                                             rnd.deadline_s, group=rnd.tag)
+                                             rnd.deadline_s, group=rnd.tag,
+                                             elsewhere=elsewhere if rnd.members is not None else None)
         rnd.gathered = time.monotonic()
         self.deadline.observe(rnd.gathered - registered, complete)
         return group

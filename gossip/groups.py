@@ -7,7 +7,9 @@ Groups are computed, not negotiated: with N live members the round has ``group_c
 group is a hash of (run, round, its peer id) modulo that count. Everyone derives the same groups from
 the same member list; a member that sees a slightly different N still derives the same count unless
 N crosses a power-of-two boundary (G, 2G, 4G, ...), and then only its own rendezvous is affected
-(it registers under another group's key and averages with those who agree). Group sizes are
+(it registers under another group's key and averages with those who agree). A rendezvous does not
+wait for such members: it looks for them under the other groupings (:func:`other_groupings`) and
+stops waiting for those it finds there, instead of waiting out its deadline. Group sizes are
 binomial around N / count: "about G", not exactly.
 
 Reference: Ryabinin et al. 2021, Moshpit SGD, https://arxiv.org/abs/2103.03239 (groups that change
@@ -48,3 +50,14 @@ def split_into_groups(run_id: str, round_no: int, members: Iterable[str], count:
 def group_tag(group: int, count: int) -> str:
     """Names a round's group in its rendezvous key and wire settings, e.g. ``g3of8``."""
     return f"g{group}of{count}"
+
+
+def other_groupings(run_id: str, round_no: int, peers: Iterable[str], mine: int, max_group_size: int) -> dict[str, set[str]]:
+    """Where ``peers`` would have registered for ``round_no`` had they counted one power-of-two boundary
+    otherwise than this member (``mine`` groups): {rendezvous tag ("" for one group): peers}, for half
+    and twice ``mine`` groups."""
+    tags: dict[str, set[str]] = {}
+    for count in {max(1, mine // 2), mine * 2} - {mine}:
+        for p in peers:
+            tags.setdefault("" if count == 1 else group_tag(group_of(run_id, round_no, p, count), count), set()).add(p)
+    return tags

@@ -337,6 +337,9 @@ class Reachable:
         return out
 
 
+ELSEWHERE_CHECK_S = 1.0  # how often a rendezvous looks for its awaited peers in the round's other groupings
+
+
 async def gather_group(
     dht: DHTNode,
     validator: RSASignatureValidator,
@@ -347,18 +350,30 @@ async def gather_group(
     timeout: float,
     poll_interval: float = 0.2,
     group: str = "",
+    elsewhere: Callable[[set[str]], Awaitable[set[str]]] | None = None,
 ) -> tuple[list[RoundEntry], bool]:
     """Register for round ``round_no`` (in ``group``'s rendezvous, if named); returns the group
     (sorted by peer id, self included) and whether it is complete.
 
     Returns once every peer in ``expected()`` has registered (complete), or after ``timeout`` seconds.
+    ``elsewhere(awaited)``, asked every ``ELSEWHERE_CHECK_S`` while peers are awaited, names those of
+    them that registered in another rendezvous of the round (another grouping): they are not waited for.
     """
     await register_round(dht, validator, run_id, round_no, entry, min(max(60.0, 4 * timeout), MAX_RECORD_TTL_S), group)
     deadline = time.monotonic() + timeout
     entries: dict[str, RoundEntry] = {entry.peer_id: entry}
+    moved: set[str] = set()
+    next_check = time.monotonic() + ELSEWHERE_CHECK_S
     while True:
         entries.update({peer: e for peer, (e, _) in (await read_round_entries(dht, run_id, round_no, group)).items()})
-        waiting_for = (await expected()) - set(entries)
+        waiting_for = (await expected()) - set(entries) - moved
+        if waiting_for and elsewhere is not None and time.monotonic() >= next_check:
+            next_check = time.monotonic() + ELSEWHERE_CHECK_S
+            found = await elsewhere(waiting_for)
+            if found:
+                logger.info("round %d: not waiting for %s: they registered in another grouping of the round", round_no, sorted(found))
+                moved |= found
+                waiting_for -= found
         if not waiting_for or time.monotonic() >= deadline:
             if waiting_for:
                 logger.info("round %d: gave up waiting for %s", round_no, sorted(waiting_for))

@@ -166,6 +166,57 @@ def test_a_peer_that_came_into_the_round_after_the_grouping_was_decided_is_not_w
     assert asyncio.run(joiner._rendezvous_view(5, None, None)()) == later
 
 
+def test_a_member_that_registered_under_another_grouping_is_not_waited_for(monkeypatch):
+    """Two members counted 2 (one group: the round's plain key); a third counted 4 and registered under its
+    group of two. Once it is seen there, the rendezvous stops waiting for it instead of waiting out its
+    deadline (a joiner's first round once waited 60 s so)."""
+    import time
+
+    import gossip.rendezvous as rendezvous_module
+    from gossip.groups import group_tag, other_groupings
+
+    network = Network()
+    _, members = diloco_members(3, network, SHAPES, "none", PART_NUMEL, max_group_size=2)
+    averager = members[0]["averager"]
+    a, b, c = (m["peer"] for m in members)
+    c_tag = group_tag(group_of("run", 5, c, 2), 2)
+    assert c in other_groupings("run", 5, {b, c}, 1, 2)[c_tag]
+    assert set(other_groupings("run", 5, {c}, 2, 2)) == {"", group_tag(group_of("run", 5, c, 4), 4)}
+
+    async def entries(dht, run_id, round_no, tag=""):
+        if tag == c_tag:
+            return {c: (RoundEntry(peer_id=c, samples=8, codec="none"), 0.0)}
+        return {b: (RoundEntry(peer_id=b, samples=8, codec="none"), 0.0)} if tag == "" else {}
+
+    async def registered(*args, **kwargs):
+        return True
+
+    async def everyone(round_no):
+        return {a, b, c}
+
+    for module in (diloco_module, rendezvous_module):
+        monkeypatch.setattr(module, "read_round_entries", entries)
+    monkeypatch.setattr(rendezvous_module, "register_round", registered)
+    monkeypatch.setattr(rendezvous_module, "ELSEWHERE_CHECK_S", 0.0)
+    monkeypatch.setattr(averager, "expected_members", everyone)
+
+    async def elsewhere(peers):
+        return await averager._registered_elsewhere(5, peers, None)
+
+    async def gather(with_check):
+        view = averager._rendezvous_view(5, {a, b, c}, None)
+        entry = RoundEntry(peer_id=a, samples=8, codec="none")
+        started = time.monotonic()
+        group, complete = await rendezvous_module.gather_group(None, None, "run", 5, entry, view, 2.0, poll_interval=0.05,
+                                                               elsewhere=elsewhere if with_check else None)
+        return [e.peer_id for e in group], complete, time.monotonic() - started
+
+    group, complete, took = asyncio.run(gather(True))
+    assert group == sorted([a, b]) and complete and took < 1.0
+    group, complete, took = asyncio.run(gather(False))
+    assert not complete and took >= 2.0, "without the check it waits out the deadline"
+
+
 def test_a_robust_run_averages_a_grouped_round_of_two_as_the_mean_of_weights(monkeypatch):
     """Grouped rounds average weights: a robust aggregation must not clip weights by their norm per sample
     (a round of two clips to the smaller norm per sample, which would shrink a member's weights)."""
