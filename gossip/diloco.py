@@ -242,6 +242,7 @@ class DiLoCoAverager(GroupAverager):
         group, up to the adaptive deadline (which learns from this wait). Returns the group, self included."""
         entry = RoundEntry(peer_id=self.peer_id, samples=rnd.samples, codec=rnd.wire, up_mbit=self.up_mbit)
         rnd.deadline_s, registered = self.deadline.value, time.monotonic()
+
         async def elsewhere(peers: set[str]) -> set[str]:
             return await self._registered_elsewhere(rnd.number, peers, rnd.grouping)
 
@@ -406,4 +407,3 @@ class DiLoCoAverager(GroupAverager):
             agg = await asyncio.to_thread(self.combine, senders, [direct[p] for p in senders], samples, method)
             update.update(dict(zip(parts, agg.update)))
         return [update[i] for i in range(len(specs))]
-
