@@ -221,10 +221,14 @@ def convergence(r: Results, name: str = "convergence.json") -> str:
         sooner = "–"
         if ttt and ddp.get("time_to_target_s") and config != "ddp":
             sooner = f"{ddp['time_to_target_s'] / ttt:.2f}×"
+        seeds = rec.get("per_seed") or {}
+        reached = sum(1 for x in seeds.values() if x.get("time_to_target_s") is not None)
+        when = f"{ttt:.0f}" if ttt is not None else (f"– (reached in {reached} of {len(seeds)} seeds)" if seeds else "–")
         rows.append([f"`{config}`", _mean_std(rec, "final_val_loss"), size(rec["exchange_bytes_per_node"]),
-                     "–" if ttt is None else f"{ttt:.0f}", sooner, f"{rec['tokens_per_s_per_node']:.0f}"])
+                     when, sooner, f"{rec['tokens_per_s_per_node']:.0f}"])
+    link = f"{d['link_mbit']:g} Mbit/s links (tc tbf, each process in its own namespace)" if d.get("link_mbit") else "loopback"
     what = (f"`{s['model']}`, {s['nodes']} nodes × {s['steps']} steps, H = {s['inner_steps']}, batch {s['batch_size']}, "
-            f"loopback, {_seeds(d)} (configurations alternated per seed); held-out loss mean ± std over the seeds; "
+            f"{link}, {_seeds(d)} (configurations alternated per seed); held-out loss mean ± std over the seeds; "
             "time to target: to each seed's data-parallel loss, read between evaluations, mean over the seeds "
             "(– where a seed never reached it).")
     return r.caption(name, what=what) + "\n\n" + table(
