@@ -147,16 +147,19 @@ class DiLoCoAverager(GroupAverager):
     def _rendezvous_view(self, round_no: int, members: set[str] | None,
                          grouping: tuple[int, int] | None) -> Callable[[], Awaitable[set[str]]]:
         """The members the rendezvous waits for (of this member's group only, in a grouped round); its
-        first poll reuses ``members``, the read that decided the grouping. A peer that came into the
-        round after that read is not waited for: it counted the members again and may have decided on
-        another number of groups, so it would register under another key (a joiner's round of three
-        once waited its whole deadline for a member that was averaging in a group of two)."""
+        first poll reuses ``members``, the read that decided the grouping. Peers that came into the round
+        after that read are waited for only if counting them gives the same number of groups: otherwise
+        they may have decided on another grouping and would register under another key (a joiner's round
+        of three once waited its whole deadline for a member that was averaging in a group of two)."""
         first = [] if members is None else [members]
+        mine = 1 if grouping is None else grouping[1]
 
         async def expected() -> set[str]:
             live = first.pop() if first else await self.expected_members(round_no)
-            if members is not None:
-                live &= members | {self.peer_id}
+            if members is not None and self.max_group_size is not None:
+                newcomers = live - members - {self.peer_id}
+                if newcomers and group_count(len(live | {self.peer_id}), self.max_group_size) != mine:
+                    live -= newcomers
             if self.reachable is not None:
                 live = self.reachable.filter(live - {self.peer_id}) | (live & {self.peer_id})
             if grouping is None:
@@ -164,6 +167,15 @@ class DiLoCoAverager(GroupAverager):
             return {p for p in live if group_of(self.run_id, round_no, p, grouping[1]) == grouping[0]}
 
         return expected
+
+    def _near_a_grouping_boundary(self, counted: int, grouping: tuple[int, int] | None) -> bool:
+        """Whether members that counted half or twice this member's ``counted`` would group otherwise: only
+        then can an awaited peer have registered under another grouping (a swarm far below
+        ``--max-group-size`` never looks)."""
+        if self.max_group_size is None:
+            return False
+        mine = 1 if grouping is None else grouping[1]
+        return any(group_count(n, self.max_group_size) != mine for n in (max(1, counted // 2), 2 * counted))
 
     async def _registered_elsewhere(self, round_no: int, peers: set[str], grouping: tuple[int, int] | None) -> set[str]:
         """Which of ``peers`` (awaited, not yet come) registered for ``round_no`` under another number of
@@ -246,10 +258,10 @@ class DiLoCoAverager(GroupAverager):
         async def elsewhere(peers: set[str]) -> set[str]:
             return await self._registered_elsewhere(rnd.number, peers, rnd.grouping)
 
+        near = rnd.members is not None and self._near_a_grouping_boundary(len(rnd.members | {self.peer_id}), rnd.grouping)
         group, complete = await gather_group(self.dht, self.validator, self.run_id, rnd.number, entry,
                                              self._rendezvous_view(rnd.number, rnd.members, rnd.grouping),
-                                             rnd.deadline_s, group=rnd.tag,
-                                             elsewhere=elsewhere if rnd.members is not None else None)
+                                             rnd.deadline_s, group=rnd.tag, elsewhere=elsewhere if near else None)
         rnd.gathered = time.monotonic()
         self.deadline.observe(rnd.gathered - registered, complete)
         return group

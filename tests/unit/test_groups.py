@@ -161,6 +161,11 @@ def test_a_peer_that_came_into_the_round_after_the_grouping_was_decided_is_not_w
 
     first, second = asyncio.run(views())
     assert first == second == snapshot
+    # a newcomer that leaves the group count as it was (far below the bound) is waited for, as before
+    joiner.max_group_size = 32
+    first, second = asyncio.run(views())
+    assert first == snapshot and second == later
+    assert not joiner._near_a_grouping_boundary(4, None) and joiner._near_a_grouping_boundary(20, None)
     # without bounded groups nothing is decided from a snapshot: the fresh read counts
     members[0]["averager"].max_group_size = None
     assert asyncio.run(joiner._rendezvous_view(5, None, None)()) == later
