@@ -32,8 +32,12 @@ try:
 except ImportError:  # the benchmark's CLI help works without hivemind
     P2P = PeerID = None  # type: ignore[assignment,misc]
 
+# both nodes wait for each other (--min-peers 2) and start from the same state at round 0: a joiner's first
+# round can split a pair of nodes (it may average with a round its peer already closed alone), and when the
+# uncapped node then downloads the capped one's state, the download crawls at the cap while the capped node
+# runs rounds alone, faster than the download: the two never meet again (seen 1 in 4 runs of the test)
 MODEL_ARGS = ["--model", "micro", "--batch-size", "8", "--inner-steps", "10", "--threads", "1", "--warmup-steps", "5",
-              "--eval-batches", "2", "--eval-every", "0", "--averaging-timeout", "20", "--run-id", "cap"]
+              "--eval-batches", "2", "--eval-every", "0", "--averaging-timeout", "20", "--run-id", "cap", "--min-peers", "2"]
 
 
 def tx_rx_bytes(netns: str, dev: str = "wan") -> tuple[int, int]:
@@ -44,11 +48,7 @@ def tx_rx_bytes(netns: str, dev: str = "wan") -> tuple[int, int]:
 
 
 def identities(workdir: Path) -> tuple[Path, Path]:
-    """Two identity files, the one of the smaller peer id first. When the two nodes' weights differ (a
-    joiner's first round can split them: it may average with a round its peer already closed alone),
-    the tie goes to the smaller peer id and the other node downloads its state. The uncapped node
-    must be that one: a download from the capped node crawls at its cap while it runs rounds alone,
-    faster than the download, and the other node never catches up (seen here under load)."""
+    """Two identity files, the one of the smaller peer id first (the uncapped node's)."""
     keys = []
     for name in ("a", "b"):
         path = workdir / f"{name}.key"
@@ -83,7 +83,7 @@ def measure(workdir: Path, cap_mbit: float, seconds: float, tag: str = "cap", mi
         try:
             free = NsNode(net, net.public[0], workdir, "free", [*MODEL_ARGS, "--seed", "0", "--identity", str(free_key)], [])
             nodes.append(free)
-            info = free.wait(lambda i: i.get("state") == "training", 120, "startup")
+            info = free.wait(lambda i: bool(i.get("multiaddrs")), 120, "startup")  # it waits for --min-peers 2 from here
             boot = next(a for a in info["multiaddrs"] if f"/ip4/{net.public[0].address}/" in a)
             extra = ["--max-upload-mbit", str(cap_mbit)] if cap_mbit > 0 else []
             capped = NsNode(net, net.public[1], workdir, "capped", [*MODEL_ARGS, "--seed", "1", "--identity", str(capped_key), *extra],
