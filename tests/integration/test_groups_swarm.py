@@ -32,8 +32,11 @@ def _whole_groups(infos, until: float = float("inf")) -> dict[tuple[int, str], l
     records: dict[tuple[int, str], list[tuple[str, dict]]] = {}
     for info in infos:
         numbers = [r["round"] for r in info.get("rounds", [])]
+        # a round's record takes its fingerprint after the node's catch-up, which may have replaced the
+        # group's weights (as the swarm shrinks at the stop): such a round is not the group's result
+        jumped = {e.get("round") for e in info.get("events", []) if e["event"] in JUMPS}
         for r in _grouped(info):
-            if r["t"] <= settled or numbers.count(r["round"]) > 1:
+            if r["t"] <= settled or numbers.count(r["round"]) > 1 or {r["round"], r["round"] + 1} & jumped:
                 continue
             records.setdefault((r["round"], r["group_tag"]), []).append((info["peer_id"], r))
     return {key: rs for key, rs in records.items() if all(r["group"] == len(rs) for _, r in rs)}
