@@ -69,8 +69,9 @@ def test_nodes_average_in_two_groups_that_change_every_round(count, max_group, r
         assert handle.stop() == 0, handle.log()[-2000:]
     infos = [h.info() for h in nodes]
     peers = [info["peer_id"] for info in infos]
+    # the loop above saw three member sets while the swarm ran; the records written at the stop can only
+    # take rounds away from it (a catch-up as the swarm shrinks discards its round), so it is not redone
     whole = _whole_groups(infos, until=stopping)
-    assert len({frozenset(p for p, _ in rs) for rs in whole.values()}) >= 3, whole
 
     # every member averaged in the group the hash names (one the hash put there may still miss a
     # round's rendezvous, e.g. right after it caught up: the group is then smaller)
