@@ -47,7 +47,7 @@ from gossip.byzantine import Attacker
 from gossip.exchange import Contribution, PartSpec, ReducedShare, RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.group_round import GroupAverager, RoundResult
-from gossip.groups import group_count, group_of, group_tag, other_groupings
+from gossip.groups import group_count, group_of, group_tag, near_a_grouping_boundary, other_groupings
 from gossip.outer import NesterovOuter, pseudo_gradient
 from gossip.partition import Partition
 from gossip.placement import to_host
@@ -168,15 +168,6 @@ class DiLoCoAverager(GroupAverager):
 
         return expected
 
-    def _near_a_grouping_boundary(self, counted: int, grouping: tuple[int, int] | None) -> bool:
-        """Whether members that counted half or twice this member's ``counted`` would group otherwise: only
-        then can an awaited peer have registered under another grouping (a swarm far below
-        ``--max-group-size`` never looks)."""
-        if self.max_group_size is None:
-            return False
-        mine = 1 if grouping is None else grouping[1]
-        return any(group_count(n, self.max_group_size) != mine for n in (max(1, counted // 2), 2 * counted))
-
     async def _registered_elsewhere(self, round_no: int, peers: set[str], grouping: tuple[int, int] | None) -> set[str]:
         """Which of ``peers`` (awaited, not yet come) registered for ``round_no`` under another number of
         groups than this member's: they counted the members otherwise and will not come to its key."""
@@ -258,7 +249,9 @@ class DiLoCoAverager(GroupAverager):
         async def elsewhere(peers: set[str]) -> set[str]:
             return await self._registered_elsewhere(rnd.number, peers, rnd.grouping)
 
-        near = rnd.members is not None and self._near_a_grouping_boundary(len(rnd.members | {self.peer_id}), rnd.grouping)
+        near = (rnd.members is not None and self.max_group_size is not None
+                and near_a_grouping_boundary(len(rnd.members | {self.peer_id}), 1 if rnd.grouping is None else rnd.grouping[1],
+                                             self.max_group_size))
         group, complete = await gather_group(self.dht, self.validator, self.run_id, rnd.number, entry,
                                              self._rendezvous_view(rnd.number, rnd.members, rnd.grouping),
                                              rnd.deadline_s, group=rnd.tag, elsewhere=elsewhere if near else None)

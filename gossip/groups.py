@@ -61,3 +61,10 @@ def other_groupings(run_id: str, round_no: int, peers: Iterable[str], mine: int,
         for p in peers:
             tags.setdefault("" if count == 1 else group_tag(group_of(run_id, round_no, p, count), count), set()).add(p)
     return tags
+
+
+def near_a_grouping_boundary(counted: int, mine: int, max_group_size: int) -> bool:
+    """Whether members that counted half or twice ``counted`` would group otherwise than ``mine`` groups:
+    only then can an awaited peer have registered under another grouping (a swarm far below the bound
+    never looks)."""
+    return any(group_count(n, max_group_size) != mine for n in (max(1, counted // 2), 2 * counted))

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import gossip.diloco as diloco_module
 from gossip.exchange import Contribution
-from gossip.groups import group_count, group_of, split_into_groups
+from gossip.groups import group_count, group_of, near_a_grouping_boundary, split_into_groups
 from gossip.partition import Partition
 from protocol.records import RoundEntry, round_key
 from tests.helpers.diloco_members import diloco_members, run_round_together
@@ -165,7 +165,7 @@ def test_a_peer_that_came_into_the_round_after_the_grouping_was_decided_is_not_w
     joiner.max_group_size = 32
     first, second = asyncio.run(views())
     assert first == snapshot and second == later
-    assert not joiner._near_a_grouping_boundary(4, None) and joiner._near_a_grouping_boundary(20, None)
+    assert not near_a_grouping_boundary(4, 1, 32) and near_a_grouping_boundary(20, 1, 32)
     # without bounded groups nothing is decided from a snapshot: the fresh read counts
     members[0]["averager"].max_group_size = None
     assert asyncio.run(joiner._rendezvous_view(5, None, None)()) == later
