@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
@@ -197,12 +198,9 @@ async def run_size(n: int, params: int, codec: str, rounds: int, timeout: float,
 def write_report(out: Path, runs: list[dict], args: argparse.Namespace, argv: list[str] | None,
                  meta: results_io.RunMeta) -> dict:
     """The report of the sizes measured so far, with the model calibrated on them (written atomically)."""
-    model = calibrate(runs)
     report = {
         "runs": runs,
-        "model": model,
-        "simulated": [simulate(model, n, args.params * 4, link, max_group_size=args.max_group_size) for n in SIM_PEERS for link in LINKS],
-        "simulated_one_group": [simulate(model, n, args.params * 4, link) for n in SIM_PEERS for link in LINKS],
+        **simulated_rows(runs, args.max_group_size),
         "environment": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                         "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
         "command": "python -m benchmarks.scale " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -211,20 +209,23 @@ def write_report(out: Path, runs: list[dict], args: argparse.Namespace, argv: li
     return report
 
 
+def simulated_rows(runs: list[dict], max_group_size: int) -> dict[str, Any]:
+    """The cost model calibrated on ``runs`` and its rows: bounded groups, and one group."""
+    model, payload = calibrate(runs), runs[0]["params"] * 4 if runs else 0
+    return {"model": model,
+            "simulated": [simulate(model, n, payload, link, max_group_size=max_group_size) for n in SIM_PEERS for link in LINKS],
+            "simulated_one_group": [simulate(model, n, payload, link) for n in SIM_PEERS for link in LINKS]}
+
+
 def resimulate(path: Path, max_group_size: int) -> dict:
     """Recompute a report's model and simulated rows from its measured runs with this build's cost model
     (nothing is measured again); the file records which build simulated them (``resimulated``)."""
     report = json.loads(path.read_text())
-    runs = report["runs"]
-    params = runs[0]["params"]
-    report["model"] = calibrate(runs)
-    report["simulated"] = [simulate(report["model"], n, params * 4, link, max_group_size=max_group_size) for n in SIM_PEERS for link in LINKS]
-    report["simulated_one_group"] = [simulate(report["model"], n, params * 4, link) for n in SIM_PEERS for link in LINKS]
+    report.update(simulated_rows(report["runs"], max_group_size))
     commit, dirty = results_io.git_state()
     report["resimulated"] = {"commit": commit, "dirty": dirty, "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                              "note": "simulated rows recomputed from the measured runs with this build's benchmarks/scale_model.py"}
-    meta = report.pop("meta", None)
-    results_io.write_json(path, report if meta is None else {**report, "meta": meta})
+    results_io.write_json(path, report)
     return report
 
 
