@@ -24,7 +24,8 @@ validation loss against tokens (and seconds since launch), bytes sent per node (
 is written next to it: measured, computed or estimated), wall time, tokens/s per node, the fraction
 of training time blocked on communication, and the wall time to a target validation loss (the
 data-parallel baseline's final loss of the same seed, else the worst final loss, unless
-``--target-loss``; read between the evaluations that bracket it). Each locomesh configuration's
+``--target-loss``; read between the evaluations that bracket it). ``--baseline-steps`` lets ddp (and
+single) train fewer steps than the others: it then only sets the target, which the others race to. Each locomesh configuration's
 ``vs_dense`` compares it with dense DiLoCo at its own H: when ``diloco`` runs and a variant sets another
 ``--inner-steps``, a dense ``diloco-h<H>`` run at that H is added. ``--seeds 0,1,2`` runs every
 configuration once per seed, alternating (A B C, A B C, ...: a change in the machine's load falls on
@@ -77,6 +78,7 @@ class Settings:
     model: str = "tiny"
     nodes: int = 2
     steps: int = 1000  # optimizer steps per node
+    baseline_steps: int | None = None  # ddp and single: steps per node when they only set the race's target
     inner_steps: int = 50  # H: local steps per outer round (hivemind: per epoch)
     batch_size: int = 16
     lr: float = 1e-3
@@ -157,7 +159,8 @@ def _link_tx_bytes(n: int) -> list[int | None]:
 def run_baseline(name: str, settings: Settings, directory: Path) -> dict[str, Any]:
     s = settings
     world = 1 if name == "single" else s.nodes
-    steps = s.steps * s.nodes if name == "single" else s.steps
+    own = s.baseline_steps if s.baseline_steps and name in ("single", "ddp") else s.steps
+    steps = own * s.nodes if name == "single" else own
     eval_every = s.inner_steps * (s.nodes if name == "single" else 1)  # evaluate at the same token counts
     common = ["--world", str(world), "--model", s.model, "--batch-size", str(s.batch_size), "--steps", str(steps),
               "--lr", str(s.lr), "--warmup-steps", str(s.warmup_steps), "--eval-every", str(eval_every),
@@ -522,6 +525,9 @@ def main() -> None:
     parser.add_argument("--model")
     parser.add_argument("--nodes", type=int)
     parser.add_argument("--steps", type=int, help="optimizer steps per node")
+    parser.add_argument("--baseline-steps", type=int,
+                        help="ddp and single train this many steps per node (default: --steps): the race's target is "
+                             "ddp's final loss, which the others then race to with --steps")
     parser.add_argument("--inner-steps", type=int, help="H: local steps per outer round / hivemind epoch")
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--lr", type=float)
@@ -541,7 +547,7 @@ def main() -> None:
     meta = results_io.begin()
 
     settings = Settings.quick() if args.quick else Settings()
-    for key in ("model", "nodes", "steps", "inner_steps", "batch_size", "lr", "warmup_steps", "eval_batches", "config_timeout"):
+    for key in ("model", "nodes", "steps", "baseline_steps", "inner_steps", "batch_size", "lr", "warmup_steps", "eval_batches", "config_timeout"):
         if getattr(args, key) is not None:
             setattr(settings, key, getattr(args, key))
     settings.link_mbit = args.link_mbit
@@ -603,7 +609,8 @@ def main() -> None:
     table = markdown_table(results, settings.link_mbit is not None)
     png = out.with_suffix(".png")
     link = f", {settings.link_mbit:g} Mbit/s links" if settings.link_mbit else ", loopback"
-    title = (f"{settings.model}, {settings.nodes} nodes x {settings.steps} steps, H={settings.inner_steps}, "
+    ddp_steps = f" (ddp {settings.baseline_steps})" if settings.baseline_steps else ""
+    title = (f"{settings.model}, {settings.nodes} nodes x {settings.steps} steps{ddp_steps}, H={settings.inner_steps}, "
              f"batch {settings.batch_size}{link}" + (f", seed {seeds[0]} of {len(seeds)}" if len(seeds) > 1 else ""))
     try:
         plot(results, png, title, target)

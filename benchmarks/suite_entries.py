@@ -121,12 +121,12 @@ ENTRIES: tuple[Entry, ...] = (
           "Robustness: rounds behind tc tbf links and a partition healed", root=True,
           why_not={"quick": "full scale only: two-minute runs per rate and codec"}),
     Entry("thin20_race", "benchmarks.convergence", None,
-          _a(f"--link-mbit 20 --model tiny --nodes 2 --steps 600 --inner-steps 30 --seeds {SEEDS} "
+          _a(f"--link-mbit 20 --model tiny --nodes 2 --steps 600 --baseline-steps 300 --inner-steps 30 --seeds {SEEDS} "
              "--configs ddp,hivemind,hivemind-fp16,hivemind-8bit,diloco,diloco-q2,sparseloco --variant 'diloco-q2=diloco:--compression q2'"),
           {"full": 240}, "Benchmarks, thin-link race at 20 Mbit/s: time to ddp's loss against ddp and hivemind's best",
           root=True, why_not={"quick": "full scale only: ddp alone spends ~9 min a seed crossing the 20 Mbit/s link"}),
     Entry("thin5_race", "benchmarks.convergence", None,
-          _a("--link-mbit 5 --model tiny --nodes 2 --steps 600 --inner-steps 30 --seeds 0 "
+          _a("--link-mbit 5 --model tiny --nodes 2 --steps 600 --baseline-steps 300 --inner-steps 30 --seeds 0 "
              "--configs ddp,hivemind,hivemind-8bit,diloco,diloco-q2,sparseloco --variant 'diloco-q2=diloco:--compression q2'"),
           {"full": 60}, "Benchmarks, thin-link race at 5 Mbit/s (one seed: ddp alone takes ~36 min)",
           root=True, why_not={"quick": "full scale only: ddp alone spends ~36 min crossing the 5 Mbit/s link"}),
