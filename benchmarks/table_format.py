@@ -6,7 +6,7 @@ A results file says which build made it in one of several shapes, newest first:
   ``started``, ``ended``, ``command``; ``commit`` and ``dirty`` are read too);
 - top-level ``commit`` / ``dirty`` / ``started`` or ``date`` (``churn.json``, ``mutation.json``, ``bandwidth_cap.json``);
 - an ``environment`` object with ``commit`` or ``git`` and ``started`` (``byzantine``, ``convergence``, ``scale``);
-- a list of such ``environment`` objects, one per run merged into the file (``thin20_race.json``).
+- a list of such ``environment`` objects, one per run merged into the file (``thin20_race_e64c396.json``).
 
 :func:`provenance` reads whichever is there; a file with none says "commit not recorded". Dates are
 ``YYYY-MM-DD`` (UTC for epoch seconds); a file that records no date says "date not recorded".
@@ -156,3 +156,12 @@ def share(x: float | None) -> str:
     if x is None:
         return "–"
     return f"{100 * x:.1f} %" if x < 0.1 else f"{100 * x:.0f} %"
+
+
+def mean_std(rec: dict[str, Any], field: str, fmt: str = "{:.3f}") -> str:
+    """``mean ± std`` of a field over the seeds (``benchmarks.convergence_report.combine_seeds``), or the single value."""
+    s = rec.get("spread", {}).get(field)
+    if s is None:
+        value = rec.get(field)
+        return "–" if value is None else fmt.format(value)
+    return f"{fmt.format(s['mean'])} ± {fmt.format(s['std'])}"

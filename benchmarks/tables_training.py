@@ -8,7 +8,7 @@ row labels are prose.
 
 from __future__ import annotations
 
-from benchmarks.table_format import Results, loss, pct, size, table, times
+from benchmarks.table_format import Results, loss, mean_std, pct, size, table, times
 
 # configs of sparse_gap.json and gap_closed.json as a reader knows them (their flags are in each file)
 SPARSE_GAP_ROWS = {
@@ -193,15 +193,6 @@ def _nse(x: float) -> str:
     return "0" if x == 0 else f"{x:.3f}" if x >= 0.01 else f"{x:.1e}"
 
 
-def _mean_std(rec: dict, field: str, fmt: str = "{:.3f}") -> str:
-    """``mean ± std`` of a field over the seeds (``combine_seeds``), or the single value."""
-    s = rec.get("spread", {}).get(field)
-    if s is None:
-        value = rec.get(field)
-        return "–" if value is None else fmt.format(value)
-    return f"{fmt.format(s['mean'])} ± {fmt.format(s['std'])}"
-
-
 def _seeds(d: dict) -> str:
     seeds = d.get("seeds") or [d["settings"]["seed"]]
     return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
@@ -224,7 +215,7 @@ def convergence(r: Results, name: str = "convergence.json") -> str:
         seeds = rec.get("per_seed") or {}
         reached = sum(1 for x in seeds.values() if x.get("time_to_target_s") is not None)
         when = f"{ttt:.0f}" if ttt is not None else (f"– (reached in {reached} of {len(seeds)} seeds)" if seeds else "–")
-        rows.append([f"`{config}`", _mean_std(rec, "final_val_loss"), size(rec["exchange_bytes_per_node"]),
+        rows.append([f"`{config}`", mean_std(rec, "final_val_loss"), size(rec["exchange_bytes_per_node"]),
                      when, sooner, f"{rec['tokens_per_s_per_node']:.0f}"])
     link = f"{d['link_mbit']:g} Mbit/s links (tc tbf, each process in its own namespace)" if d.get("link_mbit") else "loopback"
     what = (f"`{s['model']}`, {s['nodes']} nodes × {s['steps']} steps, H = {s['inner_steps']}, batch {s['batch_size']}, "

@@ -76,7 +76,7 @@ def test_the_meta_that_results_io_writes_names_its_commit(tmp_path: Path) -> Non
 def test_epoch_seconds_and_several_environments_read_as_dates_and_commits() -> None:
     results = Results()
     assert results.provenance("churn.json").date == "2026-11-25"  # "started" in epoch seconds
-    race = results.provenance("thin20_race.json")  # one environment per merged run
+    race = results.provenance("thin20_race_e64c396.json")  # one environment per merged run
     assert race.commits == ("e64c396",) and race.date == "2026-11-25"
 
 
