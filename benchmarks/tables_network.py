@@ -79,10 +79,9 @@ def _seed_times(configs: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     return out
 
 
-def seed_ratios(configs: dict[str, Any], config: str, base: str) -> list[float]:
-    """``base``'s time to target over ``config``'s, one ratio per seed where both reached it (``hivemind*``:
-    the best hivemind variant of that seed). Ratios are taken within a seed, then summarized."""
-    times = _seed_times(configs)
+def seed_ratios(times: dict[str, dict[str, float | None]], config: str, base: str) -> list[float]:
+    """``base``'s time to target over ``config``'s (``times`` from ``_seed_times``), one ratio per seed where
+    both reached it (``hivemind*``: the best hivemind variant of that seed). Ratios are taken within a seed."""
     return [b / t for seed, t in times[config].items() if t and (b := times[base].get(seed))]
 
 
@@ -102,6 +101,7 @@ def race_seeds(r: Results, name: str = "thin20_race.json") -> str:
     seeds = [str(x) for x in d.get("seeds") or [s["seed"]]]
     times = _seed_times(configs)
     labels = {**RACE_ROWS, "ddp": "ddp (gloo all-reduce every step)"}
+    ddp_tokens = configs["ddp"]["tokens_total"]
     rows = []
     for key, c in configs.items():
         if c.get("status") != "ok":
@@ -111,12 +111,11 @@ def race_seeds(r: Results, name: str = "thin20_race.json") -> str:
         when = (f"{statistics.fmean(reached):.0f} ± {statistics.stdev(reached) if len(reached) > 1 else 0:.0f} s"
                 if len(reached) == len(seeds) else f"reached in {len(reached)} of {len(seeds)}")
         baseline = key == "ddp" or key.startswith("hivemind")
-        ddp_tokens = configs["ddp"]["tokens_total"]
         at_ddp = statistics.fmean(min(x["curve"], key=lambda p: abs(p["tokens"] - ddp_tokens))["val_loss"]
                                   for x in _seed_records(c).values() if x.get("curve"))
         rows.append([labels.get(key, f"`{key}`"), when,
-                     "–" if key == "ddp" else _ratio_cell(seed_ratios(configs, key, "ddp"), len(seeds)),
-                     "–" if baseline else _ratio_cell(seed_ratios(configs, key, "hivemind*"), len(seeds)),
+                     "–" if key == "ddp" else _ratio_cell(seed_ratios(times, key, "ddp"), len(seeds)),
+                     "–" if baseline else _ratio_cell(seed_ratios(times, key, "hivemind*"), len(seeds)),
                      loss(at_ddp), mean_std(c, "final_val_loss"), size(c["exchange_bytes_per_node"]),
                      share(c["comm_wait_fraction"])])
     header = [f"{d['link_mbit']:g} Mbit/s", "time to ddp's loss", "sooner than ddp, per seed", "sooner than hivemind's best",
@@ -150,9 +149,10 @@ def targets(r: Results) -> str:
     rows.append(["sparseloco within 3 % of dense diloco (H = 50) at ≥ 100× fewer bytes", "`gap_closed.json`",
                  "met" if hit else "missed", f"fewest bytes: `{near}` {sparse[near][1]:.0f}× at {100 * sparse[near][0]:+.1f} %"])
     race = r.load("thin20_race.json")["configs"]
+    times = _seed_times(race)
     loco = [k for k in race if k != "ddp" and not k.startswith("hivemind") and race[k].get("status") == "ok"]
     for base, bar, what in (("ddp", 5.0, "ddp"), ("hivemind*", 1.5, "hivemind's best variant")):
-        ratios = {k: seed_ratios(race, k, base) for k in loco}
+        ratios = {k: seed_ratios(times, k, base) for k in loco}
         met = [k for k, v in ratios.items() if v and statistics.fmean(v) >= bar]
         rows.append([f"at 20 Mbit/s, time to target ≥ {bar:g}× shorter than {what} (mean over seeds)", "`thin20_race.json`",
                      f"met by {len(met)} of {len(loco)} configs" if met else "missed",
