@@ -31,14 +31,10 @@ from typing import Any
 import torch
 
 from benchmarks import results_io
-from compression import get_codec
-from compression.feedback import ErrorFeedback
-from gossip.outer import NesterovOuter
+from benchmarks.replica_sim import Recipe, simulate_diloco
 from node.config import NodeConfig
 from node.data.byte_corpus import load_embedded_corpus
-from node.data.bytes import ByteBatches, validation_batches
-from node.runtime.local_training import LocalTrainer
-from swarm.lr_schedule import LrSchedule
+from node.data.bytes import validation_batches
 from swarm.models.presets import PRESETS
 
 
@@ -56,50 +52,16 @@ class Settings:
 
 
 def run_one(s: Settings, optimizer: str, schedule: str, codec_spec: str, seed: int, corpus: Any, val: list) -> dict[str, Any]:
-    """One simulated DiLoCo run; returns its held-out loss and the averaging bytes one node sends per round."""
+    """One simulated DiLoCo run with the node's outer defaults for the codec; returns its held-out loss and
+    the averaging bytes one node sends per round."""
     cfg = NodeConfig(model=s.model, algorithm="diloco", compression=codec_spec)
     outer_lr, momentum = cfg.outer_hyper
-    outer = NesterovOuter(outer_lr, momentum, nesterov=True, warmup_rounds=cfg.outer_warmup)
-    total = s.rounds * s.inner_steps
-    plan = LrSchedule(schedule, s.warmup_steps, total, s.lr_floor)  # type: ignore[arg-type]
-    model_cfg = PRESETS[s.model]
-    trainers = [LocalTrainer(cfg=model_cfg, device=torch.device("cpu"), lr=s.lr, schedule=plan, inner_optimizer=optimizer,
-                             seed=1000 + seed) for _ in range(s.nodes)]
-    data = [ByteBatches(data=corpus.train, batch_size=s.batch_size, context=model_cfg.context, seed=seed * 100 + i)
-            for i in range(s.nodes)]
-    phi = [p.detach().clone() for p in trainers[0].parameters()]
-    codec = get_codec(codec_spec)
-    beta = cfg.feedback_decay()
-    feedback = [[ErrorFeedback(beta) for _ in phi] for _ in range(s.nodes)]
-    sent_bytes = 0
-    t0 = time.time()
-    curve = []
-    for r in range(s.rounds):
-        decoded = []
-        for i, (trainer, batches) in enumerate(zip(trainers, data)):
-            trainer.load_weights(phi)
-            for _ in range(s.inner_steps):
-                trainer.step(*batches.next())
-            delta = [p.detach() - t.detach() for p, t in zip(phi, trainer.parameters())]
-            if codec_spec == "none":
-                sent_bytes += sum(d.numel() * 4 for d in delta)
-                decoded.append(delta)
-                continue
-            mine = []
-            for d, ef in zip(delta, feedback[i]):
-                payload = codec.encode(d, state=ef if beta > 0 else None)
-                sent_bytes += len(payload.to_bytes())
-                mine.append(codec.decode(payload))
-            decoded.append(mine)
-        mean = [torch.stack(ts).mean(0) for ts in zip(*decoded)]
-        outer.step(phi, mean, round_no=r)
-        if (r + 1) % 5 == 0 and r + 1 < s.rounds:
-            trainers[0].load_weights(phi)
-            curve.append(round(trainers[0].evaluate(val[:4]), 4))
-    trainers[0].load_weights(phi)
-    return {"optimizer": optimizer, "schedule": schedule, "codec": codec_spec, "seed": seed, "val_loss": trainers[0].evaluate(val),
-            "val_curve_4_batches": curve, "bytes_per_node_round": sent_bytes / (s.nodes * s.rounds),
-            "inner_steps_per_node": total, "seconds": round(time.time() - t0, 1)}
+    recipe = Recipe(model=s.model, nodes=s.nodes, rounds=s.rounds, inner_steps=s.inner_steps, batch_size=s.batch_size,
+                    lr=s.lr, warmup_steps=s.warmup_steps, schedule=schedule, lr_floor=s.lr_floor, optimizer=optimizer,
+                    codec=codec_spec, outer_lr=outer_lr, outer_momentum=momentum, nesterov=True,
+                    outer_warmup_rounds=cfg.outer_warmup, feedback_decay=cfg.feedback_decay())
+    return {"optimizer": optimizer, "schedule": schedule, "codec": codec_spec, "seed": seed,
+            **simulate_diloco(recipe, seed, corpus.train, val)}
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -34,7 +34,8 @@ sample (‖Δ‖ / samples), because an honest peer's update grows with the inne
   ``median-clip``.
 
 In every mode an update whose per-sample norm exceeds ``reject_ratio`` × the lower median is
-dropped and reported (an absurd norm is never an honest update).
+dropped and reported (an absurd norm is never an honest update); the clipping methods then take their
+reference norm from the updates kept, so a dropped update changes nothing a member computes.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def aggregate(
     peers_k = [peers[i] for i in kept]
     updates_k = [list(updates[i]) for i in kept]
     samples_k = [samples[i] for i in kept]
+    # the clipping reference of the kept updates only: a member that received a dropped update and one
+    # that never did (an attacker may send to some members only) clip alike and stay in agreement
+    ref = _lower_median([per_sample[p] for p in peers_k])
     if method in ("trimmed-mean", "centered-clip") and len(kept) < 3:
         method = "median-clip"
     clip_factors: dict[str, float] = {}

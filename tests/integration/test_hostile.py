@@ -255,8 +255,9 @@ def test_poisoned_updates_do_not_move_the_model_more_than_an_honest_peer(tmp_pat
             honest = [n for p, n in rec["norms"].items() if p != evil]
             if entry["scale"] == 1000.0:
                 assert any(k.endswith(evil) and v == "norm_outlier" for k, v in rec["failures"].items()), rec
-            else:
-                assert rec["contributors"] == 3, rec
+            else:  # clipped and used, not dropped (an honest member may miss the round for its own reasons)
+                assert not any(k.endswith(evil) for k in rec["failures"]), rec
+                assert rec["contributors"] == len(rec["norms"]) - sum(1 for k in rec["failures"] if k[-8:] in rec["norms"]), rec
             assert rec["update_norm"] <= max(honest) * (1 + 1e-4), rec
             checked[entry["scale"]] += 1
     assert all(checked.values()), f"the attacker never got into a round: {log}"

@@ -52,6 +52,23 @@ def test_absurd_norms_are_dropped_in_every_mode():
         assert agg.dropped == {"z": "norm_outlier"} and agg.used == ["a", "b"]
 
 
+@pytest.mark.parametrize("method", ["mean", "median-clip", "sparse-clip", "centered-clip", "trimmed-mean"])
+@pytest.mark.parametrize("n_honest", [2, 4])  # an even count: the dropped update would move the lower median
+def test_a_dropped_update_changes_nothing_a_member_computes(method, n_honest):
+    # an attacker may send its absurd update to some members only: who received it and who did not
+    # must still compute bit-identical aggregates, or the group drifts apart (out of sync next round)
+    honest = _updates(n_honest, seed=7)
+    honest = [[t * (1 + 0.7 * i) for t in u] for i, u in enumerate(honest)]  # unequal norms: the reference matters
+    peers = [f"h{i}" for i in range(n_honest)]
+    poisoned = [[t * 1e6 for t in honest[0]]]
+    saw = aggregate(peers + ["z"], honest + poisoned, [8] * (n_honest + 1), method)
+    missed = aggregate(peers, honest, [8] * n_honest, method)
+    assert saw.dropped == {"z": "norm_outlier"} and saw.used == missed.used == peers
+    for x, y in zip(saw.update, missed.update):
+        assert torch.equal(x, y)
+    assert saw.clipped == missed.clipped
+
+
 def test_norms_compare_per_sample_so_short_rounds_are_not_outliers():
     one_step = [[t * 0.02 for t in _updates(1, seed=3)[0]]]
     many_steps = [[t * 100 for t in one_step[0]]]  # 100 steps, 100× the norm

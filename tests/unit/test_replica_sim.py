@@ -1,0 +1,52 @@
+"""The replica simulation behind the recipe benchmarks: one replica with η = 1 and no momentum is one
+process (an exact identity), the one-process baseline sees the replicas' tokens, and gaps are taken
+within a seed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.replica_gap import SINGLE, gaps, parse_outer
+from benchmarks.replica_sim import Recipe, replica_batches, simulate_diloco, simulate_single
+from node.data.byte_corpus import load_embedded_corpus
+from node.data.bytes import validation_batches
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_embedded_corpus()
+
+
+def test_one_replica_with_a_plain_unit_outer_step_is_one_process(corpus) -> None:
+    val = validation_batches(corpus.val, 16, 64, max_batches=2)
+    recipe = Recipe(nodes=1, rounds=3, inner_steps=2, warmup_steps=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    diloco = simulate_diloco(recipe, 0, corpus.train, val)
+    single = simulate_single(recipe, 0, corpus.train, val)
+    assert diloco["val_loss"] == single["val_loss"]
+    moved = simulate_diloco(Recipe(nodes=1, rounds=3, inner_steps=2, warmup_steps=2, outer_lr=0.5, outer_momentum=0.0,
+                                   nesterov=False), 0, corpus.train, val)
+    assert moved["val_loss"] != single["val_loss"]  # the identity is not a constant
+
+
+def test_the_one_process_batch_is_every_replicas_batch(corpus) -> None:
+    recipe = Recipe(nodes=3)
+    a, b = replica_batches(recipe, 2, corpus.train), replica_batches(recipe, 2, corpus.train)
+    assert [s.seed for s in a] == [200, 201, 202]
+    assert all(torch.equal(x.next()[0], y.next()[0]) for x, y in zip(a, b))
+    assert not torch.equal(a[0].next()[0], a[1].next()[0])
+
+
+def test_gaps_are_ratios_within_a_seed() -> None:
+    rows = [{"nodes": 2, "config": SINGLE, "seed": 0, "val_loss": 2.0}, {"nodes": 2, "config": SINGLE, "seed": 1, "val_loss": 3.0},
+            {"nodes": 2, "config": "x", "seed": 0, "val_loss": 2.2}, {"nodes": 2, "config": "x", "seed": 1, "val_loss": 3.0}]
+    row = next(r for r in gaps(rows) if r["config"] == "x")
+    assert (row["gap_mean"], row["gap_min"], row["gap_max"]) == (0.05, 0.0, 0.1)
+    assert row["val_loss_mean"] == 2.6
+
+
+def test_outer_specs_parse_or_say_what_is_wrong() -> None:
+    assert parse_outer("0.7:0.9") == (0.7, 0.9, True)
+    assert parse_outer("1:0:plain") == (1.0, 0.0, False)
+    with pytest.raises(ValueError, match="η:μ"):
+        parse_outer("1")
