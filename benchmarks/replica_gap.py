@@ -10,7 +10,8 @@ batches step for step (same tokens, same order, same inner optimizer, lr and sch
 replica count runs the same total inner steps per replica (``--total-steps``; ``rounds = total / H``).
 The gap is the ratio of held-out losses within a seed, minus 1 (mean and range over seeds): the
 noise between seeds cancels there, which a ratio of means would not. ``--outer`` entries are
-``η:μ`` (Nesterov) or ``η:μ:plain`` (heavy-ball momentum, no look-ahead).
+``η:μ`` (Nesterov), then optionally ``:plain`` (heavy-ball momentum, no look-ahead) and ``:wN`` (η warmed
+up linearly over the first N rounds, ``NesterovOuter``'s warm-up).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
 import os
 import platform
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -38,16 +41,19 @@ from swarm.models.presets import PRESETS
 SINGLE = "single"
 
 
-def parse_outer(spec: str) -> tuple[float, float, bool]:
-    """``η:μ`` or ``η:μ:plain`` → (η, μ, nesterov)."""
+def parse_outer(spec: str) -> tuple[float, float, bool, int]:
+    """``η:μ`` followed by optional ``:plain`` (heavy-ball, no Nesterov look-ahead) and ``:wN`` (outer lr
+    warmed up over N rounds) → (η, μ, nesterov, warm-up rounds)."""
     parts = spec.split(":")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "plain"):
-        raise ValueError(f"--outer entry {spec!r}: expected η:μ or η:μ:plain")
-    return float(parts[0]), float(parts[1]), len(parts) == 2
+    extras = parts[2:]
+    if len(parts) < 2 or any(x != "plain" and not (x.startswith("w") and x[1:].isdigit()) for x in extras):
+        raise ValueError(f"--outer entry {spec!r}: expected η:μ, then optionally :plain and :wN")
+    warmup = next((int(x[1:]) for x in extras if x.startswith("w")), 0)
+    return float(parts[0]), float(parts[1]), "plain" not in extras, warmup
 
 
-def config_name(h: int, outer_lr: float, momentum: float, nesterov: bool) -> str:
-    return f"H{h} η{outer_lr:g} μ{momentum:g}" + ("" if nesterov else " plain")
+def config_name(h: int, outer_lr: float, momentum: float, nesterov: bool, warmup: int = 0) -> str:
+    return f"H{h} η{outer_lr:g} μ{momentum:g}" + ("" if nesterov else " plain") + (f" warm-up {warmup}" if warmup else "")
 
 
 def gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -70,15 +76,19 @@ def gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def table(result: dict[str, Any]) -> str:
-    """A markdown table of the summary: one row per replica count and recipe."""
-    lines = ["| replicas | recipe | held-out loss (mean ± std, n) | vs one process (mean, range) |", "|---|---|---|---|"]
-    for r in result["summary"]:
-        gap = "–" if r["config"] == SINGLE or r["gap_mean"] is None else (
-            f"{100 * r['gap_mean']:+.1f} % ({100 * r['gap_min']:+.1f} … {100 * r['gap_max']:+.1f})")
-        name = f"one process, {r['nodes']}× batch" if r["config"] == SINGLE else r["config"]
-        lines.append(f"| {r['nodes']} | {name} | {r['val_loss_mean']:.3f} ± {r['val_loss_std']:.3f} (n={r['seeds']}) | {gap} |")
-    return "\n".join(lines)
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(threads: int, model: str, eval_batches: int) -> None:
+    torch.set_num_threads(threads)
+    corpus = load_embedded_corpus()
+    _WORKER.update(train=corpus.train, val=validation_batches(corpus.val, 16, PRESETS[model].context, max_batches=eval_batches))
+
+
+def _run_task(task: tuple[int, str, int, Recipe]) -> dict[str, Any]:
+    nodes, name, seed, recipe = task
+    run = simulate_single if name == SINGLE else simulate_diloco
+    return {"nodes": nodes, "config": name, "seed": seed, **run(recipe, seed, _WORKER["train"], _WORKER["val"])}
 
 
 def main() -> None:
@@ -86,7 +96,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default="nano")
     parser.add_argument("--nodes", default="2,4,8")
-    parser.add_argument("--outer", default="0.7:0.9", help="comma-separated η:μ or η:μ:plain")
+    parser.add_argument("--outer", default="0.7:0.9", help="comma-separated η:μ[:plain][:wN]")
     parser.add_argument("--h", default="20", help="comma-separated inner steps per round")
     parser.add_argument("--total-steps", type=int, default=300, help="inner steps per replica, every recipe")
     parser.add_argument("--seeds", default="0,1,2")
@@ -97,40 +107,42 @@ def main() -> None:
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--eval-batches", type=int, default=16)
     parser.add_argument("--no-single", action="store_true", help="skip the one-process baseline (rows of another run)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     args = parser.parse_args()
     meta = results_io.begin()
-    torch.set_num_threads(args.threads)
     hs = [int(x) for x in args.h.split(",")]
     if any(args.total_steps % h for h in hs):
         parser.error(f"--total-steps {args.total_steps} must be a multiple of every H in --h {args.h}")
     outers = [parse_outer(x) for x in args.outer.split(",")]
     base = Recipe(model=args.model, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                   schedule=args.schedule, optimizer=args.optimizer)
-    corpus = load_embedded_corpus()
-    val = validation_batches(corpus.val, 16, PRESETS[args.model].context, max_batches=args.eval_batches)
     commit, dirty = results_io.git_state()
     env = {"commit": commit or "", "dirty": bool(dirty), "torch": torch.__version__, "python": platform.python_version(),
-           "cores": os.cpu_count(), "threads": args.threads, "load_before": os.getloadavg()}
-    started, rows = time.time(), []
+           "cores": os.cpu_count(), "threads": args.threads, "jobs": args.jobs, "load_before": os.getloadavg()}
+    tasks = []
     for nodes, seed in itertools.product([int(x) for x in args.nodes.split(",")], [int(x) for x in args.seeds.split(",")]):
-        plans: list[tuple[str, Recipe]] = [] if args.no_single else [
-            (SINGLE, replace(base, nodes=nodes, rounds=args.total_steps // hs[0], inner_steps=hs[0]))]
-        for h, (outer_lr, momentum, nesterov) in itertools.product(hs, outers):
-            plans.append((config_name(h, outer_lr, momentum, nesterov),
+        if not args.no_single:
+            tasks.append((nodes, SINGLE, seed, replace(base, nodes=nodes, rounds=args.total_steps // hs[0], inner_steps=hs[0])))
+        for h, (outer_lr, momentum, nesterov, warmup) in itertools.product(hs, outers):
+            tasks.append((nodes, config_name(h, outer_lr, momentum, nesterov, warmup), seed,
                           replace(base, nodes=nodes, rounds=args.total_steps // h, inner_steps=h, outer_lr=outer_lr,
-                                  outer_momentum=momentum, nesterov=nesterov)))
-        for name, recipe in plans:
-            run = simulate_single if name == SINGLE else simulate_diloco
-            row = {"nodes": nodes, "config": name, "seed": seed, **run(recipe, seed, corpus.train, val)}
+                                  outer_momentum=momentum, nesterov=nesterov, outer_warmup_rounds=warmup)))
+    started, rows = time.time(), []
+    # the largest runs first, so the last to finish are short ones; every run is deterministic whatever process runs it
+    tasks.sort(key=lambda t: -t[3].nodes)
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+                             initargs=(args.threads, args.model, args.eval_batches)) as pool:
+        for row in pool.map(_run_task, tasks):
             rows.append(row)
             print(json.dumps(row), flush=True)
     env.update(load_after=os.getloadavg(), seconds=round(time.time() - started, 1))
     result = {"command": "python -m benchmarks.replica_gap " + " ".join(sys.argv[1:]), "environment": env,
               "recipe": asdict(base), "total_steps": args.total_steps, "runs": rows, "summary": gaps(rows)}
     results_io.write(args.out, result, meta)
-    print(table(result))
-    print(f"wrote {args.out}")
+    for row in result["summary"]:
+        print(json.dumps(row))
+    print(f"wrote {args.out} (its table: python -m benchmarks.tables, `replica_gap`)")
 
 
 if __name__ == "__main__":

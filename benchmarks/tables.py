@@ -49,6 +49,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "bandwidth_cap": net.bandwidth_cap,
     "churn": net.churn,
     "inner_optimizer": train.inner_optimizer,
+    "replica_gap": train.replica_gap,
     "byzantine_diloco": partial(train.byzantine, name="byzantine_diloco.json"),
     "byzantine_sparseloco": partial(train.byzantine, name="byzantine_sparseloco.json"),
     "mutation": train.mutation,

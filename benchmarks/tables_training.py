@@ -125,6 +125,26 @@ def inner_optimizer(r: Results) -> str:
     return r.caption("inner_optimizer.json", "inner_optimizer_lr3e-3.json", what=what) + "\n\n" + table(header, rows)
 
 
+def replica_gap(r: Results) -> str:
+    """N replicas against one process on the same tokens: held-out loss per replica count and recipe, and the
+    gap to one process within each seed."""
+    d = r.load("replica_gap.json")
+    rows = []
+    for s in d["summary"]:
+        single = s["config"] == "single"
+        gap = "–" if single or s["gap_mean"] is None else f"{pct(s['gap_mean'])} ({pct(s['gap_min'])} … {pct(s['gap_max'])})"
+        rows.append([str(s["nodes"]), f"one process, {s['nodes']}× batch" if single else s["config"],
+                     f"{s['val_loss_mean']:.3f} ± {s['val_loss_std']:.3f}", gap])
+    recipe = d["recipe"]
+    seeds = sorted({run["seed"] for run in d["runs"]})
+    what = (f"`{recipe['model']}`, {d['total_steps']} inner steps per replica (one process: the same steps at N× the batch), "
+            f"batch {recipe['batch_size']}, lr {recipe['lr']:g} ({recipe['schedule']}, warm-up {recipe['warmup_steps']}), "
+            f"{recipe['optimizer']}, dense; seeds {', '.join(map(str, seeds))}; held-out loss, nats per byte; the gap is "
+            "taken within each seed (mean and range).")
+    header = ["replicas", "recipe (H, outer η, μ; Nesterov)", "held-out loss (mean ± std)", "vs one process"]
+    return r.caption("replica_gap.json", what=what) + "\n\n" + table(header, rows)
+
+
 BYZANTINE_ORDER = {"diloco": ["mean", "centered-clip"], "sparseloco": ["sparse-mean", "sparse-clip"]}
 
 

@@ -46,7 +46,9 @@ def test_gaps_are_ratios_within_a_seed() -> None:
 
 
 def test_outer_specs_parse_or_say_what_is_wrong() -> None:
-    assert parse_outer("0.7:0.9") == (0.7, 0.9, True)
-    assert parse_outer("1:0:plain") == (1.0, 0.0, False)
-    with pytest.raises(ValueError, match="η:μ"):
-        parse_outer("1")
+    assert parse_outer("0.7:0.9") == (0.7, 0.9, True, 0)
+    assert parse_outer("1:0:plain") == (1.0, 0.0, False, 0)
+    assert parse_outer("0.7:0.9:w5") == (0.7, 0.9, True, 5)
+    for bad in ("1", "1:0:nesterov", "1:0:w"):
+        with pytest.raises(ValueError, match="η:μ"):
+            parse_outer(bad)
