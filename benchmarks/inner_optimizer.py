@@ -8,10 +8,11 @@ uses: ``LocalTrainer`` (the inner optimizer ``--inner-optimizer`` and lr schedul
 node builds them, one ``--lr`` for both optimizers: Muon's update is RMS-matched to AdamW's), the embedded
 corpus (replica i its own data seed, all replicas the same initialisation), the codec with the node's
 error feedback, the mean of the decoded pseudo-gradients, and the outer step a node runs with these
-settings by default (``NodeConfig.outer_hyper`` and ``outer_warmup``: dense Nesterov η 0.7, μ 0.9; q2
-η 1, μ 0.5 over a 5-round warm-up). No network: the averaging is exact, what differs between the
-configurations is the inner steps. The held-out loss is φ's after the last round on the corpus's held-out
-split, in nats per byte; every configuration sees the same tokens (same seeds, steps, batches).
+settings by default (``NodeConfig.outer_hyper`` and ``outer_warmup``: dense Nesterov η 1, μ 0.7 since
+the replica-gap measurement, 0.7/0.9 before it; q2 η 1, μ 0.5 over a 5-round warm-up). No network: the
+averaging is exact, what differs between the configurations is the inner steps. The held-out loss is
+φ's after the last round on the corpus's held-out split, in nats per byte; every configuration sees the
+same tokens (same seeds, steps, batches).
 """
 
 from __future__ import annotations

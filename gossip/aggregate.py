@@ -131,7 +131,7 @@ def aggregate(
         clipped = []
         for p, u, s in zip(peers_k, updates_k, samples_k):
             limit = ref * s
-            scale = min(1.0, limit / norms[p]) if norms[p] > 0 else 1.0
+            scale = min(1.0, limit / norms[p]) if norms[p] > 0 and per_sample[p] > ref else 1.0
             clipped.append([t * scale for t in u] if scale < 1.0 else u)
         out = weighted_mean(clipped, weights)
     else:
@@ -185,7 +185,8 @@ def _clip_sparse(updates: Sequence[Sequence[torch.Tensor]], weights: Sequence[fl
     out, factors = [], []
     for u, w, norm in zip(updates, weights, norms):
         limit = per_sample_ref * float(w)
-        scale = min(1.0, limit / norm) if norm > 0 and limit > 0 else 1.0
+        # compared per sample as ``aggregate`` computed it, so the reference update itself is never cut by rounding
+        scale = min(1.0, limit / norm) if norm > 0 and limit > 0 and norm / max(1, w) > per_sample_ref else 1.0
         factors.append(scale)
         out.append([(t.to(torch.float32) * scale).clamp(-peak, peak) for t in u])
     return out, factors

@@ -84,6 +84,7 @@ def _reference(peers, updates, samples, method, reject_ratio=100.0, trim=0.2, ma
     kept = [i for i in range(len(peers)) if not (ref > 0 and per_sample[i] > reject_ratio * ref)]
     dropped = {peers[i]: "norm_outlier" for i in range(len(peers)) if i not in kept}
     ups, ws, ps = [updates[i] for i in kept], [samples[i] for i in kept], [peers[i] for i in kept]
+    ref = _lower_median([per_sample[i] for i in kept])  # clipping takes its reference from the kept updates
     if method in ("trimmed-mean", "centered-clip") and len(kept) < 3:
         method = "median-clip"
     clipped = {}

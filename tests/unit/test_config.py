@@ -10,7 +10,7 @@ from node.config import ConfigError, NodeConfig, load_config
 def test_defaults():
     cfg = parse_join_args([])
     assert cfg == NodeConfig()
-    assert cfg.inner_steps == 50 and cfg.outer_hyper == (0.7, 0.9) and cfg.algorithm == "diloco" and cfg.codec == "none"
+    assert cfg.inner_steps == 50 and cfg.outer_hyper == (1.0, 0.7) and cfg.algorithm == "diloco" and cfg.codec == "none"
 
 
 def test_algorithm_defaults_follow_the_papers():
@@ -28,7 +28,7 @@ def test_algorithm_defaults_follow_the_papers():
     assert parse_join_args(["--compression", "seed:r=8", "--outer-momentum", "0.5"]).outer_hyper == (1.0, 0.5)
     # other lossy codecs: half the momentum at lr 1 (error feedback already carries what was dropped)
     assert parse_join_args(["--compression", "rot2"]).outer_hyper == (1.0, 0.5)
-    assert parse_join_args(["--compression", "bf16"]).outer_hyper == (0.7, 0.9)
+    assert parse_join_args(["--compression", "bf16"]).outer_hyper == (1.0, 0.7)
     assert parse_join_args(["--algorithm", "noloco", "--compression", "q2"]).outer_hyper == (1.0, 0.5)
     # sparse rounds are cheap: SparseLoCo syncs more often unless told otherwise, and NoLoCo's pairs too
     # (its paper syncs at half DiLoCo's interval)
