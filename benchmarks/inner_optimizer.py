@@ -25,7 +25,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,28 +39,16 @@ from node.data.bytes import validation_batches
 from swarm.models.presets import PRESETS
 
 
-@dataclass(frozen=True)
-class Settings:
-    model: str = "nano"
-    nodes: int = 2
-    rounds: int = 15
-    inner_steps: int = 20
-    batch_size: int = 16
-    lr: float = 1e-3
-    warmup_steps: int = 30
-    lr_floor: float = 0.1
-    eval_batches: int = 16
+EVAL_BATCHES = 16
 
 
-def run_one(s: Settings, optimizer: str, schedule: str, codec_spec: str, seed: int, corpus: Any, val: list) -> dict[str, Any]:
-    """One simulated DiLoCo run with the node's outer defaults for the codec; returns its held-out loss and
-    the averaging bytes one node sends per round."""
-    cfg = NodeConfig(model=s.model, algorithm="diloco", compression=codec_spec)
+def run_one(base: Recipe, optimizer: str, schedule: str, codec_spec: str, seed: int, corpus: Any, val: list) -> dict[str, Any]:
+    """One simulated DiLoCo run of ``base`` with the node's outer defaults for the codec; returns its held-out
+    loss and the averaging bytes one node sends per round."""
+    cfg = NodeConfig(model=base.model, algorithm="diloco", compression=codec_spec)
     outer_lr, momentum = cfg.outer_hyper
-    recipe = Recipe(model=s.model, nodes=s.nodes, rounds=s.rounds, inner_steps=s.inner_steps, batch_size=s.batch_size,
-                    lr=s.lr, warmup_steps=s.warmup_steps, schedule=schedule, lr_floor=s.lr_floor, optimizer=optimizer,
-                    codec=codec_spec, outer_lr=outer_lr, outer_momentum=momentum, nesterov=True,
-                    outer_warmup_rounds=cfg.outer_warmup, feedback_decay=cfg.feedback_decay())
+    recipe = replace(base, schedule=schedule, optimizer=optimizer, codec=codec_spec, outer_lr=outer_lr, outer_momentum=momentum,
+                     nesterov=True, outer_warmup_rounds=cfg.outer_warmup, feedback_decay=cfg.feedback_decay())
     return {"optimizer": optimizer, "schedule": schedule, "codec": codec_spec, "seed": seed,
             **simulate_diloco(recipe, seed, corpus.train, val)}
 
@@ -106,18 +94,18 @@ def main() -> None:
     parser.add_argument("--optimizers", default="adamw,muon")
     parser.add_argument("--schedules", default="constant,cosine")
     parser.add_argument("--codecs", default="none,q2")
-    parser.add_argument("--model", default=Settings.model)
-    parser.add_argument("--nodes", type=int, default=Settings.nodes)
-    parser.add_argument("--rounds", type=int, default=Settings.rounds)
-    parser.add_argument("--inner-steps", type=int, default=Settings.inner_steps)
-    parser.add_argument("--lr", type=float, default=Settings.lr)
+    parser.add_argument("--model", default=Recipe.model)
+    parser.add_argument("--nodes", type=int, default=Recipe.nodes)
+    parser.add_argument("--rounds", type=int, default=Recipe.rounds)
+    parser.add_argument("--inner-steps", type=int, default=Recipe.inner_steps)
+    parser.add_argument("--lr", type=float, default=Recipe.lr)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     meta = results_io.begin()
     torch.set_num_threads(args.threads)
-    s = Settings(model=args.model, nodes=args.nodes, rounds=args.rounds, inner_steps=args.inner_steps, lr=args.lr)
+    s = Recipe(model=args.model, nodes=args.nodes, rounds=args.rounds, inner_steps=args.inner_steps, lr=args.lr)
     corpus = load_embedded_corpus()
-    val = validation_batches(corpus.val, 16, PRESETS[s.model].context, max_batches=s.eval_batches)
+    val = validation_batches(corpus.val, 16, PRESETS[s.model].context, max_batches=EVAL_BATCHES)
     env = _environment()
     started = time.time()
     rows = []
