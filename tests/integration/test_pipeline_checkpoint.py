@@ -43,12 +43,15 @@ def test_a_whole_pipeline_stopped_and_restarted_resumes_where_it_stopped(tmp_pat
     trainer.wait(lambda i: i.get("steps", 0) >= 40, 240, "40 pipeline steps")
     for node in (trainer, s0, s1):  # the trainer first: its final evaluation needs the stage servers
         assert node.stop() == 0, node.log()[-2000:]
-    before = trainer.info()["val_loss"]
-    # the weights left the initialisation (a byte model starts near ln 256 = 5.55), so a restart from it
-    # would show. In 3 of 16 runs here stage 0's weights had diverged by the stop (held-out loss near 9,
-    # while stage 0 at its initialisation with the trained stage 1 gives 3.3): a training problem of its
-    # own, which the checkpoint keeps faithfully, so it is no reason to fail this test
-    assert abs(before - 5.55) > 0.7, ("the pipeline trained", before)
+    info = trainer.info()
+    before = info["val_loss"]
+    # the weights left the initialisation (a byte model starts near ln 256 = 5.55): judged on the best
+    # evaluation before the stop, not the last one. nano at --lr 1e-3 has a transient loss spike around
+    # steps 35-60 (stage 0's output shrinks until the next stage's layer norm amplifies it; one process
+    # training the whole model has it too, milder) that it leaves within a few steps. In 3 of 12 runs the
+    # final evaluation caught it (held-out 9.10, 9.41 and 5.61; the last failed a check on the final
+    # evaluation). The checkpoint keeps those weights faithfully, which is what this test is about
+    assert min(r["val_loss"] for r in info["rounds"]) < 5.55 - 0.7, ("the pipeline trained", info["rounds"])
     for node, index in ((s0, 0), (s1, 1)):
         state = load(node.directory / "checkpoint.pt")
         assert state["role"] == "stage" and state["stage"]["index"] == index and state["stage"]["stage_steps"] > 0
