@@ -16,7 +16,7 @@ transform, seeded signs), ``wire`` (tensor fields), ``msgpack_view`` (zero-copy 
 
 from compression.base import Codec
 from compression.errors import CodecError
-from compression.feedback import ErrorFeedback
+from compression.feedback import ErrorFeedback, feedback_state, load_feedback_state
 from compression.payload import DEFAULT_MAX_NUMEL, DEFAULT_MAX_PAYLOAD_BYTES, Payload
 from compression.registry import SPEC_FORMS, get_codec
 
@@ -27,6 +27,8 @@ __all__ = [
     "Codec",
     "CodecError",
     "ErrorFeedback",
+    "feedback_state",
+    "load_feedback_state",
     "Payload",
     "get_codec",
 ]

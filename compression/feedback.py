@@ -11,6 +11,8 @@ with plain SGD. The state is explicit and owned by the caller so tests can drive
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from compression import memory
@@ -57,3 +59,36 @@ class ErrorFeedback:
 
     def __repr__(self) -> str:
         return f"ErrorFeedback(decay={self.decay}, norm={self.norm():.4g})"
+
+
+def feedback_state(buffers: Sequence[ErrorFeedback] | None) -> list[torch.Tensor | None] | None:
+    """Copies of the residuals of ``buffers`` for a checkpoint (None where a buffer has not run a round).
+
+    A residual is replaced, never changed in place, once a round commits it, so a copy taken while a
+    round is in flight is the residual before or after that round, whole."""
+    if buffers is None:
+        return None
+    return [None if b.residual is None else b.residual.clone() for b in buffers]
+
+
+
+def load_feedback_state(buffers: Sequence[ErrorFeedback], saved: object, shapes: Sequence[Sequence[int]]) -> str | None:
+    """Restore residuals saved by :func:`feedback_state` into ``buffers`` (one per tensor of ``shapes``).
+
+    Returns None when they were restored, or why not (the buffers are then left empty, which costs the
+    dropped mass of one round and nothing else)."""
+    if not isinstance(saved, (list, tuple)):
+        return "the checkpoint holds no error-feedback buffers"
+    if len(saved) != len(buffers) or len(shapes) != len(buffers):
+        return f"the checkpoint holds {len(saved)} error-feedback buffers, this run has {len(buffers)}"
+    for i, (residual, shape) in enumerate(zip(saved, shapes)):
+        if residual is None:
+            continue
+        if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != tuple(shape):
+            got = list(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
+            return f"error-feedback buffer {i} holds {got}, this run's part has shape {list(shape)}"
+    for buffer, residual in zip(buffers, saved):
+        buffer.reset()
+        if residual is not None:
+            buffer.residual = residual.to(torch.float32).contiguous().clone()
+    return None

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from compression import ErrorFeedback
+from compression import ErrorFeedback, feedback_state, load_feedback_state
 from gossip.diloco import DiLoCoAverager
 from gossip.group_round import RoundResult
 from gossip.exchange import RoundExchange
@@ -138,6 +138,10 @@ class StageServer:
         parts = self.averager.partition.shapes([p.shape for p in self.phi])
         decay = cfg.feedback_decay()
         self.feedback = [ErrorFeedback(decay) for _ in parts] if decay > 0 else None
+        if self.feedback is not None and own is not None and source is None:  # its own Δs' unsent remainder
+            why = load_feedback_state(self.feedback, own[1]["stage"].get("error_feedback"), parts)
+            if why is not None:
+                logger.warning("checkpoint %s: error feedback starts empty (%s)", own[0], why)
         self.state_server.run_id = sub
         self.exchange.run_id, self.exchange.layout = sub, RoundExchange(net.transport, sub, cfg.codec, parts).layout
         self.averager.run_id, self.averager.outer = sub, self.outer
@@ -201,7 +205,8 @@ class StageServer:
             **cut, "params": [[name, list(p.shape)] for name, p in worker.stage.named_parameters()],
             "phi": [t.clone() for t in self.phi], "theta": theta, "outer_momentum": self.outer.state_tensors(self.phi),
             "inner_optimizer": optimizer, "worker_steps": steps, "round": self.round, "first_round": self.outer.first_round,
-            "stage_steps": self.stage_steps + steps - self.counted, "outer_rounds": self.summary.outer_rounds}}
+            "stage_steps": self.stage_steps + steps - self.counted, "outer_rounds": self.summary.outer_rounds,
+            "error_feedback": feedback_state(self.feedback)}}
 
     def leave(self) -> None:
         """Serve nothing (a stage whose rebuild failed: the node waits as a spare)."""

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from compression import feedback_state, load_feedback_state
 from gossip.diloco import DiLoCoAverager
 from gossip.group_round import RoundResult
 from gossip.exchange import RoundExchange
@@ -155,7 +156,8 @@ class Daemon(NodeBase):
     def _checkpoint_state(self) -> dict[str, Any]:
         return {"inner_steps_total": self.trainer.steps, "phi": [t.to("cpu", copy=True) for t in self.phi],
                 "theta": [p.detach().cpu().clone() for p in self.trainer.parameters()],
-                "outer_momentum": self.outer.state_tensors(self.phi), "inner_optimizer": self.trainer.optimizer.state_dict()}
+                "outer_momentum": self.outer.state_tensors(self.phi), "inner_optimizer": self.trainer.optimizer.state_dict(),
+                "error_feedback": [feedback_state(buffers) for buffers in self.plan.feedback]}
 
     def _wind_down(self) -> None:
         self._record_throughput(inner_tokens_per_s=self._inner_rate())
@@ -216,8 +218,19 @@ class Daemon(NodeBase):
         self.outer.load_state_tensors(state["outer_momentum"])
         self.trainer.optimizer.load_state_dict(state["inner_optimizer"])
         self.trainer.steps = int(state["inner_steps_total"])
+        self._resume_feedback(path, state.get("error_feedback"))
         self._resumed(path, state)
         return True
+
+    def _resume_feedback(self, path: Any, saved: Any) -> None:
+        """The lossy codec's error-feedback residuals (what earlier rounds did not send yet), per fragment."""
+        saved = saved if isinstance(saved, list) and len(saved) == len(self.plan.feedback) else [None] * len(self.plan.feedback)
+        for fragment, buffers in enumerate(self.plan.feedback):
+            if buffers is None:
+                continue
+            why = load_feedback_state(buffers, saved[fragment], self.plan.parts[fragment])
+            if why is not None:
+                logger.warning("checkpoint %s: error feedback starts empty (%s)", path, why)
 
     # ---- training ----------------------------------------------------------------------------
     def _train(self) -> None:

@@ -192,3 +192,24 @@ def test_swarm_progress_is_a_table_of_one_row_per_node(tmp_path):
     assert all(len(line) <= 80 for line in screen.splitlines())
     assert sum(1 for line in screen.splitlines() if "starting" in line) == 3
     assert all(len(line) <= 120 for line in progress_lines(rows, 12.0))
+
+
+def test_a_resumed_node_keeps_its_error_feedback(tmp_path):
+    """A lossy codec's residuals (the mass earlier rounds did not send yet) are part of the checkpoint: a
+    node stopped before its next round saves exactly the residuals it resumed with."""
+    from tests.helpers.swarm_utils import FAST_ARGS, start_node
+
+    args = [*FAST_ARGS, "--algorithm", "sparseloco"]
+    first = start_node(tmp_path, "n", [*args, "--max-steps", "31"])
+    assert first.process.wait(timeout=120) == 0, first.log()[-2000:]
+    saved = checkpoint.load(first.info()["checkpoint"])["error_feedback"]
+    residuals = [t for fragment in saved for t in fragment if t is not None]
+    assert residuals and sum(float(t.norm()) for t in residuals) > 0, "two sparse rounds leave a residual"
+
+    again = start_node(tmp_path, "n", [*args, "--max-steps", "3"])  # stops within its first round
+    assert again.process.wait(timeout=120) == 0, again.log()[-2000:]
+    assert "error feedback starts empty" not in again.log()
+    assert again.info()["outer_rounds"] == 0
+    kept = checkpoint.load(again.info()["checkpoint"])["error_feedback"]
+    assert [[None if t is None else t.tolist() for t in fragment] for fragment in kept] == \
+        [[None if t is None else t.tolist() for t in fragment] for fragment in saved]

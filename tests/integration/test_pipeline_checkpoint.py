@@ -72,7 +72,8 @@ def test_a_whole_pipeline_stopped_and_restarted_resumes_where_it_stopped(tmp_pat
 
 
 def test_c_stage_checkpoints_survive_sigkill_and_resume(tmp_path, nodes):
-    args = [*BASE, "--run-id", "pipe-kill", "--sync-every", "2", "--eval-every", "0"]
+    # a lossy stage codec, so the checkpoint holds error-feedback residuals to resume
+    args = [*BASE, "--run-id", "pipe-kill", "--sync-every", "2", "--eval-every", "0", "--compression", "q4"]
     s0, s1, trainer = _start_swarm(tmp_path, nodes, args)
     for server in (s0, s1):  # a checkpoint after every round: wait for a few, while the trainer keeps stepping
         server.wait(lambda i: i.get("outer_rounds", 0) >= 3 and i.get("steps", 0) > 0, 240, "3 averaging rounds")
@@ -92,7 +93,10 @@ def test_c_stage_checkpoints_survive_sigkill_and_resume(tmp_path, nodes):
         state = load(node.directory / "checkpoint.pt")  # whole: written atomically, never torn by the kill
         assert state["role"] == "stage" and state["stage"]["index"] == index
         assert state["stage"]["outer_rounds"] >= 1 and state["stage"]["stage_steps"] > 0, "written at a round, not at exit"
+        assert any(t is not None and float(t.norm()) > 0 for t in state["stage"]["error_feedback"]), "q4 leaves a residual"
         rounds[index] = state["round"]
+        if index == 0:
+            residuals = [None if t is None else t.tolist() for t in state["stage"]["error_feedback"]]
     leftover = s0.directory / "checkpoint.pt.killed.tmp"  # what a write cut short by SIGKILL leaves behind
     leftover.write_bytes(b"torn")
     nodes.clear()
@@ -101,8 +105,12 @@ def test_c_stage_checkpoints_survive_sigkill_and_resume(tmp_path, nodes):
     info = s0.wait(lambda i: bool([e for e in i.get("events", []) if e["event"] == "resumed"]), 120, "the resumed stage")
     resumed = next(e for e in info["events"] if e["event"] == "resumed")
     assert resumed["stage"] == 0 and resumed["weights"] == "checkpoint" and resumed["round"] >= rounds[0]
+    assert "error feedback starts empty" not in s0.log(), s0.log()[-2000:]
     assert not leftover.exists()
     assert s0.stop() == 0, s0.log()[-2000:]
+    # no trainer, so no round since the resume: the exit checkpoint holds the residuals it resumed with
+    kept = load(s0.directory / "checkpoint.pt")["stage"]["error_feedback"]
+    assert [None if t is None else t.tolist() for t in kept] == residuals
 
 
 def test_b_a_checkpoint_of_another_stage_is_refused_and_fresh_moves_it_aside(tmp_path, nodes):

@@ -79,3 +79,29 @@ def test_error_feedback_checks_its_inputs() -> None:
     ef.reset()
     assert ef.norm() == 0.0
     codec.encode(torch.randn(11), state=ef)
+
+
+def test_residuals_survive_a_checkpoint_and_wrong_ones_are_refused_by_name():
+    from compression import feedback_state, load_feedback_state
+
+    shapes = [(3,), (2, 2)]
+    buffers = [ErrorFeedback(0.9) for _ in shapes]
+    buffers[0].commit(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 0.0, 0.0]))
+    saved = feedback_state(buffers)
+    assert saved is not None and saved[1] is None and torch.equal(saved[0], torch.tensor([0.0, 2.0, 3.0]))
+    buffers[0].residual.zero_()  # the copy does not share the buffer's memory
+    assert torch.equal(saved[0], torch.tensor([0.0, 2.0, 3.0]))
+
+    restored = [ErrorFeedback(0.9) for _ in shapes]
+    restored[1].commit(torch.ones(2, 2), torch.zeros(2, 2))  # a stale residual is dropped, not kept
+    assert load_feedback_state(restored, saved, shapes) is None
+    assert torch.equal(restored[0].residual, saved[0]) and restored[1].residual is None
+    assert feedback_state(None) is None
+
+    fresh = [ErrorFeedback(0.9) for _ in shapes]
+    assert load_feedback_state(fresh, None, shapes) == "the checkpoint holds no error-feedback buffers"
+    assert "holds 1 error-feedback buffers, this run has 2" in load_feedback_state(fresh, saved[:1], shapes)
+    wrong = load_feedback_state(fresh, [torch.zeros(4), None], shapes)
+    assert wrong == "error-feedback buffer 0 holds [4], this run's part has shape [3]"
+    assert "holds str" in load_feedback_state(fresh, ["x", None], shapes)
+    assert all(b.residual is None for b in fresh), "a refused state leaves the buffers empty"
