@@ -6,7 +6,9 @@ of `nano` (lr 1e-3, batch 8, warm-up 10), and the checkpoint was faithful. This 
 the model's own training dynamics from the daemon: every run evaluates the held-out batches after each
 step from ``--from-step`` on and records the worst loss, the largest rise between two consecutive
 evaluations and the smallest RMS of the activations stage 0 hands on (the residual stream after
-block 0; in one process, the same tensor inside the model).
+block 0; in one process, the same tensor inside the model). For the pipeline it also records how far
+the RMS of those activations and of the gradient the last stage sends back rose above the median of
+their last 64 values (what ``swarm.plausible`` bounds peers' tensors against).
 
 The pipeline differs from one process in three ways that a run cannot separate: its head is untied
 (stage 0 owns the token embedding, the last stage a copy as its head), each stage clips its own
@@ -28,6 +30,7 @@ from node.data.byte_corpus import load_corpus
 from node.data.bytes import ByteBatches, validation_batches
 from swarm.inner_optimizer import build_inner_optimizer
 from swarm.lr_schedule import LrSchedule
+from swarm.plausible import WARMUP, WINDOW, rms as tensor_rms
 from swarm.models.presets import build_model, preset
 from swarm.stage_worker import StageWorker
 from swarm.stages import Stage, model_seed
@@ -55,7 +58,7 @@ def _whole(cfg: Any, lr: float, schedule: LrSchedule) -> tuple[Callable, Callabl
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         steps[0] += 1
-        return block0[-1]
+        return block0[-1], None
 
     @torch.no_grad()
     def evaluate(batches: list) -> float:
@@ -68,11 +71,11 @@ def _whole(cfg: Any, lr: float, schedule: LrSchedule) -> tuple[Callable, Callabl
 def _pipeline(cfg: Any, lr: float, schedule: LrSchedule) -> tuple[Callable, Callable]:
     workers = [StageWorker(Stage(cfg, i, 2, model_seed(RUN_ID)), torch.device("cpu"), lr, 0.1, schedule=schedule) for i in range(2)]
 
-    def train(x: torch.Tensor, y: torch.Tensor) -> float:
+    def train(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         h = workers[0].forward(x)
         _, grad = workers[1].loss_step(h, y)
         workers[0].backward(x, grad)
-        return float(h.detach().pow(2).mean().sqrt())
+        return tensor_rms(h), tensor_rms(grad)
 
     def evaluate(batches: list) -> float:
         return sum(workers[1].evaluate(workers[0].forward(x), y) for x, y in batches) / len(batches)
@@ -90,15 +93,26 @@ def run_one(kind: str, seed: int, steps: int, from_step: int, lr: float) -> dict
     train, evaluate = (_whole if kind == "whole" else _pipeline)(cfg, lr, LrSchedule("constant", 10))
     losses: list[tuple[int, float]] = []
     rms: list[float] = []
+    grads: list[float] = []
     for step in range(1, steps + 1):
-        rms.append(train(*batches.next()))
+        h, g = train(*batches.next())
+        rms.append(h)
+        if g is not None:
+            grads.append(g)
         if step >= from_step:
             losses.append((step, evaluate(held_out)))
     worst = max(losses, key=lambda s: s[1])
     rises = [b[1] - a[1] for a, b in zip(losses, losses[1:])]
     return {"kind": kind, "seed": seed, "final": losses[-1][1], "worst": worst[1], "worst_step": worst[0],
             "largest_rise": max(rises), "spikes": sum(r > SPIKE for r in rises),
-            "min_stage0_rms": min(rms[from_step - 1:]), "stage0_rms_at_from_step": rms[from_step - 1]}
+            "min_stage0_rms": min(rms[from_step - 1:]), "stage0_rms_at_from_step": rms[from_step - 1],
+            "max_activation_ratio": max_ratio_to_median(rms), "max_gradient_ratio": max_ratio_to_median(grads) if grads else None}
+
+
+def max_ratio_to_median(values: list[float]) -> float:
+    """The largest value / median of the up to WINDOW values before it (once WARMUP are known)."""
+    ratios = [v / statistics.median(values[max(0, i - WINDOW):i]) for i, v in enumerate(values) if i >= WARMUP]
+    return max(ratios, default=1.0)
 
 
 def _seeds(text: str) -> list[int]:
@@ -115,7 +129,9 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         mine = [r for r in runs if r["kind"] == kind]
         out[kind] = {"runs": len(mine), "with_spike": sum(r["spikes"] > 0 for r in mine),
                      "worst": max(r["worst"] for r in mine), "final_mean": statistics.mean(r["final"] for r in mine),
-                     "min_stage0_rms": min(r["min_stage0_rms"] for r in mine)}
+                     "min_stage0_rms": min(r["min_stage0_rms"] for r in mine),
+                     "max_activation_ratio": max(r["max_activation_ratio"] for r in mine),
+                     "max_gradient_ratio": max((r["max_gradient_ratio"] for r in mine if r["max_gradient_ratio"] is not None), default=None)}
     return out
 
 

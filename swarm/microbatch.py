@@ -15,12 +15,14 @@ embeddings), the one that comes last applies the head (stage S−2 with its repl
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from protocol.hivemind_transport import Transport
 from swarm.checkfree import swap_order
+from swarm.plausible import ScaleCheck
 from swarm.router import NoPeerAvailable, Router
 from swarm.service import StageCallError, call_stage
 
@@ -51,13 +53,36 @@ class PipelineClient:
     :param codec: activation codec of the run
     :param timeout: longest wait for one stage call
     :param max_retries: replicas tried per call after the first
+    :param d_model: the model's width, to check the shape of activations stages answer with (None: unchecked)
     """
 
     def __init__(self, transport: Transport, run_id: str, stages: int, router: Router, codec: str = "none",
-                 timeout: float = 30.0, max_retries: int = 3, plus: bool = False) -> None:
+                 timeout: float = 30.0, max_retries: int = 3, plus: bool = False, d_model: int | None = None) -> None:
         self.transport, self.run_id, self.stages, self.router = transport, run_id, stages, router
         self.codec, self.timeout, self.max_retries, self.plus = codec, timeout, max_retries, plus
+        self.d_model = d_model
         self.microbatches = 0
+        self.scales: dict[str, ScaleCheck] = {}  # per stage, request and answer tensor: the recent scales
+        self.implausible = 0  # answers refused for their shape, scale or loss (the peer is banned, the call retried)
+
+    def _answer_problem(self, stage: int, kind: str, x: torch.Tensor, out: dict, flags: dict) -> str | None:
+        """Why a stage's answer cannot be used (wrong shape, activations far off the scale of its recent
+        answers, a non-finite training loss), or None. Gradients are bounded where they are stepped on
+        (the stage server, ``swarm.service``)."""
+        y, g = out.get("y"), out.get("g")
+        if y is not None:
+            expected = (*x.shape[:2], self.d_model) if self.d_model is not None else None
+            if y.dim() != 3 or tuple(y.shape[:2]) != tuple(x.shape[:2]) or (expected is not None and tuple(y.shape) != expected):
+                return f"stage {stage} answered {kind} with activations of shape {list(y.shape)} for an input of shape {list(x.shape)}"
+            what = f"stage {stage}'s activations{''.join(f' ({k})' for k, v in flags.items() if v)}"
+            why = self.scales.setdefault(what, ScaleCheck(what)).check(y)
+            if why is not None:
+                return why
+        if g is not None and torch.is_floating_point(x) and tuple(g.shape) != tuple(x.shape):
+            return f"stage {stage} answered {kind} with a gradient of shape {list(g.shape)} for an input of shape {list(x.shape)}"
+        if kind == "loss" and "loss" in out and not math.isfinite(out["loss"]):
+            return f"stage {stage} answered a loss of {out['loss']}"
+        return None
 
     async def _call(self, result: StepResult, stage: int, kind: str, x: torch.Tensor, prefer: str | None = None, **kw):
         tried: list[str] = []
@@ -78,7 +103,12 @@ class PipelineClient:
             except NoPeerAvailable as e:
                 raise PipelineStepFailed(str(e), stage) from None
             try:
-                return await call_stage(self.transport, peer, self.run_id, stage, kind, x, codec=self.codec, timeout=self.timeout, **kw), peer
+                out = await call_stage(self.transport, peer, self.run_id, stage, kind, x, codec=self.codec, timeout=self.timeout, **kw)
+                problem = self._answer_problem(stage, kind, x, out, {k: kw[k] for k in ("embed", "head") if k in kw})
+                if problem is None:
+                    return out, peer
+                self.implausible += 1
+                raise StageCallError(f"stage {stage} peer {peer[-8:]}: {problem}")
             except StageCallError as e:
                 if e.busy and busy < MAX_BUSY_RETRIES:
                     # alive but loaded: it did none of the work it was charged for; back off and try

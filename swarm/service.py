@@ -28,6 +28,7 @@ from protocol.errors import RemoteError, SchemaError
 from protocol.frames import FramedStream, require
 from protocol.hivemind_transport import Transport
 from protocol.tensors import tensor_from_wire, tensor_to_wire
+from swarm.plausible import ScaleCheck
 from swarm.stage_worker import StageWorker
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,9 @@ class StageService:
         self._samples, self._seconds = 0.0, 0.0
         self.microbatches = 0  # microbatches whose last request here (backward or loss) is done
         self.refused_busy = 0  # requests answered busy (a full queue)
+        self.refused_implausible = 0  # training requests whose input activations were far off scale
+        self.clipped_gradients = 0  # backward requests whose gradient was scaled down to the bound
+        self.scales: dict[str, ScaleCheck] = {}  # per stage and tensor: the recent scales (swarm.plausible)
 
     @property
     def queue_length(self) -> int:
@@ -133,6 +137,11 @@ class StageService:
         elif msg.kind == "backward":
             out_shape = (*x.shape[:2], worker.stage.cfg.d_model)
             extra = decode_activation(msg.body.get("grad"), self.codec, out_shape, max_numel)
+        if msg.kind in ("backward", "loss"):  # each one is an optimizer step of this stage: bound what it steps on
+            if not embed:
+                self._plausible(f"stage {stage}'s input activations", x)
+            if msg.kind == "backward":
+                extra = self._bounded_gradient(f"stage {stage}'s output gradient", extra)  # type: ignore[arg-type]
         assert self.queue is not None
         job = _Job(msg.kind, x, extra, asyncio.get_running_loop().create_future(), embed)
         try:
@@ -151,6 +160,20 @@ class StageService:
             await stream.send("loss", {"loss": loss, "g": None if grad is None else encode_activation(grad, self.codec)})
         else:
             await stream.send("loss", {"loss": result})
+
+    def _plausible(self, what: str, t: torch.Tensor) -> None:
+        why = self.scales.setdefault(what, ScaleCheck(what)).check(t)
+        if why is not None:
+            self.refused_implausible += 1
+            logger.info("refused a training request: %s", why)
+            raise SchemaError(f"{why}; this stage does not step on it")
+
+    def _bounded_gradient(self, what: str, t: torch.Tensor) -> torch.Tensor:
+        bounded, factor = self.scales.setdefault(what, ScaleCheck(what)).clip(t)
+        if factor < 1.0:
+            self.clipped_gradients += 1
+            logger.info("scaled a request's %s by %.3g (over %g× its recent median)", what, factor, self.scales[what].ratio)
+        return bounded
 
     async def _consume(self) -> None:
         assert self.queue is not None

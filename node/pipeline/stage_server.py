@@ -304,6 +304,7 @@ class StageServer:
                 self.last_loss = loss
         self.throughput = self.service.throughput
         self.summary.microbatches_served, self.summary.refused_busy = self.service.microbatches, self.service.refused_busy
+        self.summary.refused_implausible, self.summary.clipped_gradients = self.service.refused_implausible, self.service.clipped_gradients
         self._record_throughput(self.throughput * self.model_cfg.context)
         self.metrics.stage_queue.set(self.service.queue_length)
         if self.pending is not None and self.pending[0].done():

@@ -63,7 +63,7 @@ class PipelineTrainer:
         self.val = self.workload.val
         batches = self.batches = self.workload.train_batches(cfg.batch_size, cfg.seed)
         client = self.client = PipelineClient(self.net.transport, cfg.run_id, cfg.stages, self.router, cfg.activation_compression,
-                                              timeout=cfg.averaging_timeout, plus=cfg.checkfree_plus)
+                                              timeout=cfg.averaging_timeout, plus=cfg.checkfree_plus, d_model=self.model_cfg.d_model)
         self._resume_data()
         self._wait_for_stages()
         if self.resume is not None:
@@ -76,6 +76,7 @@ class PipelineTrainer:
         try:
             while not self.stop.is_set() and not self.done():
                 time.sleep(0.1)
+                self.summary.refused_implausible = client.implausible
                 for w in workers:
                     if w.done() and w.exception() is not None:
                         raise w.exception()  # type: ignore[misc]

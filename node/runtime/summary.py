@@ -31,6 +31,10 @@ class Summary:
     steps: int = 0
     microbatches_served: int = 0  # pipeline stage servers: microbatches this node computed (one per backward or loss)
     refused_busy: int = 0  # pipeline stage servers: requests answered busy because the queue was full
+    # pipelines: training requests (stage servers) or stage answers (trainers) refused for their shape or
+    # for a scale far off the recent ones (swarm.plausible)
+    refused_implausible: int = 0
+    clipped_gradients: int = 0  # pipeline stage servers: backward requests whose gradient was scaled down to the bound
     routed: dict[str, int] = field(default_factory=dict)  # pipeline trainers: microbatches sent to each stage peer
     route_throughput: dict[str, float] = field(default_factory=dict)  # pipeline trainers: the router's speed estimate per peer
     outer_rounds: int = 0
