@@ -50,6 +50,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "churn": net.churn,
     "inner_optimizer": train.inner_optimizer,
     "replica_gap": train.replica_gap,
+    "stage_spikes": train.stage_spikes,
     "byzantine_diloco": partial(train.byzantine, name="byzantine_diloco.json"),
     "byzantine_sparseloco": partial(train.byzantine, name="byzantine_sparseloco.json"),
     "mutation": train.mutation,

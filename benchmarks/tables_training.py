@@ -145,6 +145,25 @@ def replica_gap(r: Results) -> str:
     return r.caption("replica_gap.json", what=what) + "\n\n" + table(header, rows)
 
 
+def stage_spikes(r: Results) -> str:
+    """Transient held-out loss spikes of nano, one process against a synchronous 2-stage pipeline."""
+    d = r.load("stage_spikes.json")
+    names = {"whole": "one process (tied head)", "pipeline": "2-stage pipeline (untied head, per-stage clip)"}
+    rows = []
+    for kind in ("whole", "pipeline"):
+        s = d["summary"][kind]
+        grad = "–" if s["max_gradient_ratio"] is None else f"{s['max_gradient_ratio']:.0f}×"
+        rows.append([names[kind], f"{s['with_spike']} of {s['runs']}", f"{s['worst']:.2f}", f"{s['final_mean']:.3f}",
+                     f"{s['max_activation_ratio']:.1f}×", grad])
+    what = (f"`{d['model']}`, batch {d['batch_size']}, lr {d['lr']:g} (warm-up {d['warmup_steps']}), {d['steps']} steps, "
+            f"held-out loss after every step from step {d['from_step']}; a spike is a rise of more than {d['spike_threshold']:g} "
+            "between two evaluations. Ratios: an RMS over the median of its last 64 (stage 0's output activations; the "
+            "gradient the last stage sends back).")
+    header = ["training", "runs with a spike", "worst held-out loss", "final held-out loss (mean)",
+              "largest activation ratio", "largest gradient ratio"]
+    return r.caption("stage_spikes.json", what=what) + "\n\n" + table(header, rows)
+
+
 BYZANTINE_ORDER = {"diloco": ["mean", "centered-clip"], "sparseloco": ["sparse-mean", "sparse-clip"]}
 
 

@@ -8,10 +8,10 @@ accepted ones of the same kind:
 
 - **activations** beyond ``ratio`` × that median are refused (:meth:`ScaleCheck.check`): nothing
   downstream bounds them, and one such tensor turns a microbatch into noise. Honest activations move
-  slowly: at most 3.5× their recent median in 5 seeds × 300 steps of `nano` (``benchmarks/stage_spikes.py``
-  describes the runs);
+  slowly: at most 3.7× their recent median in 24 seeds × 150 steps of `nano`
+  (``benchmarks/results/stage_spikes.json``);
 - **gradients** beyond it are scaled down to it (:meth:`ScaleCheck.clip`), not refused: an honest
-  gradient spikes with the loss (124× its recent median once in those runs, in a transient loss
+  gradient spikes with the loss (124× its recent median in those runs, in a transient loss
   spike), and refusing it would ban an honest replica. The stage's own gradient clip bounds the step
   either way; this keeps one huge gradient from filling AdamW's second moments.
 
