@@ -6,11 +6,16 @@ ALGORITHMS.md §6). Before moving, a candidate stores a claim for the stage (an 
 ``locomesh.<run>.claim.<stage>`` with a short expiry), waits for other claims to propagate, and reads
 them all back: the earliest claim wins (ties by peer id) and every other candidate stays where it is.
 A claim by someone else that is still fresh keeps a candidate from claiming at all.
+
+A claim's time is its writer's word, so a peer can win every claim (``at = 0``) and never rebuild. The
+caller passes the claimers it has seen win a stage for a whole claim period without serving it
+(``ignore``, kept by ``node.pipeline.recovery``): their claims neither stop a candidate nor win.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Collection
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
@@ -37,20 +42,22 @@ async def read_claims(dht: DHTNode, run_id: str, stage: int) -> dict[str, float]
     return claims
 
 
-def winner(claims: dict[str, float]) -> str | None:
-    """The earliest claim (ties by peer id), or None."""
-    return min(claims, key=lambda p: (claims[p], p)) if claims else None
+def winner(claims: dict[str, float], ignore: Collection[str] = ()) -> str | None:
+    """The earliest claim (ties by peer id) of a claimer not in ``ignore``, or None."""
+    counted = {p: t for p, t in claims.items() if p not in ignore}
+    return min(counted, key=lambda p: (counted[p], p)) if counted else None
 
 
 async def claim_stage(dht: DHTNode, validator: RSASignatureValidator, run_id: str, stage: int, peer_id: str,
-                      ttl: float = CLAIM_TTL_S, settle: float = CLAIM_SETTLE_S) -> str:
-    """Claim ``stage`` for ``peer_id`` unless someone else holds a fresh claim; returns the winner."""
+                      ttl: float = CLAIM_TTL_S, settle: float = CLAIM_SETTLE_S, ignore: Collection[str] = ()) -> str:
+    """Claim ``stage`` for ``peer_id`` unless someone else (not in ``ignore``) holds a fresh claim; returns the winner."""
     existing = await read_claims(dht, run_id, stage)
     others = {p: t for p, t in existing.items() if p != peer_id}
-    if others:
-        return winner(others)  # type: ignore[return-value]
+    first = winner(others, ignore)
+    if first is not None:
+        return first
     now = get_dht_time()
     await dht.store(claim_key(run_id, stage), {"peer_id": peer_id, "at": existing.get(peer_id, now)}, now + ttl,
                     subkey=owned_subkey(peer_id, validator))
     await asyncio.sleep(settle)
-    return winner(await read_claims(dht, run_id, stage)) or peer_id
+    return winner(await read_claims(dht, run_id, stage), ignore) or peer_id

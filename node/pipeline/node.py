@@ -109,7 +109,7 @@ class PipelineNode(NodeBase):
         self.recoverer = StageRecoverer(
             stages=cfg.stages, model_cfg=self.model_cfg, seed=stage_init_seed(cfg), plus=cfg.checkfree_plus,
             grace=cfg.recovery_grace, fetch_stage=server.fetch_stage, new_stage=server.new_stage, become=self._serve_rebuilt,
-            claim=lambda stage: net.call(claim_stage(net.dht, net.validator, cfg.run_id, stage, peer_id), timeout=30),
+            claim=lambda stage, ignore: net.call(claim_stage(net.dht, net.validator, cfg.run_id, stage, peer_id, ignore=ignore), timeout=30),
             refresh=lambda: net.call(list_peers(net.dht, cfg.run_id), timeout=30), metrics=self.metrics, event=self.event,
         )
         target = self._held()["stage"]  # a restarted server serves its checkpoint's stage again

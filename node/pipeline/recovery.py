@@ -8,7 +8,9 @@ Recovery is coordinated and conservative:
   the list wait ``rank × RANK_DELAY_S`` longer, so the best-placed one moves first.
 - **One rebuilder per stage**: a candidate claims the stage in the DHT (``swarm.claims``); the
   earliest claim wins and the others stay. The winner then re-reads the stage map and moves only if
-  the stage is still unserved and its own stage keeps a server.
+  the stage is still unserved and its own stage keeps a server. A winner that leaves the stage
+  unserved for a whole claim period (a peer claiming every stage it sees lost and rebuilding none) is
+  ignored in that stage's claims for ``IGNORE_CLAIMER_S``, so the next candidate moves.
 - **Never a silent fresh start**: a rebuild whose neighbours or replica cannot be downloaded is
   retried (every replica of each neighbour, several times) and otherwise left for a later check; only a
   stage that truly cannot be rebuilt (adjacent stages lost together, or a first/last stage without
@@ -40,6 +42,7 @@ FetchStage = Callable[[int], tuple[Stage, PeerRecord | None]]
 RANK_DELAY_S = 2.0  # extra wait per place in the candidate list
 FETCH_ATTEMPTS = 3  # tries at downloading a rebuild's sources, each over every replica
 RETRY_AFTER_S = 5.0  # a failed rebuild is tried again after this long
+IGNORE_CLAIMER_S = 600.0  # a claimer that won a stage and left it unserved for a claim period is ignored this long
 
 
 class StageRecoverer:
@@ -52,12 +55,13 @@ class StageRecoverer:
     :param fetch_stage: downloads stage ``i``'s current weights from one of its replicas (raises if none answers)
     :param new_stage: a freshly initialised stage ``i``
     :param become: starts serving a rebuilt stage ``(index, module)``
-    :param claim: claims stage ``i`` in the DHT and returns the winning peer id (``swarm.claims.claim_stage``)
+    :param claim: claims stage ``i`` in the DHT, ignoring the claims of the given peers, and returns the
+        winning peer id (``swarm.claims.claim_stage``)
     :param refresh: reads the run's DHT records afresh
     """
 
     def __init__(self, *, stages: int, model_cfg: ModelConfig, seed: int, plus: bool, grace: float, fetch_stage: FetchStage,
-                 new_stage: Callable[[int], Stage], become: Callable[[int, Stage], None], claim: Callable[[int], str],
+                 new_stage: Callable[[int], Stage], become: Callable[[int, Stage], None], claim: Callable[[int, frozenset[str]], str],
                  refresh: Callable[[], dict[str, PeerRecord]], metrics: NodeMetrics, event: Callable[..., None],
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.stages, self.model_cfg, self.seed, self.plus, self.grace = stages, model_cfg, seed, plus, grace
@@ -67,6 +71,8 @@ class StageRecoverer:
         self.records: dict[str, PeerRecord] = {}
         self.hold_off: dict[int, float] = {}  # stage → monotonic time before which this node leaves it alone
         self.short_reported: set[int] = set()
+        self.won_by: dict[int, tuple[str, float]] = {}  # lost stage → (another claimer winning it, since when)
+        self.ignored: dict[int, dict[str, float]] = {}  # stage → {claimer: monotonic time until its claims are ignored}
 
     def observe(self, records: dict[str, PeerRecord]) -> None:
         """Take the run's current DHT records (the node's heartbeat reads them)."""
@@ -76,6 +82,7 @@ class StageRecoverer:
             if rec.role == "stage" and 0 <= rec.stage < self.stages:
                 self.last_served[rec.stage] = now
                 self.short_reported.discard(rec.stage)
+                self.won_by.pop(rec.stage, None)
 
     def candidates(self, me: str, my_role: str, my_stage: int | None, lost: list[int]) -> list[str]:
         """Who may rebuild a lost stage, best first: spares (by peer id), then servers of the most
@@ -107,10 +114,10 @@ class StageRecoverer:
         unserved = now - (self.last_served[stage] or now)
         if unserved < self.grace + order.index(me) * RANK_DELAY_S:
             return False  # better-placed candidates move first
-        winner = self.claim(stage)
+        ignore = frozenset(p for p, until in self.ignored.get(stage, {}).items() if until > now)
+        winner = self.claim(stage, ignore)
         if winner != me:
-            logger.info("stage %d is being rebuilt by %s; staying where I am", stage, winner)
-            self.hold_off[stage] = time.monotonic() + CLAIM_TTL_S
+            self._lost_claim(stage, winner)
             return False
         records = self.refresh()  # the map may have changed while the claim settled
         self.observe(records)
@@ -127,6 +134,24 @@ class StageRecoverer:
             return True
         self.hold_off[stage] = time.monotonic() + RETRY_AFTER_S
         return False
+
+    def _lost_claim(self, stage: int, winner: str) -> None:
+        """Another claimer won ``stage``: wait a claim period for it to serve the stage; a winner that
+        won it a claim period ago and still does not serve it is ignored from now on."""
+        now = time.monotonic()
+        first, since = self.won_by.get(stage, (None, now))
+        if first == winner and now - since >= CLAIM_TTL_S:
+            logger.warning("%s won the claim on stage %d %.0fs ago and has not served it; ignoring its claims on it for %.0fs",
+                           winner, stage, now - since, IGNORE_CLAIMER_S)
+            self.event("claim_ignored", stage=stage, claimer=winner, unserved_for_s=round(now - since, 1))
+            self.ignored.setdefault(stage, {})[winner] = now + IGNORE_CLAIMER_S
+            self.won_by.pop(stage, None)
+            self.hold_off[stage] = now  # claim again at the next check
+            return
+        if first != winner:
+            self.won_by[stage] = (winner, now)
+        logger.info("stage %d is being rebuilt by %s; staying where I am", stage, winner)
+        self.hold_off[stage] = now + CLAIM_TTL_S
 
     def _report_short(self, lost: list[int]) -> None:
         """Once per lost stage: nobody here can take it over without emptying another stage."""

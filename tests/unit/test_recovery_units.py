@@ -4,6 +4,8 @@ line a pipeline short of nodes prints. The same code runs live in ``tests/integr
 
 import time
 
+import pytest
+
 from node.runtime.metrics import NodeMetrics
 from node.pipeline.recovery import FETCH_ATTEMPTS, StageRecoverer
 from protocol.records import PeerRecord
@@ -26,6 +28,8 @@ class Harness:
         self.fetches = 0
         self.fresh = 0
         self.claims: list[int] = []
+        self.ignored: list[frozenset] = []
+        self.me: str | None = None  # who wins a claim whose winner is ignored
         self.recoverer = StageRecoverer(stages=stages, model_cfg=CFG, seed=0, plus=True, grace=10.0, fetch_stage=self.fetch,
                                         new_stage=self.new_stage, become=self.become, claim=self.claim, refresh=lambda: dict(self.records), metrics=NodeMetrics(), event=self.event, sleep=lambda s: None)
 
@@ -42,9 +46,10 @@ class Harness:
     def become(self, index: int, module: Stage) -> None:
         self.became.append((index, module))
 
-    def claim(self, stage: int) -> str:
+    def claim(self, stage: int, ignore: frozenset = frozenset()) -> str:
         self.claims.append(stage)
-        return self.winner
+        self.ignored.append(ignore)
+        return self.me if self.winner in ignore else self.winner
 
     def event(self, kind: str, **fields) -> None:
         self.events.append((kind, fields))
@@ -76,6 +81,8 @@ def test_a_candidate_that_loses_the_claim_stays_where_it_is():
     assert loser.recoverer.check("s1b", "stage", 1) is False
     assert loser.claims == [2] and not loser.became and loser.fetches == 0
     assert loser.recoverer.check("s1b", "stage", 1) is False and loser.claims == [2], "it does not claim again while the claim lives"
+
+    assert "claim_ignored" not in [e for e, _ in loser.events]
 
     winner = Harness(records, winner="s1b")
     winner.lose(2)
@@ -120,3 +127,30 @@ def test_a_pipeline_short_of_nodes_names_the_missing_role_once(caplog):
     assert shorts == [{"lost": [0], "missing": ["a server for stage 0"]}]
     assert caplog.text.count("pipeline short of nodes: it needs a server for stage 0") == 1
     assert not h.claims, "nobody who would empty a stage even claims"
+
+
+def test_a_claimer_that_wins_and_never_rebuilds_is_ignored_after_a_claim_period():
+    from swarm.claims import CLAIM_TTL_S, winner
+
+    records = [rec("s0", "stage", 0), rec("s1a", "stage", 1), rec("s1b", "stage", 1), rec("s2", "stage", 2)]
+    h = Harness(records, winner="liar")  # claims every lost stage with the earliest time, rebuilds nothing
+    h.me = "s1b"
+    h.lose(2)
+    assert h.recoverer.check("s1b", "stage", 1) is False and h.ignored == [frozenset()]
+    since = h.recoverer.won_by[2][1]
+    h.recoverer.won_by[2] = ("liar", since - CLAIM_TTL_S)  # a claim period passed; the stage is still lost
+    h.recoverer.hold_off[2] = 0.0
+    assert h.recoverer.check("s1b", "stage", 1) is False, "the second loss to the same claimer only marks it"
+    assert ("claim_ignored", {"stage": 2, "claimer": "liar", "unserved_for_s": pytest.approx(CLAIM_TTL_S, abs=1)}) in h.events
+    assert h.recoverer.check("s1b", "stage", 1) is True, "the next check ignores it and rebuilds"
+    assert h.ignored[-1] == frozenset({"liar"}) and h.became and h.became[0][0] == 2
+    assert winner({"liar": 0.0, "s1b": 5.0}, ignore={"liar"}) == "s1b" and winner({"liar": 0.0}, ignore={"liar"}) is None
+
+
+def test_a_winner_that_serves_the_stage_is_never_ignored():
+    records = [rec("s0", "stage", 0), rec("s1a", "stage", 1), rec("s1b", "stage", 1), rec("s2", "stage", 2)]
+    h = Harness(records, winner="s1a")
+    h.lose(2)
+    assert h.recoverer.check("s1b", "stage", 1) is False and 2 in h.recoverer.won_by
+    h.recoverer.observe({**h.records, "s1a": rec("s1a", "stage", 2)})  # the winner serves the stage now
+    assert 2 not in h.recoverer.won_by and not h.recoverer.ignored
