@@ -7,7 +7,9 @@ second it reads the run's members and round R, then stores (each kind can be swi
   subkey without owner (one-year expiration) and under the member's id with the attacker's key;
 - ``invent``: ``--sybils`` members that do not exist, announcing round R: unowned subkeys of made-up
   ids (one-year expiration) and records signed by fresh keys no daemon runs (refreshed, TTL 8 s);
-- ``ahead``: its own, validly signed record announcing round R + ``--ahead`` (it serves nothing).
+- ``ahead``: its own, validly signed record announcing round R + ``--ahead`` (it serves nothing);
+- ``claim`` (pipelines, off unless asked for): a validly signed claim on each of ``--stages`` stages
+  with time 0, the earliest possible, refreshed every pass; it never rebuilds a stage.
 
 Its DHT node validates nothing, so its stores reach the honest nodes as written. The report (JSON,
 rewritten atomically each pass) names the attacker, the invented ids and the members it impersonated.
@@ -32,9 +34,11 @@ from hivemind.utils import get_dht_time
 from gossip.rendezvous import list_peers
 from protocol.peer_identity import OwnedRecordValidator, identified_p2p
 from protocol.records import PeerRecord, peers_key
+from swarm.claims import CLAIM_TTL_S, claim_key
 
 YEAR = 365 * 86400.0
 KINDS = ("impersonate", "invent", "ahead")
+PIPELINE_KINDS = ("claim",)
 
 
 def made_up_id(rng: random.Random) -> str:
@@ -66,7 +70,8 @@ async def _join(initial_peers: list[str], timeout: float = 120.0) -> tuple[P2P, 
             await asyncio.sleep(1.0)
 
 
-async def attack(initial_peers: list[str], run_id: str, report: Path, kinds: set[str], sybils: int, ahead: int) -> None:
+async def attack(initial_peers: list[str], run_id: str, report: Path, kinds: set[str], sybils: int, ahead: int,
+                 stages: int = 0) -> None:
     p2p, me, dht = await _join(initial_peers)
     rng = random.Random(7)
     fake_ids = [made_up_id(rng) for _ in range(sybils)]
@@ -96,6 +101,14 @@ async def attack(initial_peers: list[str], run_id: str, report: Path, kinds: set
             if "ahead" in kinds:
                 own = PeerRecord(peer_id=me.peer_id, round=r + ahead, tokens_per_s=1e30)
                 await _store(dht, key, own, now + 8, me.owned_subkey(), me)
+            if "claim" in kinds:
+                for stage in range(stages):
+                    dht.protocol.record_validator = me
+                    try:
+                        await dht.store(claim_key(run_id, stage), {"peer_id": me.peer_id, "at": 0.0}, now + CLAIM_TTL_S,
+                                        subkey=me.owned_subkey())
+                    finally:
+                        dht.protocol.record_validator = None
             passes += 1
             tmp = report.with_suffix(".tmp")
             tmp.write_text(json.dumps({"peer_id": me.peer_id, "invented": invented, "victims": sorted(victims),
@@ -115,14 +128,18 @@ def main() -> None:
     parser.add_argument("--initial-peers", nargs="+", required=True)
     parser.add_argument("--run-id", default="locomesh-demo")
     parser.add_argument("--report", type=Path, required=True)
-    parser.add_argument("--attacks", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    parser.add_argument("--attacks", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS + PIPELINE_KINDS)}")
+    parser.add_argument("--stages", type=int, default=0, help="with claim: the pipeline's stage count")
     parser.add_argument("--sybils", type=int, default=3)
     parser.add_argument("--ahead", type=int, default=1000)
     args = parser.parse_args()
     kinds = set(args.attacks.split(","))
-    if not kinds <= set(KINDS):
-        parser.error(f"--attacks: unknown {sorted(kinds - set(KINDS))}; known: {', '.join(KINDS)}")
-    asyncio.run(attack(args.initial_peers, args.run_id, args.report, kinds, args.sybils, args.ahead))
+    known = set(KINDS + PIPELINE_KINDS)
+    if not kinds <= known:
+        parser.error(f"--attacks: unknown {sorted(kinds - known)}; known: {', '.join(sorted(known))}")
+    if "claim" in kinds and args.stages < 1:
+        parser.error("--attacks claim needs --stages")
+    asyncio.run(attack(args.initial_peers, args.run_id, args.report, kinds, args.sybils, args.ahead, args.stages))
 
 
 if __name__ == "__main__":
