@@ -129,3 +129,29 @@ def kill_group(handle: NodeHandle) -> None:
         handle.process.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+
+
+def start_attacker(tmp_path: Path, boot: str, *args: str) -> tuple[NodeHandle, Path]:
+    """``tests.helpers.attacker`` joined to ``boot`` in its own folder; returns its handle and report file."""
+    folder = tmp_path / "attacker"
+    folder.mkdir()
+    report = folder / "report.json"
+    log = open(folder / "log.txt", "w")
+    process = subprocess.Popen([sys.executable, "-m", "tests.helpers.attacker", "--initial-peers", boot, "--report", str(report), *args],
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return NodeHandle("attacker", folder, process, 0), report
+
+
+def attacker_report(handle: NodeHandle, report: Path, ready: Callable[[dict], bool], timeout: float = 60) -> dict:
+    """The attacker's report once ``ready`` says it has done enough (fails if it exits or stores nothing)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            found = json.loads(report.read_text())
+            if ready(found):
+                return found
+        except (OSError, ValueError, KeyError):
+            pass
+        assert handle.process.poll() is None, f"the attacker exited:\n{handle.log()[-3000:]}"
+        time.sleep(0.3)
+    raise AssertionError(f"the attacker stored nothing in {timeout}s:\n{handle.log()[-3000:]}")

@@ -6,15 +6,12 @@ the claim to the attacker, waits one claim period, sees the stage still unserved
 and rebuilds the stage from its neighbours; training goes on.
 """
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 from swarm.claims import CLAIM_TTL_S
-from tests.helpers.swarm_utils import NodeHandle, events, start_node
+from tests.helpers.swarm_utils import attacker_report, events, start_attacker, start_node
 
 GRACE = 4.0
 RECORD_TTL = 8.0
@@ -22,31 +19,6 @@ RUN = "claim-attack-test"
 ARGS = ["--model", "micro", "--batch-size", "8", "--threads", "1", "--warmup-steps", "10", "--eval-batches", "2",
         "--stages", "3", "--sync-every", "8", "--eval-every", "0", "--run-id", RUN, "--recovery-grace", str(GRACE),
         "--averaging-timeout", "10", "--microbatches", "2"]
-
-
-def _start_attacker(tmp_path, boot: str) -> tuple[NodeHandle, object]:
-    folder = tmp_path / "attacker"
-    folder.mkdir()
-    report = folder / "report.json"
-    log = open(folder / "log.txt", "w")
-    process = subprocess.Popen([sys.executable, "-m", "tests.helpers.attacker", "--initial-peers", boot, "--run-id", RUN,
-                                "--report", str(report), "--attacks", "claim", "--stages", "3"],
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return NodeHandle("attacker", folder, process, 0), report
-
-
-def _attacker_id(handle: NodeHandle, report, timeout: float = 60) -> str:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            found = json.loads(report.read_text())
-            if found["passes"] >= 2:
-                return found["peer_id"]
-        except (OSError, ValueError, KeyError):
-            pass
-        assert handle.process.poll() is None, f"the attacker exited:\n{handle.log()[-3000:]}"
-        time.sleep(0.3)
-    raise AssertionError(f"the attacker stored nothing in {timeout}s:\n{handle.log()[-3000:]}")
 
 
 def test_a_peer_that_claims_every_stage_first_cannot_block_a_rebuild(tmp_path, nodes):
@@ -57,9 +29,9 @@ def test_a_peer_that_claims_every_stage_first_cannot_block_a_rebuild(tmp_path, n
                        ("spare", ["--role", "spare"]), ("trainer", ["--role", "trainer"])):
         nodes.append(start_node(tmp_path, name, [*ARGS, *role], [addr]))
     st0, st1, st2, spare, trainer = nodes
-    attacker, report = _start_attacker(tmp_path, addr)
+    attacker, report = start_attacker(tmp_path, addr, "--run-id", RUN, "--attacks", "claim", "--stages", "3")
     nodes.append(attacker)
-    liar = _attacker_id(attacker, report)
+    liar = attacker_report(attacker, report, lambda found: found["passes"] >= 2)["peer_id"]
     trainer.wait(lambda i: i.get("steps", 0) >= 20, 240, "20 pipeline steps")
 
     os.killpg(st1.process.pid, signal.SIGKILL)

@@ -4,40 +4,14 @@ invented ones, nobody downloads from the forger, and the members' records stay t
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 from node.ops.launcher import free_port
 from protocol.peer_identity import peer_id_of, write_identity
-from tests.helpers.swarm_utils import FAST_ARGS, NodeHandle, start_node
+from tests.helpers.swarm_utils import FAST_ARGS, attacker_report, start_attacker, start_node
 
 ARGS = FAST_ARGS + ["--averaging-timeout", "15"]
 JUMPS = ("joined", "caught_up", "resynced")
-
-
-def _start_attacker(tmp_path, boot: str) -> tuple[NodeHandle, object]:
-    folder = tmp_path / "attacker"
-    folder.mkdir()
-    report = folder / "report.json"
-    log = open(folder / "log.txt", "w")
-    process = subprocess.Popen([sys.executable, "-m", "tests.helpers.attacker", "--initial-peers", boot, "--report", str(report)],
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return NodeHandle("attacker", folder, process, 0), report
-
-
-def _report(handle: NodeHandle, report, passes: int = 2, timeout: float = 60) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            found = json.loads(report.read_text())
-            if found["passes"] >= passes and found["victims"]:
-                return found
-        except (OSError, ValueError, KeyError):
-            pass
-        assert handle.process.poll() is None, f"the attacker exited:\n{handle.log()[-3000:]}"
-        time.sleep(0.3)
-    raise AssertionError(f"the attacker stored nothing in {timeout}s:\n{handle.log()[-3000:]}")
 
 
 def test_forged_records_change_no_round(tmp_path, nodes):
@@ -47,15 +21,15 @@ def test_forged_records_change_no_round(tmp_path, nodes):
     nodes.append(a)
     b = start_node(tmp_path, "b", ARGS + ["--join-timeout", "120"], [boot])
     nodes.append(b)
-    attacker, report = _start_attacker(tmp_path, boot)
+    attacker, report = start_attacker(tmp_path, boot)
     nodes.append(attacker)
     for h in (a, b):
         h.wait(lambda i: any(r["contributors"] == 2 for r in i.get("rounds", [])), 180, "a round of two")
-    found = _report(attacker, report)
+    found = attacker_report(attacker, report, lambda f: f["passes"] >= 2 and f["victims"])
     started = time.time()
     for h in (a, b):  # two whole rounds while the forged records stand
         h.wait(lambda i: sum(r["t"] > started for r in i.get("rounds", [])) >= 2, 150, "2 rounds under attack")
-    _report(attacker, report, passes=found["passes"] + 3)  # and the attacker kept storing meanwhile
+    attacker_report(attacker, report, lambda f: f["passes"] >= found["passes"] + 3)  # and the attacker kept storing meanwhile
     attacker.process.send_signal(signal.SIGTERM)
     attacker.process.wait(timeout=30)
     ended = time.time()
