@@ -17,7 +17,7 @@ GRACE = 4.0
 RECORD_TTL = 8.0
 RUN = "claim-attack-test"
 ARGS = ["--model", "micro", "--batch-size", "8", "--threads", "1", "--warmup-steps", "10", "--eval-batches", "2",
-        "--stages", "3", "--sync-every", "8", "--eval-every", "0", "--run-id", RUN, "--recovery-grace", str(GRACE),
+        "--stages", "3", "--sync-every", "8", "--eval-every", "2", "--run-id", RUN, "--recovery-grace", str(GRACE),
         "--averaging-timeout", "10", "--microbatches", "2"]
 
 
