@@ -71,7 +71,6 @@ def feedback_state(buffers: Sequence[ErrorFeedback] | None) -> list[torch.Tensor
     return [None if b.residual is None else b.residual.clone() for b in buffers]
 
 
-
 def load_feedback_state(buffers: Sequence[ErrorFeedback], saved: object, shapes: Sequence[Sequence[int]]) -> str | None:
     """Restore residuals saved by :func:`feedback_state` into ``buffers`` (one per tensor of ``shapes``).
 
