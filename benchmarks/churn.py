@@ -59,6 +59,7 @@ def analyse(killed: dict[str, Any], calm: dict[str, Any]) -> dict[str, Any]:
     index = trainer.get("index")
     waits = sum(e.get("duration_s", 0.0) for e in events if e["event"] == "waiting_for_stage" and e.get("node") == index)
     trainer_kills = [e for e in events if e["event"] == "chaos_kill" and e.get("node") == index]
+    trainer_nodes = {n.get("index") for n in killed["nodes"] if n.get("role") == "trainer"}
     dead = 20.0 * len(trainer_kills)  # restarted 20 s after each kill (without restarts a killed trainer ends the run)
     wall = max(1e-9, killed["duration_s"])
     recoveries = [{"stage": e["stage"], "method": e["method"], "duration_s": e.get("duration_s"), "node": e["node"]}
@@ -79,12 +80,16 @@ def analyse(killed: dict[str, Any], calm: dict[str, Any]) -> dict[str, Any]:
               for name, rep in (("killed", killed), ("calm", calm))}
     common = min((max(s for s, _ in p) for p in points.values() if p), default=0)
     at = {name: value_at(p, common) for name, p in points.items()}
+    by_tokens = {name: pipeline_steps_points(rep) for name, rep in (("killed", killed), ("calm", calm))}
+    common_tokens = min((max(s for s, _ in p) for p in by_tokens.values() if p), default=0)
+    at_tokens = {name: value_at(p, common_tokens) for name, p in by_tokens.items()}
     return {
         "wall_s": killed["duration_s"],
         "progress_fraction": round(max(0.0, 1.0 - (waits + dead) / wall), 4),
         "trainer_waits_s": round(waits, 2),
         "trainer_kills": len(trainer_kills),
         "kills": sum(1 for e in events if e["event"] == "chaos_kill"),
+        "trainers_killed": sum(1 for e in events if e["event"] == "chaos_kill" and e.get("node") in trainer_nodes),
         "recoveries": recoveries,
         "recovery_failures": sum(1 for e in events if e["event"] == "stage_recovery_failed"),
         "fresh_initialisations": sum(1 for e in events if e["event"] == "stage_unrecoverable"),
@@ -93,7 +98,38 @@ def analyse(killed: dict[str, Any], calm: dict[str, Any]) -> dict[str, Any]:
         "val_loss_at_equal_steps": at,
         "val_loss_gap": (at["killed"] / at["calm"] - 1.0) if at.get("killed") and at.get("calm") else None,
         "trainer_steps": {"killed": _trainer(killed).get("steps"), "calm": _trainer(calm).get("steps")},
+        # every trainer's microbatches together (equal tokens through the stages): a run whose other trainer
+        # was killed has trained its stages on about half the tokens at the same steps of the evaluated one
+        "equal_pipeline_steps": round(common_tokens),
+        "val_loss_at_equal_pipeline_steps": at_tokens,
+        "val_loss_gap_pipeline_steps": ((at_tokens["killed"] / at_tokens["calm"] - 1.0)
+                                        if at_tokens.get("killed") and at_tokens.get("calm") else None),
+        "all_trainer_steps": {name: sorted(n.get("steps", 0) for n in rep["nodes"] if n.get("role") == "trainer")
+                              for name, rep in (("killed", killed), ("calm", calm))},
     }
+
+
+def pipeline_steps_points(report: dict[str, Any]) -> list[tuple[float, float]]:
+    """(microbatches every trainer had pushed through the pipeline, held-out loss) at each evaluation of
+    the evaluated trainer. A trainer's steps between its evaluations are interpolated in time; before its
+    first they count as 0, after its last (a killed trainer) they stay at its last count. Needs the
+    evaluations' times ("t"); empty for reports written before trainers recorded them."""
+    trainers = [n for n in report["nodes"] if n.get("role") == "trainer"]
+    curves = [[(r["t"], r["step"]) for r in n.get("rounds", []) if "t" in r] for n in trainers]
+
+    def steps_at(curve: list[tuple[float, float]], final: int, t: float) -> float:
+        if not curve or t < curve[0][0]:
+            return 0.0
+        inside = value_at(curve, t)
+        return float(final if inside is None else inside)
+
+    evaluated = _trainer(report)
+    out = []
+    for r in evaluated.get("rounds", []):
+        if "val_loss" in r and "t" in r and r["step"] > 0:
+            total = sum(steps_at(c, max(n.get("steps", 0), c[-1][1] if c else 0), r["t"]) for n, c in zip(trainers, curves))
+            out.append((total, r["val_loss"]))
+    return out
 
 
 def churn(out: Path, nodes: int = 8, minutes: float = 15.0, seeds: tuple[int, ...] = (0,), restart: bool = True,
@@ -107,7 +143,8 @@ def churn(out: Path, nodes: int = 8, minutes: float = 15.0, seeds: tuple[int, ..
         calm = run_swarm(folder / f"calm-{seed}", nodes, minutes * 60, chaos=False, seed=seed)
         per_seed[str(seed)] = analyse(killed, calm)
     summary = {}
-    for key in ("progress_fraction", "val_loss_gap", "fresh_initialisations", "stages_emptied_by_recovery", "kills"):
+    for key in ("progress_fraction", "val_loss_gap", "val_loss_gap_pipeline_steps", "fresh_initialisations",
+                "stages_emptied_by_recovery", "kills"):
         values = [r[key] for r in per_seed.values() if r.get(key) is not None]
         if values:
             summary[key] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}

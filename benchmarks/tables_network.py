@@ -172,10 +172,12 @@ def targets(r: Results) -> str:
                  ", ".join(f"`{k}` {share(v)}" for k, v in overlap.items()) + " (one run each; the `streaming` config was not run)"])
     for name in ("churn.json", "churn_no_restart.json"):
         for seed, s in r.load(name)["per_seed"].items():
-            gap = s["val_loss_gap"]
+            gap, at = s.get("val_loss_gap_pipeline_steps"), f"{s.get('equal_pipeline_steps')} pipeline steps (all trainers)"
+            if gap is None:  # a file from before trainers' evaluations carried their time
+                gap, at = s["val_loss_gap"], f"{s['equal_steps']} trainer steps"
             rows.append([f"churn: held-out loss within 5 % of the calm run ({'with' if name == 'churn.json' else 'without'} restarts, seed {seed})",
                          f"`{name}`", "met" if gap <= 0.05 else "missed",
-                         f"{100 * gap:+.1f} % at {s['equal_steps']} trainer steps, {share(s['progress_fraction'])} progressing"])
+                         f"{100 * gap:+.1f} % at {at}, {share(s['progress_fraction'])} progressing"])
     for name, default in (("byzantine_diloco.json", "centered-clip"), ("byzantine_sparseloco.json", "sparse-clip")):
         summary = [s for s in r.load(name)["summary"] if s["aggregator"] == default]
         worst = max((s for s in summary if s["attack"] != "none"), key=lambda s: s["vs_clean_plain"])
@@ -271,13 +273,21 @@ def churn(r: Results) -> str:
         restarts = "restarts" if name == "churn.json" else "no restarts"
         for seed, s in d["per_seed"].items():
             v = s["val_loss_at_equal_steps"]
-            rows.append([f"{restarts}, seed {seed}", f"{d['minutes']:g} min", f"{s['kills']} / {s['trainer_kills']}",
+            w = s.get("val_loss_at_equal_pipeline_steps")
+            tokens = ("–" if not s.get("val_loss_gap_pipeline_steps") else
+                      f"{w['killed']:.3f} vs {w['calm']:.3f} ({100 * s['val_loss_gap_pipeline_steps']:+.1f} %) at {s['equal_pipeline_steps']}")
+            kills = f"{s['kills']} / {s['trainers_killed']}" if "trainers_killed" in s else f"{s['kills']} / {s['trainer_kills']}"
+            rows.append([f"{restarts}, seed {seed}", f"{d['minutes']:g} min", kills,
                          f"{share(s['progress_fraction'])} of {s['wall_s']:.0f} s", str(len(s["recoveries"])),
                          str(s["fresh_initialisations"]), str(s["stages_emptied_by_recovery"]),
-                         f"{v['killed']:.3f} vs {v['calm']:.3f} ({100 * s['val_loss_gap']:+.1f} %) at {s['equal_steps']}"])
-    header = ["run", "length", "kills / trainer kills", "trainer progressing", "stage rebuilds", "fresh initialisations",
-              "stages emptied by a recovery", "held-out loss at equal trainer steps, killed vs calm"]
-    what = "`node swarm --stages 3 --checkfree-plus --model micro`, 8 processes on 2 cores, kills every 45 s."
+                         f"{v['killed']:.3f} vs {v['calm']:.3f} ({100 * s['val_loss_gap']:+.1f} %) at {s['equal_steps']}", tokens])
+    header = ["run", "length", "kills / of trainers", "trainer progressing", "stage rebuilds", "fresh initialisations",
+              "stages emptied by a recovery", "held-out loss at equal steps of the evaluated trainer, killed vs calm",
+              "at equal pipeline steps (all trainers' microbatches)"]
+    what = ("`node swarm --stages 3 --checkfree-plus --model micro`, 8 processes on 2 cores (two of them trainers), kills every "
+            "45 s. A run whose other trainer was killed has trained its stages on about half the tokens at the same steps of "
+            "the evaluated trainer, so equal pipeline steps (tokens) are the like-with-like comparison; files measured before "
+            "trainers' evaluations carried their time have only the first (–).")
     return r.caption("churn.json", "churn_no_restart.json", what=what) + "\n\n" + table(header, rows)
 
 

@@ -196,5 +196,7 @@ class PipelineTrainer:
             return
         self.summary.val_loss = sum(losses) / len(losses)
         self.metrics.val_loss.set(self.summary.val_loss)
-        self.summary.rounds.append({"step": self.summary.steps, "val_loss": self.summary.val_loss, "loss": self.last_loss})
+        # "t" lets a report put several trainers' evaluations on one time line (tokens through the pipeline)
+        self.summary.rounds.append({"step": self.summary.steps, "val_loss": self.summary.val_loss, "loss": self.last_loss,
+                                    "t": round(time.time(), 3)})
         self.write_info()
