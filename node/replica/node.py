@@ -157,7 +157,8 @@ class Daemon(NodeBase):
         return {"inner_steps_total": self.trainer.steps, "phi": [t.to("cpu", copy=True) for t in self.phi],
                 "theta": [p.detach().cpu().clone() for p in self.trainer.parameters()],
                 "outer_momentum": self.outer.state_tensors(self.phi), "inner_optimizer": self.trainer.optimizer.state_dict(),
-                "error_feedback": [feedback_state(buffers) for buffers in self.plan.feedback]}
+                # None before the network (and the round plan) started: no round has left a residual yet
+                "error_feedback": [feedback_state(b) for b in self.plan.feedback] if hasattr(self, "plan") else None}
 
     def _wind_down(self) -> None:
         self._record_throughput(inner_tokens_per_s=self._inner_rate())
@@ -223,7 +224,10 @@ class Daemon(NodeBase):
         return True
 
     def _resume_feedback(self, path: Any, saved: Any) -> None:
-        """The lossy codec's error-feedback residuals (what earlier rounds did not send yet), per fragment."""
+        """The lossy codec's error-feedback residuals (what earlier rounds did not send yet), per fragment
+        (a checkpoint written before any round, or by an older version, holds none: nothing to restore)."""
+        if saved is None:
+            return
         saved = saved if isinstance(saved, list) and len(saved) == len(self.plan.feedback) else [None] * len(self.plan.feedback)
         for fragment, buffers in enumerate(self.plan.feedback):
             if buffers is None:
