@@ -4,14 +4,16 @@ N× the batch, for each replica count, outer recipe (η, μ, Nesterov) and H, ov
     python -m benchmarks.replica_gap --out benchmarks/results/replica_gap.json --nodes 2,4,8 \\
         --outer 0.7:0.9,1:0.9,1:0 --h 20 --total-steps 300 --seeds 0,1,2
 
-Every run is simulated in this process (``benchmarks.replica_sim``): exact averaging, replica i of seed s
+Every run is simulated in this process (``benchmarks.replica_sim``): no network, the replicas' updates
+combined as a node combines them (``--aggregate``, by default a node's centered-clip), replica i of seed s
 drawing batches seeded ``100·s + i``, the one-process baseline training on the concatenation of those
 batches step for step (same tokens, same order, same inner optimizer, lr and schedule). Every recipe of a
 replica count runs the same total inner steps per replica (``--total-steps``; ``rounds = total / H``).
 The gap is the ratio of held-out losses within a seed, minus 1 (mean and range over seeds): the
 noise between seeds cancels there, which a ratio of means would not. ``--outer`` entries are
 ``η:μ`` (Nesterov), then optionally ``:plain`` (heavy-ball momentum, no look-ahead) and ``:wN`` (η warmed
-up linearly over the first N rounds, ``NesterovOuter``'s warm-up).
+up linearly over the first N rounds, ``NesterovOuter``'s warm-up). ``--sparseloco`` adds SparseLoCo at a
+node's defaults (H, codec, error feedback, outer step, aggregation: whatever ``NodeConfig`` says).
 """
 
 from __future__ import annotations
@@ -34,11 +36,24 @@ import torch
 
 from benchmarks import results_io
 from benchmarks.replica_sim import Recipe, simulate_diloco, simulate_single
+from node.config.node_config import NodeConfig
 from node.data.byte_corpus import load_embedded_corpus
 from node.data.bytes import validation_batches
 from swarm.models.presets import PRESETS
 
 SINGLE = "single"
+SPARSELOCO = "SparseLoCo defaults"
+
+
+def sparseloco_recipe(base: Recipe) -> Recipe:
+    """``base`` with what a node running ``--algorithm sparseloco`` uses by default: H, codec, error-feedback
+    β, outer η and μ, outer warm-up and aggregation, read from ``NodeConfig`` so the run follows the defaults."""
+    cfg = NodeConfig(algorithm="sparseloco")
+    outer_lr, momentum = cfg.outer_hyper
+    h = int(cfg.inner_steps)
+    return replace(base, inner_steps=h, rounds=base.total_steps // h, codec=cfg.codec, feedback_decay=cfg.feedback_decay(),
+                   outer_lr=outer_lr, outer_momentum=momentum, nesterov=True, outer_warmup_rounds=cfg.outer_warmup,
+                   aggregate=cfg.aggregation)
 
 
 def parse_outer(spec: str) -> tuple[float, float, bool, int]:
@@ -105,6 +120,9 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=30)
     parser.add_argument("--schedule", default="constant")
     parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--aggregate", default="centered-clip",
+                        help="how the replicas' updates are combined (gossip.aggregate; a node's default: centered-clip)")
+    parser.add_argument("--sparseloco", action="store_true", help="also run SparseLoCo at a node's defaults")
     parser.add_argument("--eval-batches", type=int, default=16)
     parser.add_argument("--no-single", action="store_true", help="skip the one-process baseline (rows of another run)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
@@ -112,18 +130,23 @@ def main() -> None:
     args = parser.parse_args()
     meta = results_io.begin()
     hs = [int(x) for x in args.h.split(",")]
-    if any(args.total_steps % h for h in hs):
-        parser.error(f"--total-steps {args.total_steps} must be a multiple of every H in --h {args.h}")
     outers = [parse_outer(x) for x in args.outer.split(",")]
     base = Recipe(model=args.model, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
-                  schedule=args.schedule, optimizer=args.optimizer)
+                  schedule=args.schedule, optimizer=args.optimizer, aggregate=args.aggregate,
+                  rounds=args.total_steps // hs[0], inner_steps=hs[0])
+    sparse = sparseloco_recipe(base) if args.sparseloco else None
+    if any(args.total_steps % h for h in hs + ([sparse.inner_steps] if sparse else [])):
+        parser.error(f"--total-steps {args.total_steps} must be a multiple of every H in --h {args.h}"
+                     + (f" and of SparseLoCo's {sparse.inner_steps}" if sparse else ""))
     commit, dirty = results_io.git_state()
     env = {"commit": commit or "", "dirty": bool(dirty), "torch": torch.__version__, "python": platform.python_version(),
            "cores": os.cpu_count(), "threads": args.threads, "jobs": args.jobs, "load_before": os.getloadavg()}
     tasks = []
     for nodes, seed in itertools.product([int(x) for x in args.nodes.split(",")], [int(x) for x in args.seeds.split(",")]):
         if not args.no_single:
-            tasks.append((nodes, SINGLE, seed, replace(base, nodes=nodes, rounds=args.total_steps // hs[0], inner_steps=hs[0])))
+            tasks.append((nodes, SINGLE, seed, replace(base, nodes=nodes)))
+        if sparse:
+            tasks.append((nodes, SPARSELOCO, seed, replace(sparse, nodes=nodes)))
         for h, (outer_lr, momentum, nesterov, warmup) in itertools.product(hs, outers):
             tasks.append((nodes, config_name(h, outer_lr, momentum, nesterov, warmup), seed,
                           replace(base, nodes=nodes, rounds=args.total_steps // h, inner_steps=h, outer_lr=outer_lr,

@@ -6,8 +6,8 @@ Used by the benchmarks that compare training recipes without a network (``benchm
 
 A run is built from the pieces a node uses: ``LocalTrainer`` (inner optimizer and lr schedule as a node
 builds them), the embedded corpus (replica i draws ``ByteBatches`` seeded ``100·seed + i``, every
-replica starts from the same initialisation), the codec with the node's error feedback, the mean of the
-decoded pseudo-gradients and ``NesterovOuter``. ``simulate_single`` trains one model on the
+replica starts from the same initialisation), the codec with the node's error feedback, the mean (or the node's robust
+aggregation, ``gossip.aggregate``) of the decoded pseudo-gradients and ``NesterovOuter``. ``simulate_single`` trains one model on the
 concatenation of the N replicas' batches, step for step: the same tokens in the same order, N× the batch.
 """
 
@@ -21,6 +21,7 @@ import torch
 
 from compression import get_codec
 from compression.feedback import ErrorFeedback
+from gossip.aggregate import aggregate
 from gossip.outer import NesterovOuter
 from node.data.bytes import ByteBatches
 from node.runtime.local_training import LocalTrainer
@@ -50,6 +51,7 @@ class Recipe:
     nesterov: bool = True
     outer_warmup_rounds: int = 0
     feedback_decay: float = 0.0
+    aggregate: str = "mean"  # gossip.aggregate's method; a node's default is centered-clip (sparse-clip for top-k)
 
     @property
     def total_steps(self) -> int:
@@ -69,6 +71,16 @@ def replica_batches(recipe: Recipe, seed: int, train: torch.Tensor) -> list[Byte
 def _trainer(recipe: Recipe, seed: int, optimizer: str) -> LocalTrainer:
     return LocalTrainer(cfg=PRESETS[recipe.model], device=torch.device("cpu"), lr=recipe.lr, schedule=recipe.lr_schedule(),
                         inner_optimizer=optimizer, seed=1000 + seed)
+
+
+def combine(recipe: Recipe, decoded: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The round's update from every replica's decoded pseudo-gradient: the plain mean, or the node's
+    ``gossip.aggregate`` method (each replica claiming the round's full samples, as an honest node does)."""
+    if recipe.aggregate == "mean":
+        return [torch.stack(ts).mean(0) for ts in zip(*decoded)]
+    samples = recipe.batch_size * recipe.inner_steps
+    return aggregate([f"replica-{i}" for i in range(len(decoded))], decoded, [samples] * len(decoded), recipe.aggregate,
+                     max_samples=samples).update
 
 
 def simulate_diloco(recipe: Recipe, seed: int, train: torch.Tensor, val: Batches, eval_every: int = 5) -> dict[str, Any]:
@@ -99,7 +111,7 @@ def simulate_diloco(recipe: Recipe, seed: int, train: torch.Tensor, val: Batches
                 sent_bytes += len(payload.to_bytes())
                 mine.append(codec.decode(payload))
             decoded.append(mine)
-        outer.step(phi, [torch.stack(ts).mean(0) for ts in zip(*decoded)], round_no=r)
+        outer.step(phi, combine(recipe, decoded), round_no=r)
         if (r + 1) % eval_every == 0 and r + 1 < recipe.rounds:
             trainers[0].load_weights(phi)
             curve.append(round(trainers[0].evaluate(val[:4]), 4))

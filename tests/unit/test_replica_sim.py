@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.replica_gap import SINGLE, gaps, parse_outer
-from benchmarks.replica_sim import Recipe, replica_batches, simulate_diloco, simulate_single
+from benchmarks.replica_gap import SINGLE, gaps, parse_outer, sparseloco_recipe
+from benchmarks.replica_sim import Recipe, combine, replica_batches, simulate_diloco, simulate_single
+from node.config.node_config import NodeConfig
 from node.data.byte_corpus import load_embedded_corpus
 from node.data.bytes import validation_batches
 
@@ -52,3 +53,21 @@ def test_outer_specs_parse_or_say_what_is_wrong() -> None:
     for bad in ("1", "1:0:nesterov", "1:0:w"):
         with pytest.raises(ValueError, match="η:μ"):
             parse_outer(bad)
+
+
+def test_the_simulation_combines_updates_as_a_node_does() -> None:
+    torch.manual_seed(0)
+    updates = [[torch.randn(6, 4), torch.randn(3)] for _ in range(5)]
+    plain = combine(Recipe(aggregate="mean"), updates)
+    clipped = combine(Recipe(aggregate="centered-clip"), updates)
+    assert all(torch.allclose(a, b) for a, b in zip(combine(Recipe(aggregate="mean"), [updates[0]] * 5), updates[0]))
+    assert not all(torch.allclose(a, b) for a, b in zip(plain, clipped))  # the robust method really runs
+    liar = updates[:4] + [[t * 1e3 for t in updates[4]]]
+    assert max(float(t.abs().max()) for t in combine(Recipe(aggregate="centered-clip"), liar)) < 10
+
+
+def test_sparseloco_runs_at_a_nodes_defaults() -> None:
+    cfg = NodeConfig(algorithm="sparseloco")
+    recipe = sparseloco_recipe(Recipe(rounds=20, inner_steps=30))
+    assert (recipe.inner_steps, recipe.rounds, recipe.codec, recipe.aggregate) == (int(cfg.inner_steps), 20, cfg.codec, cfg.aggregation)
+    assert (recipe.outer_lr, recipe.outer_momentum, recipe.feedback_decay) == (*cfg.outer_hyper, cfg.feedback_decay())
