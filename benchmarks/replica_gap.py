@@ -13,7 +13,8 @@ The gap is the ratio of held-out losses within a seed, minus 1 (mean and range o
 noise between seeds cancels there, which a ratio of means would not. ``--outer`` entries are
 ``η:μ`` (Nesterov), then optionally ``:plain`` (heavy-ball momentum, no look-ahead) and ``:wN`` (η warmed
 up linearly over the first N rounds, ``NesterovOuter``'s warm-up). ``--sparseloco`` adds SparseLoCo at a
-node's defaults (H, codec, error feedback, outer step, aggregation: whatever ``NodeConfig`` says).
+node's defaults (H, codec, error feedback, outer step, aggregation: whatever ``NodeConfig`` says);
+``--sparse-variants`` the same with another codec and H (``topk:32/4096+q2@30``), for the bytes frontier.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 
 from benchmarks import results_io
 from benchmarks.replica_sim import Recipe, simulate_diloco, simulate_single
-from node.config.node_config import NodeConfig
+from node.config import BY_REPLICAS, NodeConfig, steps_for_replicas
 from node.data.byte_corpus import load_embedded_corpus
 from node.data.bytes import validation_batches
 from swarm.models.presets import PRESETS
@@ -45,15 +46,16 @@ SINGLE = "single"
 SPARSELOCO = "SparseLoCo defaults"
 
 
-def sparseloco_recipe(base: Recipe) -> Recipe:
-    """``base`` with what a node running ``--algorithm sparseloco`` uses by default: H, codec, error-feedback
-    β, outer η and μ, outer warm-up and aggregation, read from ``NodeConfig`` so the run follows the defaults."""
+def sparseloco_recipe(base: Recipe, nodes: int) -> Recipe:
+    """``base`` with what a node running ``--algorithm sparseloco`` uses by default among ``nodes`` replicas: H,
+    codec, error-feedback β, outer η and μ, outer warm-up and aggregation, read from ``NodeConfig`` so the run
+    follows the defaults."""
     cfg = NodeConfig(algorithm="sparseloco")
     outer_lr, momentum = cfg.outer_hyper
-    h = int(cfg.inner_steps)
-    return replace(base, inner_steps=h, rounds=base.total_steps // h, codec=cfg.codec, feedback_decay=cfg.feedback_decay(),
-                   outer_lr=outer_lr, outer_momentum=momentum, nesterov=True, outer_warmup_rounds=cfg.outer_warmup,
-                   aggregate=cfg.aggregation)
+    h = steps_for_replicas(nodes, "sparseloco") if cfg.inner_steps == BY_REPLICAS else int(cfg.inner_steps)
+    return replace(base, nodes=nodes, inner_steps=h, rounds=base.total_steps // h, codec=cfg.codec,
+                   feedback_decay=cfg.feedback_decay(), outer_lr=outer_lr, outer_momentum=momentum, nesterov=True,
+                   outer_warmup_rounds=cfg.outer_warmup, aggregate=cfg.aggregation)
 
 
 def parse_outer(spec: str) -> tuple[float, float, bool, int]:
@@ -85,6 +87,7 @@ def gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"nodes": nodes, "config": config, "seeds": len(runs),
                     "val_loss_mean": round(statistics.fmean(losses), 4),
                     "val_loss_std": round(statistics.stdev(losses), 4) if len(losses) > 1 else 0.0,
+                    "bytes_per_inner_step": round(statistics.fmean(r.get("bytes_per_node_round", 0) / r.get("h", 1) for r in runs), 1),
                     "gap_mean": round(statistics.fmean(ratios), 4) if ratios else None,
                     "gap_min": round(min(ratios), 4) if ratios else None,
                     "gap_max": round(max(ratios), 4) if ratios else None})
@@ -103,7 +106,8 @@ def _init_worker(threads: int, model: str, eval_batches: int) -> None:
 def _run_task(task: tuple[int, str, int, Recipe]) -> dict[str, Any]:
     nodes, name, seed, recipe = task
     run = simulate_single if name == SINGLE else simulate_diloco
-    return {"nodes": nodes, "config": name, "seed": seed, **run(recipe, seed, _WORKER["train"], _WORKER["val"])}
+    return {"nodes": nodes, "config": name, "seed": seed, "h": recipe.inner_steps, "codec": recipe.codec,
+            **run(recipe, seed, _WORKER["train"], _WORKER["val"])}
 
 
 def main() -> None:
@@ -123,8 +127,11 @@ def main() -> None:
     parser.add_argument("--aggregate", default="centered-clip",
                         help="how the replicas' updates are combined (gossip.aggregate; a node's default: centered-clip)")
     parser.add_argument("--sparseloco", action="store_true", help="also run SparseLoCo at a node's defaults")
+    parser.add_argument("--sparse-variants", default="",
+                        help="comma-separated CODEC@H: SparseLoCo at a node's defaults but this codec and H")
     parser.add_argument("--eval-batches", type=int, default=16)
     parser.add_argument("--no-single", action="store_true", help="skip the one-process baseline (rows of another run)")
+    parser.add_argument("--no-dense", action="store_true", help="skip the dense DiLoCo recipes (--h × --outer)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     args = parser.parse_args()
@@ -134,20 +141,28 @@ def main() -> None:
     base = Recipe(model=args.model, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                   schedule=args.schedule, optimizer=args.optimizer, aggregate=args.aggregate,
                   rounds=args.total_steps // hs[0], inner_steps=hs[0])
-    sparse = sparseloco_recipe(base) if args.sparseloco else None
-    if any(args.total_steps % h for h in hs + ([sparse.inner_steps] if sparse else [])):
-        parser.error(f"--total-steps {args.total_steps} must be a multiple of every H in --h {args.h}"
-                     + (f" and of SparseLoCo's {sparse.inner_steps}" if sparse else ""))
+    node_counts = [int(x) for x in args.nodes.split(",")]
+    variants: dict[tuple[int, str], Recipe] = {}
+    for nodes in node_counts:
+        sparse = sparseloco_recipe(base, nodes)
+        if args.sparseloco:
+            variants[nodes, SPARSELOCO] = sparse
+        for spec in filter(None, args.sparse_variants.split(",")):
+            codec, _, h = spec.rpartition("@")
+            if not codec or not h.isdigit():
+                parser.error(f"--sparse-variants entry {spec!r}: expected CODEC@H, e.g. topk:32/4096+q2@30")
+            variants[nodes, f"SparseLoCo {codec} H{h}"] = replace(sparse, codec=codec, inner_steps=int(h), rounds=args.total_steps // int(h))
+    if any(args.total_steps % h for h in hs + [v.inner_steps for v in variants.values()]):
+        parser.error(f"--total-steps {args.total_steps} must be a multiple of every H (--h {args.h}, SparseLoCo's)")
     commit, dirty = results_io.git_state()
     env = {"commit": commit or "", "dirty": bool(dirty), "torch": torch.__version__, "python": platform.python_version(),
            "cores": os.cpu_count(), "threads": args.threads, "jobs": args.jobs, "load_before": os.getloadavg()}
     tasks = []
-    for nodes, seed in itertools.product([int(x) for x in args.nodes.split(",")], [int(x) for x in args.seeds.split(",")]):
+    for nodes, seed in itertools.product(node_counts, [int(x) for x in args.seeds.split(",")]):
         if not args.no_single:
             tasks.append((nodes, SINGLE, seed, replace(base, nodes=nodes)))
-        if sparse:
-            tasks.append((nodes, SPARSELOCO, seed, replace(sparse, nodes=nodes)))
-        for h, (outer_lr, momentum, nesterov, warmup) in itertools.product(hs, outers):
+        tasks.extend((nodes, name, seed, recipe) for (n, name), recipe in variants.items() if n == nodes)
+        for h, (outer_lr, momentum, nesterov, warmup) in itertools.product([] if args.no_dense else hs, outers):
             tasks.append((nodes, config_name(h, outer_lr, momentum, nesterov, warmup), seed,
                           replace(base, nodes=nodes, rounds=args.total_steps // h, inner_steps=h, outer_lr=outer_lr,
                                   outer_momentum=momentum, nesterov=nesterov, outer_warmup_rounds=warmup)))

@@ -126,22 +126,24 @@ def inner_optimizer(r: Results) -> str:
 
 
 def replica_gap(r: Results) -> str:
-    """N replicas against one process on the same tokens: held-out loss per replica count and recipe, and the
-    gap to one process within each seed."""
+    """N replicas against one process on the same tokens: held-out loss per replica count and recipe, the gap
+    to one process within each seed, and what one replica sends per inner step."""
     d = r.load("replica_gap.json")
     rows = []
     for s in d["summary"]:
         single = s["config"] == "single"
         gap = "–" if single or s["gap_mean"] is None else f"{pct(s['gap_mean'])} ({pct(s['gap_min'])} … {pct(s['gap_max'])})"
+        sent = "–" if single or "bytes_per_inner_step" not in s else size(s["bytes_per_inner_step"])
         rows.append([str(s["nodes"]), f"one process, {s['nodes']}× batch" if single else s["config"],
-                     f"{s['val_loss_mean']:.3f} ± {s['val_loss_std']:.3f}", gap])
+                     f"{s['val_loss_mean']:.3f} ± {s['val_loss_std']:.3f}", gap, sent])
     recipe = d["recipe"]
     seeds = sorted({run["seed"] for run in d["runs"]})
     what = (f"`{recipe['model']}`, {d['total_steps']} inner steps per replica (one process: the same steps at N× the batch), "
             f"batch {recipe['batch_size']}, lr {recipe['lr']:g} ({recipe['schedule']}, warm-up {recipe['warmup_steps']}), "
-            f"{recipe['optimizer']}, dense; seeds {', '.join(map(str, seeds))}; held-out loss, nats per byte; the gap is "
+            f"{recipe['optimizer']}; dense DiLoCo's updates combined with `{recipe.get('aggregate', 'mean')}`, SparseLoCo "
+            f"rows at a node's defaults; seeds {', '.join(map(str, seeds))}; held-out loss, nats per byte; the gap is "
             "taken within each seed (mean and range).")
-    header = ["replicas", "recipe (H, outer η, μ; Nesterov)", "held-out loss (mean ± std)", "vs one process"]
+    header = ["replicas", "recipe (H, outer η, μ; Nesterov)", "held-out loss (mean ± std)", "vs one process", "sent per inner step"]
     return r.caption("replica_gap.json", what=what) + "\n\n" + table(header, rows)
 
 

@@ -66,7 +66,10 @@ def check_combinations(cfg: Any) -> None:
         raise ValueError("pipeline stages average with --algorithm diloco (any --compression)")
     if cfg.fragments > layers:
         raise ValueError(f"--fragments {cfg.fragments}: model {cfg.model!r} has only {layers} blocks to split")
-    steps = cfg.round_steps if cfg.inner_steps == "auto" else cfg.inner_steps
+    if cfg.inner_steps == "by-replicas" and cfg.algorithm not in ("diloco", "sparseloco"):
+        raise ValueError(f"--inner-steps by-replicas sizes diloco's and sparseloco's rounds (what it was measured for); give "
+                         f"--algorithm {cfg.algorithm} a number of steps or auto")
+    steps = cfg.round_steps if cfg.inner_steps == "auto" else cfg.inner_steps_range[0]
     if cfg.fragments > steps:
         raise ValueError(f"--fragments {cfg.fragments} needs at least as many inner steps per round, got {steps}")
 

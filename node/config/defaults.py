@@ -14,9 +14,36 @@ ENV_PREFIX = "LOCOMESH_"
 LOSSLESS_CODECS = ("none", "fp16", "bf16")  # no error feedback, and the outer step of dense DiLoCo
 
 
-# H by algorithm: sparse rounds are cheap, so SparseLoCo syncs more often (tiny, 4 nodes × 600 steps:
-# H = 20 came within 5.4 % of dense DiLoCo at H = 30, H = 30 within 8.3 %)
+# H by algorithm where it is not by replica count (below), and the median peer's H under --inner-steps auto
+# (sparse rounds are cheap, so SparseLoCo syncs more often: tiny, 4 nodes × 600 steps, H = 20 came within
+# 5.4 % of dense DiLoCo at H = 30, H = 30 within 8.3 %)
 DEFAULT_INNER_STEPS = {"diloco": 50, "noloco": 30, "sparseloco": 30, "zo": 50}
+
+# DiLoCo's and SparseLoCo's default H follows the number of replicas that averaged in the last round
+# (``--inner-steps by-replicas``): more replicas drift further apart between rounds, so they must meet more
+# often to keep up with one process trained on their tokens (nano, 600 steps, one process on the same
+# tokens at N× the batch, gap within a seed; benchmarks/results/replica_gap.json and the exploration files
+# replica_gap_*.json beside it). Dense DiLoCo at H 50 trailed by −1.0 % with 2 replicas, +1.6 % with 4 and
+# +3.8 % with 8 (3 seeds); at H 30 by −3.1 %, −1.1 % and +1.4 %, for 1.7× the bytes per step; at 16
+# replicas (one seed) H 30 trailed by +2.9 % and H 20 by +3.2 %, so 30 stays beyond 8. SparseLoCo at H 30
+# trailed by +7.7 %, +8.7 % and +10.3 %; at H 15 (one seed) by −0.1 %, +2.6 %, +5.8 %, at H 10 by −0.9 %,
+# −0.5 %, +3.7 %; a larger k did worse at equal H (topk:128 at H 15: +1.7 % with 4, +6.9 % with 8).
+BY_REPLICAS = "by-replicas"
+STEPS_BY_REPLICAS = {  # (at most this many replicas, H); None: any number
+    "diloco": ((4, 50), (None, 30)),
+    "sparseloco": ((4, 15), (None, 10)),
+}
+
+
+def steps_for_replicas(replicas: int, algorithm: str = "diloco") -> int:
+    """The H of ``algorithm`` for a round of ``replicas`` members under ``--inner-steps by-replicas``."""
+    return next(steps for most, steps in STEPS_BY_REPLICAS[algorithm] if most is None or replicas <= most)
+
+
+def by_replicas_text(algorithm: str = "diloco") -> str:
+    """``50 up to 4 replicas, 30 beyond`` from ``STEPS_BY_REPLICAS``."""
+    return ", ".join(f"{steps} up to {most} replicas" if most is not None else f"{steps} beyond"
+                     for most, steps in STEPS_BY_REPLICAS[algorithm])
 
 
 AUTO_STEPS_MAX_FACTOR = 20  # --inner-steps auto never goes past this × --round-steps

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from node.config.defaults import (
-    AUTO_STEPS_MAX_FACTOR, AVG, DEFAULT_INNER_STEPS, LOSSLESS_CODECS, LOSSY_DILOCO_OUTER, LOSSY_FEEDBACK_DECAY,
-    LOSSY_WARMUP_ROUNDS, OPS, OUTER_DEFAULTS, PIPE, SEED_DILOCO_OUTER, SPARSE_CODEC, SWARM, TRAIN, by_algorithm,
-    outer_default_text, option,
+    AUTO_STEPS_MAX_FACTOR, AVG, BY_REPLICAS, DEFAULT_INNER_STEPS, LOSSLESS_CODECS, LOSSY_DILOCO_OUTER,
+    LOSSY_FEEDBACK_DECAY, LOSSY_WARMUP_ROUNDS, OPS, OUTER_DEFAULTS, PIPE, SEED_DILOCO_OUTER, SPARSE_CODEC, STEPS_BY_REPLICAS,
+    SWARM, TRAIN, by_algorithm, by_replicas_text, outer_default_text, option,
 )
 from node.config.combinations import check_combinations
 from node.errors import UserError
@@ -83,9 +83,10 @@ class NodeConfig(BaseModel):
         "topk:64/4096+rot2, seed:r=16", AVG, default_text=f"none; {SPARSE_CODEC} for sparseloco")
     error_feedback_decay: float | None = option(None, "β of error feedback for lossy codecs", AVG,
                                                 default_text=f"{LOSSY_FEEDBACK_DECAY}; 0 for {'/'.join(LOSSLESS_CODECS)}", ge=0, le=1)
-    inner_steps: int | Literal["auto"] = option(
-        None, "Local steps between outer rounds (H), or auto: sized from this peer's measured speed so that fast and slow peers "
-        "finish a round together", TRAIN, default_text=by_algorithm(DEFAULT_INNER_STEPS))
+    inner_steps: int | Literal["auto", "by-replicas"] = option(
+        None, "Local steps between outer rounds (H); auto: sized from this peer's measured speed so that fast and slow peers "
+        "finish a round together; by-replicas (diloco, sparseloco): by how many replicas averaged in the last round", TRAIN,
+        default_text=by_algorithm({**DEFAULT_INNER_STEPS, **{a: f"{BY_REPLICAS} ({by_replicas_text(a)})" for a in STEPS_BY_REPLICAS}}))
     round_steps: int = option(None, "With --inner-steps auto: steps the swarm's median-speed peer takes per round", TRAIN,
                               default_text=by_algorithm(DEFAULT_INNER_STEPS), ge=1, le=1_000_000)
     batch_size: int = option(16, "Sequences per inner step", TRAIN, ge=1, le=65536)
@@ -230,16 +231,19 @@ class NodeConfig(BaseModel):
     def _algorithm_defaults(cls, data: Any) -> Any:
         """H (and the auto mode's median H) default by algorithm: see ``DEFAULT_INNER_STEPS``."""
         if isinstance(data, dict):
-            steps = DEFAULT_INNER_STEPS.get(data.get("algorithm") or "diloco", 50)
+            algorithm = data.get("algorithm") or "diloco"
+            steps = DEFAULT_INNER_STEPS.get(algorithm, 50)
+            defaults = {"inner_steps": BY_REPLICAS if algorithm in STEPS_BY_REPLICAS else steps, "round_steps": steps}
             # a value other than the default (a dump of a whole config, or an assignment, holds the default)
-            set_steps = [f"--{n.replace('_', '-')}" for n in ("inner_steps", "round_steps") if data.get(n) not in (None, steps, str(steps))]
+            set_steps = [f"--{n.replace('_', '-')}" for n in ("inner_steps", "round_steps")
+                         if data.get(n) not in (None, defaults[n], str(defaults[n]))]
             if set_steps and _int_or(data.get("stages"), 1) > 1:
                 raise ValueError(f"{' and '.join(set_steps)} {'count' if len(set_steps) > 1 else 'counts'} a whole-model replica's steps per round; pipeline stages average "
                                  "every --sync-every seconds: set that instead (--stages > 1)")
             data = {**data}
             for name in ("inner_steps", "round_steps"):
                 if data.get(name) is None:
-                    data[name] = steps
+                    data[name] = defaults[name]
         return data
 
     @model_validator(mode="before")
@@ -255,12 +259,12 @@ class NodeConfig(BaseModel):
     @field_validator("inner_steps", mode="before")
     @classmethod
     def _inner_steps(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
+        if isinstance(value, str) and value.strip().lower() in ("auto", BY_REPLICAS):
+            return value.strip().lower()
         try:
             steps = int(value)
         except (TypeError, ValueError):
-            raise ValueError(f"expected a number of steps or 'auto', got {value!r}") from None
+            raise ValueError(f"expected a number of steps, 'auto' or '{BY_REPLICAS}', got {value!r}") from None
         if not 1 <= steps <= 1_000_000:
             raise ValueError(f"must lie in [1, 1000000], got {steps}")
         return steps
@@ -335,8 +339,18 @@ class NodeConfig(BaseModel):
     def max_round_samples(self) -> int:
         """The most samples one round can hold: what a peer's claimed sample count is capped at. With
         ``--inner-steps auto`` a fast peer takes up to ``AUTO_STEPS_MAX_FACTOR`` × the median's steps."""
-        steps = self.round_steps * AUTO_STEPS_MAX_FACTOR if self.inner_steps == "auto" else int(self.inner_steps)
-        return self.batch_size * steps
+        return self.batch_size * self.inner_steps_range[1]
+
+    @property
+    def inner_steps_range(self) -> tuple[int, int]:
+        """The fewest and the most inner steps a round of this node can hold: H, the by-replicas table's
+        range, or under ``--inner-steps auto`` one step to ``AUTO_STEPS_MAX_FACTOR`` × the median's."""
+        if self.inner_steps == "auto":
+            return 1, self.round_steps * AUTO_STEPS_MAX_FACTOR
+        if self.inner_steps == BY_REPLICAS:
+            steps = [h for _, h in STEPS_BY_REPLICAS[self.algorithm]]
+            return min(steps), max(steps)
+        return int(self.inner_steps), int(self.inner_steps)
 
     @property
     def outer_hyper(self) -> tuple[float, float]:

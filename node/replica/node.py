@@ -41,7 +41,7 @@ from gossip.outer import NesterovOuter, NoLoCoOuter
 from gossip.placement import OuterPlacement
 from gossip.state_transfer import DownloadedState, StateServer, StateSnapshot
 from gossip.byzantine import Attacker, parse_attacks
-from node.config import AUTO_STEPS_MAX_FACTOR, NodeConfig
+from node.config import AUTO_STEPS_MAX_FACTOR, BY_REPLICAS, NodeConfig, steps_for_replicas
 from node.replica.joiner import Joiner
 from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
 from node.runtime.base import NodeBase
@@ -68,6 +68,7 @@ class Daemon(NodeBase):
         self.tokens_per_s = 0.0
         self.compute_tokens_per_s = 0.0  # inner steps only, announced for --inner-steps auto
         self.peer_rates: dict[str, float] = {}
+        self.last_contributors = 0  # members of the last round in sync (--inner-steps by-replicas)
         self.round_target = 1
 
     # ---- lifecycle (node.runtime.base) ------------------------------------------------------------
@@ -168,6 +169,8 @@ class Daemon(NodeBase):
         """Inner steps until this node's next outer round: H/P, with H sized from this node's speed
         relative to the swarm's median under ``--inner-steps auto`` (so peers finish together)."""
         cfg = self.cfg
+        if cfg.inner_steps == BY_REPLICAS:
+            return sync_interval(max(steps_for_replicas(self._replicas(), cfg.algorithm), cfg.fragments), cfg.fragments)
         if cfg.inner_steps != "auto":
             return sync_interval(cfg.inner_steps, cfg.fragments)
         rates = [r for p, r in self.peer_rates.items() if r > 0 and p != self.summary.peer_id]
@@ -180,6 +183,13 @@ class Daemon(NodeBase):
             median = statistics.median([min(max(r, mine / bound), mine * bound) for r in rates] + [mine])
             steps = min(max(1, round(cfg.round_steps * mine / median)), AUTO_STEPS_MAX_FACTOR * cfg.round_steps)
         return sync_interval(max(steps, cfg.fragments), cfg.fragments)
+
+    def _replicas(self) -> int:
+        """How many replicas average together: the members of this node's last round in sync (every member of
+        a round counts the same ones), before any round the trainers whose records this node sees."""
+        if self.last_contributors:
+            return self.last_contributors
+        return 1 + sum(1 for p in self.peer_rates if p != self.summary.peer_id)
 
     # ---- joining -----------------------------------------------------------------------------
     def _established(self, peer: str) -> bool:
@@ -329,6 +339,7 @@ class Daemon(NodeBase):
             self.inner_step = 0
         else:
             m.outer_rounds.labels("alone" if len(result.contributors) == 1 else "completed").inc()
+            self.last_contributors = len(result.contributors)
             self.round += 1
             self.summary.outer_rounds += 1
             indices = self.plan.fragments[pending.fragment]

@@ -10,7 +10,7 @@ from node.config import ConfigError, NodeConfig, load_config
 def test_defaults():
     cfg = parse_join_args([])
     assert cfg == NodeConfig()
-    assert cfg.inner_steps == 50 and cfg.outer_hyper == (1.0, 0.7) and cfg.algorithm == "diloco" and cfg.codec == "none"
+    assert cfg.inner_steps == "by-replicas" and cfg.round_steps == 50 and cfg.outer_hyper == (1.0, 0.7) and cfg.algorithm == "diloco" and cfg.codec == "none"
 
 
 def test_algorithm_defaults_follow_the_papers():
@@ -30,9 +30,9 @@ def test_algorithm_defaults_follow_the_papers():
     assert parse_join_args(["--compression", "rot2"]).outer_hyper == (1.0, 0.5)
     assert parse_join_args(["--compression", "bf16"]).outer_hyper == (1.0, 0.7)
     assert parse_join_args(["--algorithm", "noloco", "--compression", "q2"]).outer_hyper == (1.0, 0.5)
-    # sparse rounds are cheap: SparseLoCo syncs more often unless told otherwise, and NoLoCo's pairs too
-    # (its paper syncs at half DiLoCo's interval)
-    assert (sparse.inner_steps, sparse.round_steps, noloco.inner_steps) == (30, 30, 30)
+    # sparse rounds are cheap: SparseLoCo syncs more often (by replica count) unless told otherwise, and
+    # NoLoCo's pairs too (its paper syncs at half DiLoCo's interval)
+    assert (sparse.inner_steps, sparse.round_steps, noloco.inner_steps) == ("by-replicas", 30, 30)
     assert parse_join_args(["--algorithm", "sparseloco", "--inner-steps", "12"]).inner_steps == 12
     assert parse_join_args(["--algorithm", "sparseloco", "--inner-steps", "auto"]).round_steps == 30
 
@@ -48,7 +48,8 @@ def test_streaming_and_auto_steps_options():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--inner-steps", "soon"], "number of steps or 'auto'"),
+        (["--inner-steps", "soon"], "number of steps, 'auto' or 'by-replicas'"),
+        (["--algorithm", "noloco", "--inner-steps", "by-replicas"], "by-replicas sizes diloco's and sparseloco's rounds"),
         (["--inner-steps", "0"], "[1, 1000000]"),
         (["--algorithm", "noloco", "--fragments", "2"], "noloco sends whole models"),
         (["--fragments", "4", "--inner-steps", "3"], "at least as many inner steps"),

@@ -10,6 +10,7 @@ import pytest
 from node.cli.app import join_flags, parse_join_args
 from node.cli.options import TABLE_BEGIN, TABLE_END, default_text, flag_name, markdown_table, readme_with_table
 from node.config import OUTER_DEFAULTS, NodeConfig
+from node.config.defaults import by_replicas_text
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -58,10 +59,10 @@ def test_outer_defaults_in_the_help_are_the_ones_in_force() -> None:
 
 def test_inner_steps_default_in_the_help_is_the_one_in_force() -> None:
     shown = default_text("inner_steps")
-    assert shown.startswith(f"{parse_join_args([]).inner_steps};")
-    for algorithm in ("noloco", "sparseloco"):
-        steps = parse_join_args(["--algorithm", algorithm]).inner_steps
-        assert re.search(rf"\b{steps} for [a-z ]*{algorithm}", shown), shown
+    assert shown.startswith(f"{parse_join_args([]).inner_steps} ({by_replicas_text('diloco')})")
+    steps = parse_join_args(["--algorithm", "noloco"]).inner_steps
+    assert re.search(rf"\b{steps} for [a-z ]*noloco", shown), shown
+    assert f"by-replicas ({by_replicas_text('sparseloco')}) for sparseloco" in shown
 
 
 def test_env_and_flag_spellings() -> None:

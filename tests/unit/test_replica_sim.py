@@ -9,7 +9,7 @@ import torch
 
 from benchmarks.replica_gap import SINGLE, gaps, parse_outer, sparseloco_recipe
 from benchmarks.replica_sim import Recipe, combine, replica_batches, simulate_diloco, simulate_single
-from node.config.node_config import NodeConfig
+from node.config import NodeConfig, steps_for_replicas
 from node.data.byte_corpus import load_embedded_corpus
 from node.data.bytes import validation_batches
 
@@ -68,6 +68,9 @@ def test_the_simulation_combines_updates_as_a_node_does() -> None:
 
 def test_sparseloco_runs_at_a_nodes_defaults() -> None:
     cfg = NodeConfig(algorithm="sparseloco")
-    recipe = sparseloco_recipe(Recipe(rounds=20, inner_steps=30))
-    assert (recipe.inner_steps, recipe.rounds, recipe.codec, recipe.aggregate) == (int(cfg.inner_steps), 20, cfg.codec, cfg.aggregation)
-    assert (recipe.outer_lr, recipe.outer_momentum, recipe.feedback_decay) == (*cfg.outer_hyper, cfg.feedback_decay())
+    for nodes in (2, 8):
+        recipe = sparseloco_recipe(Recipe(rounds=20, inner_steps=30), nodes)
+        h = steps_for_replicas(nodes, "sparseloco")
+        assert (recipe.nodes, recipe.inner_steps, recipe.rounds) == (nodes, h, 600 // h)
+        assert (recipe.codec, recipe.aggregate) == (cfg.codec, cfg.aggregation)
+        assert (recipe.outer_lr, recipe.outer_momentum, recipe.feedback_decay) == (*cfg.outer_hyper, cfg.feedback_decay())
