@@ -283,7 +283,11 @@ class Daemon(NodeBase):
                 self._finish_pending()
                 self._start_round(samples)
                 samples = 0
-                self.round_target = self._round_steps()
+                target = self._round_steps()
+                if target != self.round_target and self.cfg.inner_steps == BY_REPLICAS:
+                    logger.info("a round every %d inner steps from now on: %d replicas averaged in the last one (--inner-steps %s)",
+                                target, self._replicas(), BY_REPLICAS)
+                self.round_target = target
                 self.metrics.round_inner_steps.set(self.round_target)
         self._finish_pending(final=True)
 

@@ -12,6 +12,7 @@ import signal
 
 import pytest
 
+from node.config import steps_for_replicas
 from swarm.models.presets import preset
 from tests.helpers.swarm_utils import FAST_ARGS, start_node
 
@@ -75,7 +76,7 @@ def test_noloco_partner_killed_mid_run_costs_at_most_one_deadline(tmp_path, node
 # Each mode of the replica daemon, live with 2 nodes: ``make test`` runs a few rounds of each, ``make
 # test-slow`` the same checks over more rounds and with a held-out loss target.
 MODES = {
-    "sparse": ["--algorithm", "sparseloco"],
+    "sparse": ["--algorithm", "sparseloco", "--inner-steps", "by-replicas"],  # its default, over FAST_ARGS' 15
     "stream": ["--fragments", "2", "--overlap", "--inner-steps", "20"],  # overlap asap
     "eager": ["--overlap", "--overlap-mode", "eager", "--inner-steps", "10"],
     "delayed": ["--overlap", "--overlap-mode", "delayed"],
@@ -120,6 +121,12 @@ def _check_mode(mode: str, infos: list[dict], rounds: int) -> None:
         assert 0 < sum(sent) / len(sent) < 20_000, sent
         # the averaged rounds go on lowering the held-out loss
         assert settled[-1][0]["val_loss"] < settled[0][0]["val_loss"], [ra["val_loss"] for ra, _ in settled]
+        # H by replica count: two replicas take the table's H for two (rounds after a state jump may be shorter)
+        jumps = [e["t"] for e in a["events"] if e["event"] in JUMPS]
+        rs = _rounds(a)
+        regular = [r for prev, r in zip(rs, rs[1:]) if not any(prev["t"] <= t <= r["t"] for t in jumps)]
+        assert len(regular) >= 2 and all(r["steps"] == steps_for_replicas(2, "sparseloco") for r in regular), \
+            [(r["round"], r["steps"], r["contributors"]) for r in rs]
     elif mode == "stream":
         assert [ra["fragment"] for ra, _ in settled] == [ra["round"] % 2 for ra, _ in settled], "fragments take turns"
         assert {ra["fragment"] for ra, _ in settled} == {0, 1}
