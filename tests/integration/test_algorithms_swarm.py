@@ -106,6 +106,15 @@ def _settled_joint_rounds(infos: list[dict]) -> list[tuple[dict, dict]]:
     return [(by_round[0][n], by_round[1][n]) for n in sorted(set(by_round[0]) & set(by_round[1]))]
 
 
+def _regular_rounds(info: dict) -> list[dict]:
+    """The rounds of a node that follow another round with no state jump between them: a node that caught up
+    with its peer (or resynced) takes over the peer's progress into the round, so the round after that is
+    legitimately shorter; every other round takes the node's H (H/P with fragments)."""
+    jumps = [e["t"] for e in info["events"] if e["event"] in JUMPS]
+    rs = _rounds(info)
+    return [r for prev, r in zip(rs, rs[1:]) if not any(prev["t"] <= t <= r["t"] for t in jumps)]
+
+
 def _check_mode(mode: str, infos: list[dict], rounds: int) -> None:
     a, b = infos
     settled = _settled_joint_rounds(infos)
@@ -122,21 +131,15 @@ def _check_mode(mode: str, infos: list[dict], rounds: int) -> None:
         # the averaged rounds go on lowering the held-out loss
         assert settled[-1][0]["val_loss"] < settled[0][0]["val_loss"], [ra["val_loss"] for ra, _ in settled]
         # H by replica count: two replicas take the table's H for two (rounds after a state jump may be shorter)
-        jumps = [e["t"] for e in a["events"] if e["event"] in JUMPS]
-        rs = _rounds(a)
-        regular = [r for prev, r in zip(rs, rs[1:]) if not any(prev["t"] <= t <= r["t"] for t in jumps)]
+        regular = _regular_rounds(a)
         assert len(regular) >= 2 and all(r["steps"] == steps_for_replicas(2, "sparseloco") for r in regular), \
-            [(r["round"], r["steps"], r["contributors"]) for r in rs]
+            [(r["round"], r["steps"], r["contributors"]) for r in _rounds(a)]
     elif mode == "stream":
         assert [ra["fragment"] for ra, _ in settled] == [ra["round"] % 2 for ra, _ in settled], "fragments take turns"
         assert {ra["fragment"] for ra, _ in settled} == {0, 1}
-        # a node that caught up with its peer (or resynced) takes over the peer's progress into the
-        # round, so the round after that is legitimately shorter; every other round takes H/P steps
-        jumps = [e["t"] for e in a["events"] if e["event"] in JUMPS]
-        rs = _rounds(a)
-        regular = [r for prev, r in zip(rs, rs[1:]) if not any(prev["t"] <= t <= r["t"] for t in jumps)]
+        regular = _regular_rounds(a)
         assert len(regular) >= 2 and all(r["steps"] == 10 for r in regular), \
-            f"a round every H/P = 10 steps: {[(r['round'], r['steps']) for r in rs]}, jumps at {jumps}"
+            f"a round every H/P = 10 steps: {[(r['round'], r['steps']) for r in _rounds(a)]}"
     elif mode == "delayed":
         # a round's result is applied when the next round starts: the first node, which never jumped,
         # applies round r at exactly (r + 2)·H steps (asap would apply a quick round a step after it began)
