@@ -94,6 +94,31 @@ def gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def plot(summary: list[dict[str, Any]], path: Path) -> None:
+    """The gap to one process against the replica count, one line per recipe (mean, bars: min to max over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for config in sorted({s["config"] for s in summary if s["config"] != SINGLE}):
+        rows = sorted((s for s in summary if s["config"] == config and s["gap_mean"] is not None), key=lambda s: s["nodes"])
+        nodes = [s["nodes"] for s in rows]
+        mean = [100 * s["gap_mean"] for s in rows]
+        spread = [[100 * (s["gap_mean"] - s["gap_min"]) for s in rows], [100 * (s["gap_max"] - s["gap_mean"]) for s in rows]]
+        ax.errorbar(nodes, mean, yerr=spread, marker="o", capsize=3, label=config)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({s["nodes"] for s in summary}), labels=[str(n) for n in sorted({s["nodes"] for s in summary})])
+    ax.set_xlabel("replicas")
+    ax.set_ylabel("held-out loss vs one process on the same tokens (%)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 _WORKER: dict[str, Any] = {}
 
 
@@ -113,6 +138,7 @@ def _run_task(task: tuple[int, str, int, Recipe]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--plot", action="store_true", help="only draw --out's plot (FILE.png beside it) from its summary")
     parser.add_argument("--model", default="nano")
     parser.add_argument("--nodes", default="2,4,8")
     parser.add_argument("--outer", default="0.7:0.9", help="comma-separated η:μ[:plain][:wN]")
@@ -135,6 +161,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     args = parser.parse_args()
+    if args.plot:
+        plot(json.loads(args.out.read_text())["summary"], args.out.with_suffix(".png"))
+        return
     meta = results_io.begin()
     hs = [int(x) for x in args.h.split(",")]
     outers = [parse_outer(x) for x in args.outer.split(",")]
@@ -178,6 +207,7 @@ def main() -> None:
     result = {"command": "python -m benchmarks.replica_gap " + " ".join(sys.argv[1:]), "environment": env,
               "recipe": asdict(base), "total_steps": args.total_steps, "runs": rows, "summary": gaps(rows)}
     results_io.write(args.out, result, meta)
+    plot(result["summary"], args.out.with_suffix(".png"))
     for row in result["summary"]:
         print(json.dumps(row))
     print(f"wrote {args.out} (its table: python -m benchmarks.tables, `replica_gap`)")

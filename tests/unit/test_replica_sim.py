@@ -74,3 +74,12 @@ def test_sparseloco_runs_at_a_nodes_defaults() -> None:
         assert (recipe.nodes, recipe.inner_steps, recipe.rounds) == (nodes, h, 600 // h)
         assert (recipe.codec, recipe.aggregate) == (cfg.codec, cfg.aggregation)
         assert (recipe.outer_lr, recipe.outer_momentum, recipe.feedback_decay) == (*cfg.outer_hyper, cfg.feedback_decay())
+
+
+def test_the_plot_draws_every_recipe_from_a_summary(tmp_path) -> None:
+    from benchmarks.replica_gap import plot
+
+    summary = [{"nodes": n, "config": c, "gap_mean": g, "gap_min": g - 0.01, "gap_max": g + 0.01}
+               for n in (2, 8) for c, g in ((SINGLE, 0.0), ("H50 η1 μ0.7", 0.02 * n))]
+    plot(summary, tmp_path / "gap.png")
+    assert (tmp_path / "gap.png").stat().st_size > 1000
