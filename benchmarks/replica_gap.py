@@ -37,7 +37,7 @@ import torch
 
 from benchmarks import results_io
 from benchmarks.replica_sim import Recipe, simulate_diloco, simulate_single
-from node.config import BY_REPLICAS, NodeConfig, steps_for_replicas
+from node.config import NodeConfig
 from node.data.byte_corpus import load_embedded_corpus
 from node.data.bytes import validation_batches
 from swarm.models.presets import PRESETS
@@ -52,7 +52,7 @@ def sparseloco_recipe(base: Recipe, nodes: int) -> Recipe:
     follows the defaults."""
     cfg = NodeConfig(algorithm="sparseloco")
     outer_lr, momentum = cfg.outer_hyper
-    h = steps_for_replicas(nodes, "sparseloco") if cfg.inner_steps == BY_REPLICAS else int(cfg.inner_steps)
+    h = cfg.steps_for(nodes) or cfg.round_steps
     return replace(base, nodes=nodes, inner_steps=h, rounds=base.total_steps // h, codec=cfg.codec,
                    feedback_decay=cfg.feedback_decay(), outer_lr=outer_lr, outer_momentum=momentum, nesterov=True,
                    outer_warmup_rounds=cfg.outer_warmup, aggregate=cfg.aggregation)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from node.config.defaults import BY_REPLICAS, STEPS_BY_REPLICAS
+
 
 def _default(cfg: Any, name: str) -> Any:
     return type(cfg).model_fields[name].default
@@ -66,7 +68,7 @@ def check_combinations(cfg: Any) -> None:
         raise ValueError("pipeline stages average with --algorithm diloco (any --compression)")
     if cfg.fragments > layers:
         raise ValueError(f"--fragments {cfg.fragments}: model {cfg.model!r} has only {layers} blocks to split")
-    if cfg.inner_steps == "by-replicas" and cfg.algorithm not in ("diloco", "sparseloco"):
+    if cfg.inner_steps == BY_REPLICAS and cfg.algorithm not in STEPS_BY_REPLICAS:
         raise ValueError(f"--inner-steps by-replicas sizes diloco's and sparseloco's rounds (what it was measured for); give "
                          f"--algorithm {cfg.algorithm} a number of steps or auto")
     steps = cfg.round_steps if cfg.inner_steps == "auto" else cfg.inner_steps_range[0]

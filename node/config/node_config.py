@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 from node.config.defaults import (
     AUTO_STEPS_MAX_FACTOR, AVG, BY_REPLICAS, DEFAULT_INNER_STEPS, LOSSLESS_CODECS, LOSSY_DILOCO_OUTER,
     LOSSY_FEEDBACK_DECAY, LOSSY_WARMUP_ROUNDS, OPS, OUTER_DEFAULTS, PIPE, SEED_DILOCO_OUTER, SPARSE_CODEC, STEPS_BY_REPLICAS,
-    SWARM, TRAIN, by_algorithm, by_replicas_text, outer_default_text, option,
+    SWARM, TRAIN, by_algorithm, by_replicas_text, outer_default_text, option, steps_for_replicas,
 )
 from node.config.combinations import check_combinations
 from node.errors import UserError
@@ -340,6 +340,13 @@ class NodeConfig(BaseModel):
         """The most samples one round can hold: what a peer's claimed sample count is capped at. With
         ``--inner-steps auto`` a fast peer takes up to ``AUTO_STEPS_MAX_FACTOR`` × the median's steps."""
         return self.batch_size * self.inner_steps_range[1]
+
+    def steps_for(self, replicas: int) -> int | None:
+        """H for a round of ``replicas`` members: the number given, the by-replicas table's, or None under
+        ``--inner-steps auto`` (sized from the node's speed instead)."""
+        if self.inner_steps == "auto":
+            return None
+        return steps_for_replicas(replicas, self.algorithm) if self.inner_steps == BY_REPLICAS else int(self.inner_steps)
 
     @property
     def inner_steps_range(self) -> tuple[int, int]:

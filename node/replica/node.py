@@ -41,7 +41,7 @@ from gossip.outer import NesterovOuter, NoLoCoOuter
 from gossip.placement import OuterPlacement
 from gossip.state_transfer import DownloadedState, StateServer, StateSnapshot
 from gossip.byzantine import Attacker, parse_attacks
-from node.config import AUTO_STEPS_MAX_FACTOR, BY_REPLICAS, NodeConfig, steps_for_replicas
+from node.config import AUTO_STEPS_MAX_FACTOR, BY_REPLICAS, NodeConfig
 from node.replica.joiner import Joiner
 from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
 from node.runtime.base import NodeBase
@@ -166,13 +166,13 @@ class Daemon(NodeBase):
 
     # ---- what travels ------------------------------------------------------------------------
     def _round_steps(self) -> int:
-        """Inner steps until this node's next outer round: H/P, with H sized from this node's speed
-        relative to the swarm's median under ``--inner-steps auto`` (so peers finish together)."""
+        """Inner steps until this node's next outer round: H/P, with H the number given, the by-replicas table's
+        for the replicas of the last round, or under ``--inner-steps auto`` sized from this node's speed
+        relative to the swarm's median (so peers finish together)."""
         cfg = self.cfg
-        if cfg.inner_steps == BY_REPLICAS:
-            return sync_interval(max(steps_for_replicas(self._replicas(), cfg.algorithm), cfg.fragments), cfg.fragments)
-        if cfg.inner_steps != "auto":
-            return sync_interval(cfg.inner_steps, cfg.fragments)
+        fixed = cfg.steps_for(self._replicas())
+        if fixed is not None:
+            return sync_interval(fixed, cfg.fragments)  # config validation keeps every H ≥ --fragments
         rates = [r for p, r in self.peer_rates.items() if r > 0 and p != self.summary.peer_id]
         mine = self.compute_tokens_per_s
         steps = cfg.round_steps
