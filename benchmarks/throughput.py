@@ -271,6 +271,19 @@ def measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
     return run
 
 
+def estimated_training_mb(args: argparse.Namespace, model: str, device: torch.device) -> float:
+    """What ``node join --dry-run`` estimates the daemon's training needs on ``device`` (MiB), without the
+    fixed parts (process runtime, CUDA context and slack): the figure to hold against ``peak_mem_mb``."""
+    from node.config import NodeConfig
+    from node.ops.memory import architecture, estimate
+
+    cfg = NodeConfig(model=model, device=device.type, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
+                     activation_checkpointing=args.activation_checkpointing)
+    where = "VRAM" if device.type == "cuda" else "RAM"
+    est = estimate(cfg, architecture(cfg), device.type, (0, 0))
+    return round(sum(r.nbytes for r in est.rows if r.where == where and not r.what.startswith(("runtime", "CUDA"))) / 2**20, 1)
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -311,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     report: dict[str, Any] = {"device": device_name(device), "torch": torch.__version__, "options": vars(args) | {"out": str(args.out)},
                               "runs": [], "skipped": skipped}
     for model in models:
-        report["runs"].append(measure(args, model))
+        report["runs"].append(measure(args, model) | {"estimated_mem_mb": estimated_training_mb(args, model, device)})
         print(json.dumps(report["runs"][-1]), flush=True)
     results_io.write(args.out, report, meta)
 
