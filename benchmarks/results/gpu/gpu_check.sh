@@ -1,4 +1,8 @@
 #!/bin/bash
+# The GPU checks of docs/benchmarks.md "On a GPU: one H100", run from the repository root on a machine whose
+# python3 has a CUDA torch. OUT: the folder for the results. .whl: wheels (cp312) of the compiled packages that
+# machine lacked (pydantic_core, cffi, cryptography, blake3, mmh3); .gpu/site: the pure-Python ones (hivemind with
+# its p2pd, pydantic, multiaddr and their needs) copied from this project's virtual environment.
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site:$PWD/.gpu/site
