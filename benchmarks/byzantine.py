@@ -5,8 +5,11 @@
 Every run is N replicas of one model trained in this process, one after another, with the real
 pieces a node uses: ``LocalTrainer`` (inner AdamW), the embedded corpus (each replica its own data
 seed), ``gossip.aggregate`` with the run's sample cap (batch size × H), ``gossip.byzantine`` for the
-attackers and the outer step of the algorithm (DiLoCo: Nesterov η 0.7, μ 0.9, dense; SparseLoCo:
-top-k 64/4096 + 2-bit with error feedback β 0.95, SGD η 2). No network: what is measured is what the
+attackers and the outer step, codec, error feedback and H of the algorithm as ``NodeConfig``'s defaults
+set them (H by replica count, ``--inner-steps by-replicas``; every config runs the same inner steps in
+all, the scale's rounds × H, so fewer rounds where H is larger). An aggregator named ``X+scores`` is
+``X`` after the contribution screen (``gossip.scores``, the node's ``--contribution-scores``), with
+the node's own scorer (``node.replica.scoring``). No network: what is measured is what the
 aggregation lets through, which is where an attack acts; the live test (tests/integration/
 test_byzantine_swarm.py) shows the same defence in real daemons.
 
@@ -36,8 +39,11 @@ from compression.feedback import ErrorFeedback
 from gossip.aggregate import aggregate
 from gossip.byzantine import Attacker, parse_attacks
 from gossip.outer import NesterovOuter
+from gossip.scores import ContributionScorer
+from node.config import NodeConfig
 from node.data.byte_corpus import load_embedded_corpus
 from node.data.bytes import ByteBatches, validation_batches
+from node.replica.scoring import SCORE_ROWS, SCORE_SEED, ModelLoss, scoring_batches
 from node.runtime.local_training import LocalTrainer
 from swarm.models.presets import PRESETS
 
@@ -48,43 +54,61 @@ ATTACKS = ("samples", "scale:50", "sign", "noise", "alie", "ipm", "stale", "conc
 class Scale:
     model: str
     rounds: int
-    inner_steps: int
+    inner_steps: int  # 0: the node's default H for each replica count (the scale's inner steps in all stay rounds × 20)
     batch_size: int
     eval_batches: int
     configs: tuple[tuple[int, int], ...]  # (nodes, attackers)
 
 
 SCALES = {
-    "quick": Scale("nano", 12, 20, 16, 8, ((4, 1), (8, 2))),
-    "full": Scale("tiny", 20, 30, 16, 16, ((4, 1), (8, 2))),
+    "quick": Scale("nano", 12, 0, 16, 8, ((4, 1), (8, 2))),
+    "full": Scale("tiny", 20, 0, 16, 16, ((4, 1), (8, 2))),
 }
+TOTAL_STEPS_PER_ROUND = 20  # with inner_steps 0: a run's inner steps are rounds × this, whatever H
 ALGORITHMS = {  # aggregators compared per algorithm; the first is the plain baseline
-    "diloco": ("mean", "centered-clip", "trimmed-mean", "median-clip"),
-    "sparseloco": ("sparse-mean", "sparse-clip"),
+    "diloco": ("mean", "centered-clip", "centered-clip+scores", "trimmed-mean", "median-clip"),
+    "sparseloco": ("sparse-mean", "sparse-clip", "sparse-clip+scores"),
 }
+
+
+def schedule(algorithm: str, nodes: int, scale: Scale) -> tuple[int, int]:
+    """(rounds, H) of a run: the scale's, or the node's default H with the same inner steps in all."""
+    if scale.inner_steps:
+        return scale.rounds, scale.inner_steps
+    h = NodeConfig(algorithm=algorithm).steps_for(nodes)
+    assert h is not None
+    return max(1, scale.rounds * TOTAL_STEPS_PER_ROUND // h), h
 
 
 def run_one(algorithm: str, method: str, attack: str | None, nodes: int, attackers: int, seed: int,
             scale: Scale, corpus: Any, val: list) -> dict[str, Any]:
-    """One simulated run; returns its held-out loss and what the aggregator dropped or clipped."""
+    """One simulated run; returns its held-out loss and what the aggregator and the screen dropped or clipped."""
     cfg = PRESETS[scale.model]
+    defaults = NodeConfig(algorithm=algorithm)
+    rounds, h = schedule(algorithm, nodes, scale)
     trainers = [LocalTrainer(cfg=cfg, device=torch.device("cpu"), lr=1e-3, warmup_steps=20, seed=1000 + seed) for _ in range(nodes)]
     data = [ByteBatches(data=corpus.train, batch_size=scale.batch_size, context=cfg.context, seed=seed * 100 + i) for i in range(nodes)]
     phi = [p.detach().clone() for p in trainers[0].parameters()]
     sparse = algorithm == "sparseloco"
-    outer = NesterovOuter(lr=2.0, momentum=0.0) if sparse else NesterovOuter(lr=0.7, momentum=0.9)
-    codec = get_codec("topk:64/4096+q2") if sparse else None
-    feedback = [[ErrorFeedback(0.95) for _ in phi] for _ in range(nodes)] if sparse else None
+    outer_lr, outer_momentum = defaults.outer_hyper
+    outer = NesterovOuter(lr=outer_lr, momentum=outer_momentum, nesterov=algorithm == "diloco")
+    codec = get_codec(defaults.codec) if sparse else None
+    feedback = [[ErrorFeedback(defaults.feedback_decay()) for _ in phi] for _ in range(nodes)] if sparse else None
+    method, scored = method.removesuffix("+scores"), method.endswith("+scores")
+    scorer = None
+    if scored:
+        batches = scoring_batches(ByteBatches(data=corpus.train, batch_size=SCORE_ROWS, context=cfg.context, seed=SCORE_SEED))
+        scorer = ContributionScorer(ModelLoss(cfg, batches, torch.device("cpu")).loss_for)
     hostile = {nodes - 1 - k: Attacker(parse_attacks(attack), seed=seed * 31 + k) for k in range(attackers)} if attack else {}
     peers = [f"peer{i:02d}" for i in range(nodes)]
-    max_samples = scale.batch_size * scale.inner_steps
-    clipped_honest = dropped_honest = 0
+    max_samples = scale.batch_size * h
+    clipped_honest = dropped_honest = screened_honest = screened_hostile = 0
     t0 = time.time()
-    for r in range(scale.rounds):
+    for r in range(rounds):
         deltas = []
         for i, (trainer, batches) in enumerate(zip(trainers, data)):
             trainer.load_weights(phi)
-            for _ in range(scale.inner_steps):
+            for _ in range(h):
                 trainer.step(*batches.next())
             delta = [p.detach() - t.detach() for p, t in zip(phi, trainer.parameters())]
             if sparse:
@@ -104,15 +128,27 @@ def run_one(algorithm: str, method: str, attack: str | None, nodes: int, attacke
                 d, s = delta, max_samples
             sent.append(d)
             samples.append(s)
-        agg = aggregate(peers, sent, samples, method, max_samples=max_samples)
+        members = list(range(nodes))
+        if scorer is not None:
+            shown = scorer(r, phi, {peers[i]: sent[i] for i in members})
+            screened_honest += sum(1 for p in shown.dropped if int(p[4:]) not in hostile)
+            screened_hostile += sum(1 for p in shown.dropped if int(p[4:]) in hostile)
+            members = [i for i in members if peers[i] not in shown.dropped]
+            if not members:
+                continue
+        agg = aggregate([peers[i] for i in members], [sent[i] for i in members], [samples[i] for i in members], method,
+                        max_samples=max_samples)
         clipped_honest += sum(1 for p in agg.clipped if int(p[4:]) not in hostile)
         dropped_honest += sum(1 for p in agg.dropped if int(p[4:]) not in hostile)
         outer.step(phi, agg.update, round_no=r)
     trainers[0].load_weights(phi)
     loss = trainers[0].evaluate(val)
-    return {"algorithm": algorithm, "aggregator": method, "attack": attack or "none", "nodes": nodes, "attackers": attackers,
-            "seed": seed, "val_loss": loss, "honest_clipped": clipped_honest, "honest_dropped": dropped_honest,
-            "seconds": round(time.time() - t0, 1)}
+    row = {"algorithm": algorithm, "aggregator": method + ("+scores" if scored else ""), "attack": attack or "none", "nodes": nodes,
+           "attackers": attackers, "seed": seed, "rounds": rounds, "inner_steps": h, "val_loss": loss,
+           "honest_clipped": clipped_honest, "honest_dropped": dropped_honest, "seconds": round(time.time() - t0, 1)}
+    if scored:
+        row.update(honest_screened=screened_honest, hostile_screened=screened_hostile)
+    return row
 
 
 def _environment() -> dict[str, Any]:

@@ -348,6 +348,10 @@ class DiLoCoAverager(GroupAverager):
         if not result.in_sync:
             return
         used = result.contributors
+        if self.scorer is not None and rnd.grouping is None:  # the node sets a scorer only where φ is the whole model
+            used = await self._screen(rnd, contributions, result)
+            if not used:
+                return  # every update raised the loss: φ stays as it was, on every member alike
         agg = await asyncio.to_thread(self.combine, used, [contributions[p].decoded for p in used],
                                       [contributions[p].samples for p in used], self._weights_method(rnd, len(used)))
         result.failures.update(agg.dropped)
@@ -361,6 +365,16 @@ class DiLoCoAverager(GroupAverager):
             result.others_sum = self.partition.join(summed, rnd.shapes)  # type: ignore[arg-type]
             result.others_samples = sum(weights.values())
         await self._apply(rnd, agg.update)
+
+    async def _screen(self, rnd: _Round, contributions: dict[str, Contribution], result: RoundResult) -> list[str]:
+        """The contributors whose whole update does not raise the loss (``gossip.scores``)."""
+        assert self.scorer is not None
+        updates = {p: self.partition.join(contributions[p].decoded, rnd.shapes) for p in result.contributors}
+        shown = await asyncio.to_thread(self.scorer, rnd.number, rnd.phi, updates)
+        result.gains = shown.gains
+        result.failures.update(shown.dropped)
+        result.contributors = shown.kept
+        return shown.kept
 
     async def _reduce_scatter(self, round_no: int, owners: dict[str, list[int]], contributions: dict[str, Contribution],
                               my_decoded: list[torch.Tensor], used: list[str], majority_fp: str, result: RoundResult,

@@ -21,6 +21,7 @@ from gossip.byzantine import Attacker
 from gossip.deadline import AdaptiveDeadline
 from gossip.exchange import RoundExchange
 from gossip.partition import Partition
+from gossip.scores import ContributionScorer
 from protocol.ratelimit import RateLimits, mbit_to_bytes_per_s
 from protocol.records import RoundEntry
 
@@ -43,6 +44,7 @@ class RoundResult:
     norms: dict[str, float] = field(default_factory=dict)
     clipped: dict[str, float] = field(default_factory=dict)  # robust aggregation: members scaled down, by the factor kept
     capped: dict[str, int] = field(default_factory=dict)  # members whose claimed samples were cut: their claim
+    gains: dict[str, float] = field(default_factory=dict)  # contribution screen: each member's loss gain (gossip.scores)
     update_norm: float = 0.0
     others_sum: list[torch.Tensor] | None = None  # Σ_{j≠self} samples_j·Δ_j of the members used (eager updates)
     others_samples: int = 0
@@ -57,6 +59,7 @@ class GroupAverager:
     and the timing of the rendezvous and fetches."""
 
     back_off = False  # whether incomplete rounds in a row lengthen the rendezvous deadline (gossip.deadline)
+    scorer: ContributionScorer | None = None  # screens whole updates by their loss before they are averaged
 
     def __init__(self, dht: DHTNode, validator: RSASignatureValidator, exchange: RoundExchange, run_id: str, peer_id: str,
                  outer: object, gather_timeout: float, fetch_timeout: float, partition: Partition, aggregation: str,

@@ -141,6 +141,9 @@ class NodeConfig(BaseModel):
         None, "mean | sparse-mean | centered-clip | sparse-clip | median-clip | trimmed-mean: how updates are combined; all "
         "but the first two bound what any one peer can do to the model", AVG,
         default_text="centered-clip (sparse-clip for sparseloco); with --swarm-key: mean (sparse-mean)")
+    contribution_scores: Literal["auto", "on", "off"] = option(
+        "auto", "auto | on | off: before averaging, score each member's update by the loss it gives applied alone and drop "
+        "those that raise it (diloco, sparseloco rounds that gather whole updates); auto: on without --swarm-key", AVG)
     zo_eps: float = option(1e-3, "zo: perturbation size ε of each step's two loss evaluations at θ ± εz", AVG, gt=0, le=1)
     zo_lr: float = option(1e-4, "zo: learning rate of every one-byte step (θ moves by −lr·g·z); each peer's steps are applied, "
                           "so lower it for many peers", AVG, gt=0, le=1)
@@ -318,6 +321,14 @@ class NodeConfig(BaseModel):
         if self.compression is not None:
             return self.compression
         return SPARSE_CODEC if self.algorithm == "sparseloco" else "none"
+
+    @property
+    def scores_contributions(self) -> bool:
+        """Whether rounds screen each update by its loss (``gossip.scores``): asked for, or an open swarm of
+        DiLoCo or SparseLoCo (NoLoCo averages weights in pairs and zo sends seeds, not updates)."""
+        if self.contribution_scores != "auto":
+            return self.contribution_scores == "on" and self.algorithm in ("diloco", "sparseloco")
+        return self.swarm_key is None and self.algorithm in ("diloco", "sparseloco")
 
     @property
     def aggregation(self) -> str:

@@ -218,6 +218,8 @@ def estimate(cfg: NodeConfig, model_cfg: Any, device: str, free: tuple[int, int 
             what = (f"activations (micro-batch {rows_per_pass} × {model_cfg.context} tokens"
                     f"{', checkpointed' if cfg.activation_checkpointing else ''})")
         rows.append(Row(what, dev, act))
+        if stage is None and cfg.scores_contributions and cfg.fragments == 1:
+            rows.append(Row("contribution scoring model (fp32, --contribution-scores)", dev, p4))
         if cfg.feedback_decay() > 0:
             rows.append(Row(f"error-feedback residual ({cfg.codec})", "RAM", p4))
         rows.append(Row(f"round buffers (Δ, decoded mean, {cfg.codec} payload)", "RAM", 2 * p4 + _payload_bytes(cfg.codec, params)))

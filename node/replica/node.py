@@ -44,6 +44,7 @@ from gossip.byzantine import Attacker, parse_attacks
 from node.config import AUTO_STEPS_MAX_FACTOR, BY_REPLICAS, NodeConfig
 from node.replica.joiner import Joiner
 from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
+from node.replica.scoring import build_scorer
 from node.runtime.base import NodeBase
 from node.runtime.local_training import LocalTrainer
 from node.runtime.mfu import flops_per_token, mfu, peak_flops, peak_memory_mb
@@ -122,6 +123,8 @@ class Daemon(NodeBase):
                 weight_codec=self.plan.phi_codec, max_samples=cfg.max_round_samples, attacker=attacker,
             )
             self.averager.reachable = self.reachable
+            if cfg.scores_contributions and cfg.fragments == 1:  # a fragment's φ is not a model to score
+                self.averager.scorer = build_scorer(self.model_cfg, self.workload, self.device)
         self.rounds = RoundRunner(net=net, averager=self.averager, eager=cfg.overlap and cfg.overlap_mode == "eager",
                                   before_gather=self._heartbeat, stop=self.stop, final_timeout=2 * cfg.averaging_timeout + 30,
                                   placement=self.placement)
@@ -152,7 +155,8 @@ class Daemon(NodeBase):
     def _status_fields(self) -> dict[str, Any]:
         cfg = self.cfg
         return {"inner_step": self.inner_step, "tokens_per_s": self.tokens_per_s, "algorithm": cfg.algorithm, "compression": cfg.codec,
-                "fragments": cfg.fragments, "round_steps": self.round_target}
+                "fragments": cfg.fragments, "round_steps": self.round_target,
+                "peer_scores": self.averager.scorer.peers.snapshot() if getattr(self.averager, "scorer", None) else {}}
 
     def _checkpoint_state(self) -> dict[str, Any]:
         return {"inner_steps_total": self.trainer.steps, "phi": [t.to("cpu", copy=True) for t in self.phi],
@@ -332,7 +336,7 @@ class Daemon(NodeBase):
                   "fingerprint": "", "loss": self.last_loss, "tokens": self.summary.steps * self.cfg.batch_size * self.trainer.model.cfg.context,
                   "norms": {p[-8:]: round(n, 6) for p, n in result.norms.items()}, "update_norm": round(result.update_norm, 6),
                   "aggregation": self.cfg.aggregation, "clipped": {p[-8:]: round(f, 4) for p, f in result.clipped.items()},
-                  "capped": {p[-8:]: n for p, n in result.capped.items()},
+                  "capped": {p[-8:]: n for p, n in result.capped.items()}, "gains": {p[-8:]: round(g, 6) for p, g in result.gains.items()},
                   "scheme": "reduce-scatter" if result.reduce_scatter else "all-gather", "groups": result.groups, "group_tag": result.group_tag}
         record["average_bytes_sent"], record["average_bytes_received"] = self.traffic_since_last("average")
         if not result.in_sync:

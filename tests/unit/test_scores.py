@@ -1,0 +1,119 @@
+"""Contribution scores (gossip.scores) and the node's model scorer (node.replica.scoring)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gossip.scores import ContributionScorer, PeerScores, Screen, screen
+from node.config import NodeConfig
+from node.replica.scoring import SCORE_ROWS, SCORE_SEED, ModelLoss, scoring_batches
+from node.data.byte_corpus import load_embedded_corpus
+from node.data.bytes import ByteBatches
+from swarm.models.presets import PRESETS
+
+TARGET = torch.tensor([1.0, -2.0, 0.5, 3.0])
+
+
+def quadratic(phi: list[torch.Tensor]):
+    """The loss ‖φ − Δ − target‖²: an update that moves φ toward the target lowers it."""
+
+    def loss_at(update):
+        point = phi[0] if update is None else phi[0] - update[0]
+        return float((point - TARGET).pow(2).sum())
+
+    return loss_at
+
+
+def honest(phi: torch.Tensor, step: float, seed: int) -> list[torch.Tensor]:
+    noise = torch.randn(4, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return [step * (phi - TARGET) + noise]  # Δ = φ − θ, θ a step toward the target
+
+
+def test_a_sign_flipped_update_is_dropped_and_honest_ones_kept() -> None:
+    phi = [torch.zeros(4)]
+    updates = [honest(phi[0], 0.3, s) for s in range(3)] + [[-u for u in honest(phi[0], 0.3, 9)]]
+    shown = screen(["a", "b", "c", "evil"], updates, quadratic(phi))
+    assert shown.dropped == {"evil": "harmful_update"}
+    assert shown.kept == ["a", "b", "c"]
+    assert all(shown.gains[p] > 0 for p in "abc") and shown.gains["evil"] < 0
+
+
+def test_honest_updates_are_all_kept() -> None:
+    phi = [torch.zeros(4)]
+    shown = screen(list("abcd"), [honest(phi[0], 0.2 + 0.1 * s, s) for s in range(4)], quadratic(phi))
+    assert shown.dropped == {}
+
+
+def test_a_non_finite_loss_drops_the_update() -> None:
+    phi = [torch.zeros(4)]
+    shown = screen(["a", "nan"], [honest(phi[0], 0.3, 0), [torch.full((4,), math.nan)]], quadratic(phi))
+    assert shown.dropped == {"nan": "harmful_update"}
+
+
+def test_a_lone_uphill_update_is_dropped() -> None:
+    phi = [torch.zeros(4)]
+    assert screen(["evil"], [[-u for u in honest(phi[0], 0.3, 0)]], quadratic(phi)).dropped == {"evil": "harmful_update"}
+
+
+def test_no_change_in_the_loss_drops_nothing() -> None:
+    shown = screen(["a", "b"], [[torch.zeros(4)], [torch.zeros(4)]], lambda update: 1.0)
+    assert shown.scale == 0.0 and shown.dropped == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-5, 5, allow_nan=False), min_size=1, max_size=8))
+def test_the_screen_never_drops_an_update_that_lowers_the_loss_and_is_deterministic(gains: list[float]) -> None:
+    updates = [[torch.tensor([g])] for g in gains]
+    loss_at = lambda update: 10.0 if update is None else 10.0 - float(update[0])  # noqa: E731
+    peers = [f"p{i}" for i in range(len(gains))]
+    first, second = screen(peers, updates, loss_at), screen(peers, updates, loss_at)
+    assert first.dropped == second.dropped
+    assert all(first.gains[p] < 0 for p in first.dropped)
+    scale = first.scale
+    assert all(p in first.dropped for p, g in first.gains.items() if scale > 0 and g < -0.5 * scale)
+
+
+def test_peer_scores_decay_count_harm_and_stay_bounded() -> None:
+    scores = PeerScores(decay=0.5, limit=3)
+    scores.record(Screen({"a": 1.0, "b": -1.0}, 1.0, {"b": "harmful_update"}))
+    scores.record(Screen({"a": 1.0, "b": -1.0}, 1.0, {"b": "harmful_update"}))
+    snap = scores.snapshot()
+    assert snap["a"]["score"] == 0.75 and snap["b"]["score"] == -0.75
+    assert snap["b"]["harmful_rounds"] == 2 and snap["a"]["harmful_rounds"] == 0
+    scores.record(Screen({"c": float("nan"), "d": 100.0}, 1.0, {"c": "harmful_update"}))
+    assert len(scores.snapshot()) == 3 and "a" not in scores.snapshot()
+    assert scores.snapshot()["d"]["score"] == 1.5  # a round adds at most ±3 units
+
+
+def test_model_loss_evaluates_phi_and_phi_minus_an_update() -> None:
+    cfg = PRESETS["nano"]
+    corpus = load_embedded_corpus()
+    batches = scoring_batches(ByteBatches(data=corpus.train, batch_size=SCORE_ROWS, context=cfg.context, seed=SCORE_SEED))
+    again = scoring_batches(ByteBatches(data=corpus.train, batch_size=SCORE_ROWS, context=cfg.context, seed=SCORE_SEED))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, again))  # every member draws the same batches
+    loss = ModelLoss(cfg, batches, torch.device("cpu"))
+    torch.manual_seed(0)
+    phi = [p.detach().clone() for p in loss.model.parameters()]
+    loss_at = loss.loss_for(3, phi)
+    base = loss_at(None)
+    assert math.isfinite(base) and loss_at(None) == base
+    zero = [torch.zeros_like(p) for p in phi]
+    assert loss_at(zero) == base
+    uphill = [p * 0 + 0.5 for p in phi]
+    assert loss_at(uphill) != base
+    scorer = ContributionScorer(loss.loss_for)
+    shown = scorer(3, phi, {"zero": zero, "wild": [torch.randn_like(p) * 10 for p in phi]})
+    assert "wild" in shown.dropped and "zero" not in shown.dropped
+    assert scorer.peers.snapshot()["wild"]["harmful_rounds"] == 1
+
+
+def test_scores_are_on_by_default_in_open_diloco_and_sparseloco_swarms_only() -> None:
+    assert NodeConfig(algorithm="diloco").scores_contributions
+    assert NodeConfig(algorithm="sparseloco").scores_contributions
+    assert not NodeConfig(algorithm="noloco").scores_contributions
+    assert not NodeConfig(algorithm="diloco", contribution_scores="off").scores_contributions
+    assert NodeConfig(algorithm="diloco", contribution_scores="on").scores_contributions
