@@ -43,7 +43,7 @@ from gossip.scores import ContributionScorer
 from node.config import NodeConfig
 from node.data.byte_corpus import load_embedded_corpus
 from node.data.bytes import ByteBatches, validation_batches
-from node.replica.scoring import SCORE_ROWS, SCORE_SEED, ModelLoss, scoring_batches
+from node.replica.scoring import SCORE_SEED, ModelLoss, score_rows, scoring_batches
 from node.runtime.local_training import LocalTrainer
 from swarm.models.presets import PRESETS
 
@@ -97,7 +97,7 @@ def run_one(algorithm: str, method: str, attack: str | None, nodes: int, attacke
     method, scored = method.removesuffix("+scores"), method.endswith("+scores")
     scorer = None
     if scored:
-        batches = scoring_batches(ByteBatches(data=corpus.train, batch_size=SCORE_ROWS, context=cfg.context, seed=SCORE_SEED))
+        batches = scoring_batches(ByteBatches(data=corpus.train, batch_size=score_rows(cfg.context), context=cfg.context, seed=SCORE_SEED))
         scorer = ContributionScorer(ModelLoss(cfg, batches, torch.device("cpu")).loss_for)
     hostile = {nodes - 1 - k: Attacker(parse_attacks(attack), seed=seed * 31 + k) for k in range(attackers)} if attack else {}
     peers = [f"peer{i:02d}" for i in range(nodes)]

@@ -19,8 +19,9 @@ rounds compare): shown in ``node status``, the round records and the metrics. It
 anything: members that joined at different times hold different histories, and a weight taken from
 them would split the replicas; the per-round screen needs no history.
 
-With one contribution there is nothing to compare (scale = its own |gain|): an uphill update is
-still dropped. Members whose contributions were all dropped step by nothing that round.
+A round of one contribution is not screened: there is nothing to compare it with, and a member
+alone would only throw away its own work. Members whose contributions were all dropped step by
+nothing that round.
 """
 
 from __future__ import annotations
@@ -47,14 +48,17 @@ class Screen:
     gains: dict[str, float]
     scale: float
     dropped: dict[str, str] = field(default_factory=dict)
+    kept_all: Sequence[str] = ()  # a round that was not screened keeps these
 
     @property
     def kept(self) -> list[str]:
-        return [p for p in self.gains if p not in self.dropped]
+        return [p for p in self.gains if p not in self.dropped] if self.gains else list(self.kept_all)
 
 
 def screen(peers: Sequence[str], updates: Sequence[Sequence[torch.Tensor]], loss_at: LossAt, harm: float = HARM) -> Screen:
     """Score every contribution against φ and drop those that raise the loss (see the module docstring)."""
+    if len(peers) < 2:
+        return Screen({}, 0.0)
     base = loss_at(None)
     gains = {p: base - loss_at(u) for p, u in zip(peers, updates)}
     finite = [abs(g) for g in gains.values() if math.isfinite(g)]
@@ -101,6 +105,8 @@ class ContributionScorer:
 
     def __call__(self, round_no: int, phi: Sequence[torch.Tensor], contributions: Mapping[str, Sequence[torch.Tensor]]) -> Screen:
         peers = list(contributions)
+        if len(peers) < 2:
+            return Screen({}, 0.0, kept_all=peers)
         result = screen(peers, [contributions[p] for p in peers], self.loss_for(round_no, phi), self.harm)
         self.peers.record(result)
         return result

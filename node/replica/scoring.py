@@ -18,7 +18,7 @@ from swarm.models.presets import build_model
 
 SCORE_SEED = 7_919  # the same on every member: the scoring batches must be too
 SCORE_BATCHES = 8  # batches in rotation, one a round
-SCORE_ROWS = 4  # sequences a batch
+SCORE_TOKENS = 2048  # tokens a batch: the gains of small sparse updates are a few thousandths of a nat, so fewer is noise
 
 
 class ModelLoss:
@@ -41,12 +41,17 @@ class ModelLoss:
         return loss_at
 
 
+def score_rows(context: int) -> int:
+    """Sequences of ``context`` tokens in a scoring batch: about ``SCORE_TOKENS`` tokens, at least one."""
+    return max(1, SCORE_TOKENS // context)
+
+
 def scoring_batches(train_batches: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``SCORE_BATCHES`` batches from an iterator of the training split seeded with ``SCORE_SEED``."""
-    return [tuple(t[:SCORE_ROWS] for t in train_batches.next()) for _ in range(SCORE_BATCHES)]  # type: ignore[misc]
+    return [train_batches.next() for _ in range(SCORE_BATCHES)]
 
 
 def build_scorer(model_cfg: Any, workload: Any, device: torch.device) -> ContributionScorer:
     """The scorer of a node training ``model_cfg`` on ``workload``."""
-    batches = scoring_batches(workload.train_batches(SCORE_ROWS, SCORE_SEED))
+    batches = scoring_batches(workload.train_batches(score_rows(model_cfg.context), SCORE_SEED))
     return ContributionScorer(ModelLoss(model_cfg, batches, device).loss_for)

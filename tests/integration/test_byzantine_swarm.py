@@ -33,3 +33,39 @@ def test_one_scaling_attacker_of_four_is_clipped_and_the_swarm_trains(tmp_path, 
         assert info["val_loss"] < min(losses[0], 4.2), (info["val_loss"], losses)
         # b and c joined with a's state (a low first loss of their own): compare with a's untrained start
         assert info["train_loss_last"] < a.info()["train_loss_first"] - 0.5, (info["train_loss_last"], a.info()["train_loss_first"])
+
+
+def test_a_sign_flipping_attacker_in_a_sparseloco_swarm_is_screened_out(tmp_path, nodes):
+    """SparseLoCo, defaults: an update of honest size pointing uphill passes any norm clip, and in
+    ``sparse-mean`` a coordinate only the attacker carries takes its value whole. The contribution
+    screen (gossip.scores, on by default in an open swarm) sees it raise the loss and drops it; with
+    ``--contribution-scores off`` (the old default) nothing is dropped and this test fails."""
+    run = ["--run-id", "byzantine-sparse", "--eval-every", "2", "--algorithm", "sparseloco", "--inner-steps", "by-replicas"]
+    a = start_node(tmp_path, "a", [*FAST_ARGS, *run, "--seed", "0"])
+    nodes.append(a)
+    boot = [a.multiaddr()]
+    for name, seed, extra in (("b", 1, []), ("z", 2, ["--attack", "sign"])):
+        nodes.append(start_node(tmp_path, name, [*FAST_ARGS, *run, "--seed", str(seed), *extra], boot))
+    honest, attacker = nodes[:2], nodes[2]
+
+    def attacked_rounds(info):
+        return [r for r in info.get("rounds", []) if r["group"] == 3 and r["in_sync"] and len(r.get("gains", {})) == 3]
+
+    for node in honest:
+        node.wait(lambda i: len(attacked_rounds(i)) >= 4, 180, "four screened rounds of three")
+    attacker_id = attacker.info()["peer_id"]
+    assert all(node.stop() == 0 for node in nodes)
+    for node in honest:
+        info = node.info()
+        rounds = attacked_rounds(info)
+        dropped = [r for r in rounds if r["failures"].get(attacker_id) == "harmful_update"]
+        assert len(dropped) >= len(rounds) - 1, [(r["round"], r["gains"], r["failures"]) for r in rounds]
+        honest_drops = [r for r in rounds if any(kind == "harmful_update" and p != attacker_id for p, kind in r["failures"].items())]
+        assert len(honest_drops) <= 1, [(r["round"], r["gains"], r["failures"]) for r in rounds]
+        assert all(r["contributors"] == 2 for r in dropped if r not in honest_drops)  # the two honest updates were averaged
+        # b joined with a's state (a low first loss of its own): compare with a's untrained start
+        assert info["val_loss"] < a.info()["train_loss_first"] - 1.0, (info["val_loss"], a.info()["train_loss_first"])
+    # both honest replicas stepped φ alike: their last common round has one fingerprint
+    last = [{r["round"]: r["fingerprint"] for r in n.info()["rounds"] if r["in_sync"]} for n in honest]
+    common = sorted(set(last[0]) & set(last[1]))
+    assert common and last[0][common[-1]] == last[1][common[-1]]

@@ -87,3 +87,11 @@ def test_fake_free_memory_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert memory.free_ram() == 123 << 20
     monkeypatch.delenv(memory.FAKE_FREE_ENV)
     assert memory.free_ram() > 123 << 20
+
+
+def test_the_contribution_scoring_model_is_counted_where_it_is_built() -> None:
+    scoring = "contribution scoring model"
+    assert part(est(model="small"), scoring).nbytes == part(est(model="small"), "model parameters").nbytes
+    assert part(est(model="small", device="cuda", free_vram=8 * GIB), scoring).where == "VRAM"
+    for flags in ({"contribution_scores": "off"}, {"algorithm": "noloco"}, {"fragments": 2}, {"stages": 2, "role": "stage", "stage": 0}):
+        assert not [r for r in est(model="small", **flags).rows if r.what.startswith(scoring)], flags

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gossip.scores import ContributionScorer, PeerScores, Screen, screen
 from node.config import NodeConfig
-from node.replica.scoring import SCORE_ROWS, SCORE_SEED, ModelLoss, scoring_batches
+from node.replica.scoring import SCORE_SEED, ModelLoss, score_rows, scoring_batches
 from node.data.byte_corpus import load_embedded_corpus
 from node.data.bytes import ByteBatches
 from swarm.models.presets import PRESETS
@@ -54,9 +54,13 @@ def test_a_non_finite_loss_drops_the_update() -> None:
     assert shown.dropped == {"nan": "harmful_update"}
 
 
-def test_a_lone_uphill_update_is_dropped() -> None:
+def test_a_round_of_one_is_not_screened() -> None:
     phi = [torch.zeros(4)]
-    assert screen(["evil"], [[-u for u in honest(phi[0], 0.3, 0)]], quadratic(phi)).dropped == {"evil": "harmful_update"}
+    alone = screen(["me"], [[-u for u in honest(phi[0], 0.3, 0)]], quadratic(phi))
+    assert alone.dropped == {} and alone.gains == {}
+    scorer = ContributionScorer(lambda round_no, phi: quadratic(phi))
+    assert scorer(0, phi, {"me": [-u for u in honest(phi[0], 0.3, 0)]}).kept == ["me"]
+    assert scorer.peers.snapshot() == {}
 
 
 def test_no_change_in_the_loss_drops_nothing() -> None:
@@ -65,7 +69,7 @@ def test_no_change_in_the_loss_drops_nothing() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(-5, 5, allow_nan=False), min_size=1, max_size=8))
+@given(st.lists(st.floats(-5, 5, allow_nan=False), min_size=2, max_size=8))
 def test_the_screen_never_drops_an_update_that_lowers_the_loss_and_is_deterministic(gains: list[float]) -> None:
     updates = [[torch.tensor([g])] for g in gains]
     loss_at = lambda update: 10.0 if update is None else 10.0 - float(update[0])  # noqa: E731
@@ -92,8 +96,8 @@ def test_peer_scores_decay_count_harm_and_stay_bounded() -> None:
 def test_model_loss_evaluates_phi_and_phi_minus_an_update() -> None:
     cfg = PRESETS["nano"]
     corpus = load_embedded_corpus()
-    batches = scoring_batches(ByteBatches(data=corpus.train, batch_size=SCORE_ROWS, context=cfg.context, seed=SCORE_SEED))
-    again = scoring_batches(ByteBatches(data=corpus.train, batch_size=SCORE_ROWS, context=cfg.context, seed=SCORE_SEED))
+    batches = scoring_batches(ByteBatches(data=corpus.train, batch_size=score_rows(cfg.context), context=cfg.context, seed=SCORE_SEED))
+    again = scoring_batches(ByteBatches(data=corpus.train, batch_size=score_rows(cfg.context), context=cfg.context, seed=SCORE_SEED))
     assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, again))  # every member draws the same batches
     loss = ModelLoss(cfg, batches, torch.device("cpu"))
     torch.manual_seed(0)
