@@ -166,7 +166,8 @@ def stage_spikes(r: Results) -> str:
     return r.caption("stage_spikes.json", what=what) + "\n\n" + table(header, rows)
 
 
-BYZANTINE_ORDER = {"diloco": ["mean", "centered-clip"], "sparseloco": ["sparse-mean", "sparse-clip"]}
+BYZANTINE_ORDER = {"diloco": ["mean", "centered-clip", "centered-clip+scores"],
+                   "sparseloco": ["sparse-mean", "sparse-clip", "sparse-clip+scores"]}
 
 
 def byzantine(r: Results, name: str) -> str:
@@ -184,7 +185,12 @@ def byzantine(r: Results, name: str) -> str:
             cells.append("–" if s is None else f"{s['val_loss']:.3f} ({pct(s['vs_clean_plain'])})")
         rows.append([str(nodes) if attack == "none" else f"{nodes} ({attackers} attacking)", attack, *cells])
     scale = d["scale"]
-    what = (f"{algorithm}, `{scale['model']}`, {scale['rounds']} rounds × H {scale['inner_steps']}, "
+    if scale["inner_steps"]:
+        steps = f"{scale['rounds']} rounds × H {scale['inner_steps']}"
+    else:  # the node's default H by replica count, the same inner steps in all
+        plans = sorted({(x["nodes"], x["rounds"], x["inner_steps"]) for x in d["runs"]})
+        steps = "the node's default H by replica count (" + ", ".join(f"{n} nodes: {k} rounds × H {h}" for n, k, h in plans) + ")"
+    what = (f"{algorithm}, `{scale['model']}`, {steps}, "
             f"seeds {sorted({x['seed'] for x in d['runs']})}; in brackets the change against the clean run of `{methods[0]}`.")
     return r.caption(name, what=what) + "\n\n" + table(["nodes", "attack", *methods], rows)
 
