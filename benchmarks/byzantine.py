@@ -202,9 +202,24 @@ def markdown_table(result: dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
+def merge(files: list[Path], out: Path) -> None:
+    """One results file from several runs of the same algorithm and scale: their runs, a summary of all,
+    and each part's meta, command and environment."""
+    parts = [json.loads(f.read_text()) for f in files]
+    if len({json.dumps(p["scale"], sort_keys=True) for p in parts}) != 1 or len({p["runs"][0]["algorithm"] for p in parts}) != 1:
+        raise SystemExit("--merge: the files differ in algorithm or scale")
+    rows = [r for p in parts for r in p["runs"]]
+    results_io.write_json(out, {"meta": [p["meta"] for p in parts], "command": [p["command"] for p in parts],
+                                "environment": [p["environment"] for p in parts], "scale": parts[0]["scale"],
+                                "parts": [str(f) for f in files], "runs": rows, "summary": summarize(rows)})
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", type=Path, nargs="+", help="print the markdown table of these results files and exit")
+    parser.add_argument("--merge", type=Path, nargs="+", help="combine results files of one algorithm and scale (e.g. "
+                        "one process per --configs, run side by side) into --out, with every part's meta, and exit")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--scale", choices=sorted(SCALES), default="quick")
     parser.add_argument("--seeds", default="0,1")
@@ -222,6 +237,9 @@ def main() -> None:
         return
     if args.out is None:
         parser.error("--out is required to run the benchmark")
+    if args.merge:
+        merge(args.merge, args.out)
+        return
     meta = results_io.begin()
     torch.set_num_threads(args.threads)
     scale = SCALES[args.scale]

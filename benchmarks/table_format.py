@@ -80,6 +80,8 @@ class Results:
         data = self.load(name)
         if isinstance(data.get("meta"), dict):
             shapes = [data["meta"]]
+        elif isinstance(data.get("meta"), list):  # files merged from runs made side by side
+            shapes = [m for m in data["meta"] if isinstance(m, dict)]
         elif "commit" in data or "date" in data or "started" in data:
             shapes = [data]
         elif isinstance(data.get("environment"), dict):
