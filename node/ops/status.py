@@ -4,6 +4,8 @@ Each peer's locomesh and protocol versions are shown; one of another protocol is
 from __future__ import annotations
 
 import asyncio
+import math
+import statistics
 import time
 from typing import Any, Callable
 
@@ -71,6 +73,7 @@ class StatusClient:
                 "stage": rec.stage, "queue": rec.queue, "reachability": rec.reachability,
                 "version": rec.version, "protocol": rec.protocol, "compatibility": compatibility(rec.protocol),
             })
+        _add_scores(rows, [st for st in live if isinstance(st, dict)])
         stages = max((st.get("stages", 0) for st in live if isinstance(st, dict) and isinstance(st.get("stages"), int)), default=0)
         result = {"run_id": self.run_id, "time": time.time(), "peers": sorted(rows, key=lambda r: r["peer_id"]),
                   "stages": stage_map(rows, stages)}
@@ -105,6 +108,17 @@ class StatusClient:
         if runs:
             return f"no peers of run {self.run_id} are announced yet; {next(iter(runs))} serves it: retry in a few seconds"
         return f"no peers of run {self.run_id}, and no initial peer answered: check the multiaddr and that the node runs"
+
+
+def _add_scores(rows: list[dict[str, Any]], live: list[dict[str, Any]]) -> None:
+    """Each peer's contribution score (``gossip.scores``): the median of what the other peers' live
+    statuses report for it (a peer's word about others; the median bounds one liar), None where nobody
+    scored it (private swarms, pipelines, zo, or no round with others yet)."""
+    for row in rows:
+        views = [st.get("peer_scores") for st in live if st.get("peer_id") != row["peer_id"]]
+        scores = [v[row["peer_id"]].get("score") for v in views if isinstance(v, dict) and isinstance(v.get(row["peer_id"]), dict)]
+        finite = [float(x) for x in scores if isinstance(x, (int, float)) and math.isfinite(x)]
+        row["score"] = statistics.median(finite) if finite else None
 
 
 def compatibility(protocol: int) -> str:
@@ -165,7 +179,7 @@ def status_table(result: dict[str, Any]) -> Any:
         return Text(text, no_wrap=True, overflow="ignore")
 
     table = Table(title=f"run {result['run_id']}: {len(result['peers'])} peers")
-    for col in ("peer", "role", "device", "reach", "version", "tok/s", "round", "step", "loss", "age"):
+    for col in ("peer", "role", "device", "reach", "version", "tok/s", "round", "step", "loss", "score", "age"):
         table.add_column(col, justify="right" if col not in ("peer", "role", "device", "reach", "version") else "left")
     for r in result["peers"]:
         role = r["role"] + (f" {r['stage']}" if r.get("stage", -1) >= 0 else "")
@@ -173,7 +187,8 @@ def status_table(result: dict[str, Any]) -> Any:
         if r.get("compatibility", "ok") != "ok":
             version += f" [red]{r['compatibility']}[/red]"
         table.add_row(r["peer_id"][-12:], role, r["device"], r.get("reachability", "unknown"), version, f"{r['tokens_per_s']:.0f}",
-                      str(r["round"]), str(r["inner_step"]), f"{r['loss']:.3f}", f"{r['record_age_s']:.1f}s")
+                      str(r["round"]), str(r["inner_step"]), f"{r['loss']:.3f}",
+                      "–" if r.get("score") is None else f"{r['score']:+.2f}", f"{r['record_age_s']:.1f}s")
     if not result["peers"]:
         return Group(table, line(result.get("hint") or "No live peers: check --run-id and that the multiaddr is of a running node."))
     if result.get("version_hint"):

@@ -121,3 +121,23 @@ def test_scores_are_on_by_default_in_open_diloco_and_sparseloco_swarms_only() ->
     assert not NodeConfig(algorithm="noloco").scores_contributions
     assert not NodeConfig(algorithm="diloco", contribution_scores="off").scores_contributions
     assert NodeConfig(algorithm="diloco", contribution_scores="on").scores_contributions
+
+
+def test_node_status_shows_the_median_of_the_other_peers_scores() -> None:
+    from rich.console import Console
+
+    from node.ops.status import _add_scores, status_table
+
+    rows = [{"peer_id": p, "role": "trainer", "device": "cpu", "reachability": "public", "tokens_per_s": 1.0, "round": 1,
+             "inner_step": 0, "loss": 2.0, "record_age_s": 1.0, "stage": -1, "version": "0.2.0", "protocol": 1} for p in "abcz"]
+    live = [{"peer_id": "a", "peer_scores": {"b": {"score": 0.5}, "z": {"score": -1.0}}},
+            {"peer_id": "b", "peer_scores": {"a": {"score": 0.25}, "z": {"score": -0.75}}},
+            {"peer_id": "c", "peer_scores": {"a": {"score": 0.5}, "z": {"score": -0.5}, "b": {"score": float("nan")}}},
+            {"peer_id": "z", "peer_scores": {"a": {"score": -9.0}, "z": {"score": 9.0}}}]  # a liar, about others and itself
+    _add_scores(rows, live)
+    scores = {r["peer_id"]: r["score"] for r in rows}
+    assert scores == {"a": 0.25, "b": 0.5, "c": None, "z": -0.75}
+    console = Console(width=200, record=True)
+    console.print(status_table({"run_id": "r", "stages": [], "peers": rows}))
+    text = console.export_text()
+    assert "score" in text and "-0.75" in text and "+0.25" in text
