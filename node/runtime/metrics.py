@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 TRAFFIC_KINDS = ("average", "state", "status", "stage")
 ERROR_KINDS = ("timeout", "connection", "schema", "malformed", "frame_too_large", "version", "auth", "remote",
-               "out_of_sync", "norm_outlier", "internal", "poisoned", "busy")
+               "out_of_sync", "norm_outlier", "harmful_update", "internal", "poisoned", "busy")
 ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 
 
