@@ -47,12 +47,13 @@ from gossip.byzantine import Attacker
 from gossip.exchange import Contribution, PartSpec, ReducedShare, RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.group_round import GroupAverager, RoundResult
-from gossip.groups import group_count, group_of, group_tag, near_a_grouping_boundary, other_groupings
+from gossip.group_rendezvous import GroupedRendezvous
+from gossip.groups import group_tag
 from gossip.outer import NesterovOuter, pseudo_gradient
 from gossip.partition import Partition
 from gossip.placement import to_host
 from gossip.reduce_scatter import assign_owners, implausible_share, is_dense, use_reduce_scatter
-from gossip.rendezvous import Reachable, gather_group, read_round_entries, round_members
+from gossip.rendezvous import Reachable
 from gossip.votes import Tenure, vote
 from protocol.records import RoundEntry
 
@@ -94,7 +95,7 @@ def _assign(phi: Sequence[torch.Tensor], mean: Sequence[torch.Tensor], indices: 
             p.copy_(m)
 
 
-class DiLoCoAverager(GroupAverager):
+class DiLoCoAverager(GroupedRendezvous, GroupAverager):
     """Runs DiLoCo outer rounds for one member.
 
     :param dht: the node's DHT
@@ -141,44 +142,6 @@ class DiLoCoAverager(GroupAverager):
         self.tenure = Tenure()  # whose fingerprint votes count (gossip.votes)
         self.reachable: Reachable | None = None  # set by the node: rendezvous wait only for members that answer
 
-    async def expected_members(self, round_no: int) -> set[str]:
-        return await round_members(self.dht, self.run_id, round_no, self.member_role)
-
-    def _rendezvous_view(self, round_no: int, members: set[str] | None,
-                         grouping: tuple[int, int] | None) -> Callable[[], Awaitable[set[str]]]:
-        """The members the rendezvous waits for (of this member's group only, in a grouped round); its
-        first poll reuses ``members``, the read that decided the grouping. Peers that came into the round
-        after that read are waited for only if counting them gives the same number of groups: otherwise
-        they may have decided on another grouping and would register under another key (a joiner's round
-        of three once waited its whole deadline for a member that was averaging in a group of two)."""
-        first = [] if members is None else [members]
-        mine = 1 if grouping is None else grouping[1]
-
-        async def expected() -> set[str]:
-            live = first.pop() if first else await self.expected_members(round_no)
-            if members is not None and self.max_group_size is not None:
-                newcomers = live - members - {self.peer_id}
-                if newcomers and group_count(len(live | {self.peer_id}), self.max_group_size) != mine:
-                    live -= newcomers
-            if self.reachable is not None:
-                live = self.reachable.filter(live - {self.peer_id}) | (live & {self.peer_id})
-            if grouping is None:
-                return live
-            return {p for p in live if group_of(self.run_id, round_no, p, grouping[1]) == grouping[0]}
-
-        return expected
-
-    async def _registered_elsewhere(self, round_no: int, peers: set[str], grouping: tuple[int, int] | None) -> set[str]:
-        """Which of ``peers`` (awaited, not yet come) registered for ``round_no`` under another number of
-        groups than this member's: they counted the members otherwise and will not come to its key."""
-        if not peers or self.max_group_size is None:
-            return set()
-        keys = other_groupings(self.run_id, round_no, peers, 1 if grouping is None else grouping[1], self.max_group_size)
-        found: set[str] = set()
-        for tag, candidates in keys.items():
-            found |= candidates & set(await read_round_entries(self.dht, self.run_id, round_no, tag))
-        return found
-
     async def run_round(
         self,
         round_no: int,
@@ -215,16 +178,6 @@ class DiLoCoAverager(GroupAverager):
         result.duration_s = time.monotonic() - rnd.started
         return result
 
-    async def _choose_group(self, rnd: _Round) -> None:
-        """With a bounded group size, read the live members and, when more of them than one group holds
-        (``gossip.groups``), set ``rnd.grouping`` to this member's group of the round."""
-        if self.max_group_size is None:
-            return
-        rnd.members = await self.expected_members(rnd.number)
-        count = group_count(len(rnd.members | {self.peer_id}), self.max_group_size)
-        if count > 1:
-            rnd.grouping = (group_of(self.run_id, rnd.number, self.peer_id, count), count)
-
     async def _publish(self, rnd: _Round, delta: list[torch.Tensor], feedback: Sequence[ErrorFeedback | None] | None) -> None:
         """Encode this member's contribution and serve it: its Δ cut into wire parts (with error feedback),
         or in a grouped round its weights after stepping φ with its own Δ (at the weight codec, no feedback).
@@ -239,25 +192,6 @@ class DiLoCoAverager(GroupAverager):
         rnd.blobs, rnd.decoded = await asyncio.to_thread(self.exchange.encode, rnd.number, sent, feedback)
         rnd.wire = self.exchange.wire_of(rnd.number)
         self.exchange.publish(Contribution(rnd.number, rnd.samples, rnd.fingerprint, rnd.wire, rnd.blobs, self.peer_id, rnd.decoded))
-
-    async def _rendezvous(self, rnd: _Round) -> list[RoundEntry]:
-        """Register in the round's DHT rendezvous (this member's group's, if grouped) and wait for the
-        group, up to the adaptive deadline (which learns from this wait). Returns the group, self included."""
-        entry = RoundEntry(peer_id=self.peer_id, samples=rnd.samples, codec=rnd.wire, up_mbit=self.up_mbit)
-        rnd.deadline_s, registered = self.deadline.value, time.monotonic()
-
-        async def elsewhere(peers: set[str]) -> set[str]:
-            return await self._registered_elsewhere(rnd.number, peers, rnd.grouping)
-
-        near = (rnd.members is not None and self.max_group_size is not None
-                and near_a_grouping_boundary(len(rnd.members | {self.peer_id}), 1 if rnd.grouping is None else rnd.grouping[1],
-                                             self.max_group_size))
-        group, complete = await gather_group(self.dht, self.validator, self.run_id, rnd.number, entry,
-                                             self._rendezvous_view(rnd.number, rnd.members, rnd.grouping),
-                                             rnd.deadline_s, group=rnd.tag, elsewhere=elsewhere if near else None)
-        rnd.gathered = time.monotonic()
-        self.deadline.observe(rnd.gathered - registered, complete)
-        return group
 
     def _plan_reduce_scatter(self, rnd: _Round, group: list[RoundEntry], specs: Sequence[PartSpec]) -> None:
         """Decide whether the group reduce-scatters (``gossip.reduce_scatter``): if so, set ``rnd.owners``

@@ -1,6 +1,6 @@
 """DiLoCo members in one process, for unit tests of whole outer rounds over the in-memory transport
 (``tests.helpers.memory_transport``). The tests replace the DHT rendezvous themselves (they monkeypatch
-``gossip.diloco.gather_group`` and ``round_members``): these members have no DHT."""
+``gossip.group_rendezvous.gather_group`` and ``round_members``): these members have no DHT."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gossip.diloco as diloco_module
+import gossip.group_rendezvous as diloco_module  # the rendezvous steps of a DiLoCo round live there
 from gossip.exchange import Contribution
 from gossip.groups import group_count, group_of, near_a_grouping_boundary, split_into_groups
 from gossip.partition import Partition

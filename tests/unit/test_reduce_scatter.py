@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gossip.diloco as diloco_module
+import gossip.group_rendezvous as diloco_module  # the rendezvous steps of a DiLoCo round live there
 from gossip.outer import weighted_mean
 from gossip.reduce_scatter import assign_owners, fine_part_numel, is_dense, round_bytes, use_reduce_scatter
 from protocol.records import RoundEntry

@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-import gossip.diloco as diloco_module
+import gossip.group_rendezvous as diloco_module  # the rendezvous steps of a DiLoCo round live there
 from gossip.outer import NesterovOuter
 from node.replica.rounds import RoundRunner
 from protocol.records import RoundEntry
