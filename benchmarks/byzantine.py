@@ -206,11 +206,14 @@ def merge(files: list[Path], out: Path) -> None:
     """One results file from several runs of the same algorithm and scale: their runs, a summary of all,
     and each part's meta, command and environment."""
     parts = [json.loads(f.read_text()) for f in files]
-    if len({json.dumps(p["scale"], sort_keys=True) for p in parts}) != 1 or len({p["runs"][0]["algorithm"] for p in parts}) != 1:
+    settings = {json.dumps({k: v for k, v in p["scale"].items() if k != "configs"}, sort_keys=True) for p in parts}
+    if len(settings) != 1 or len({p["runs"][0]["algorithm"] for p in parts}) != 1:
         raise SystemExit("--merge: the files differ in algorithm or scale")
     rows = [r for p in parts for r in p["runs"]]
+    configs = [c for p in parts for c in p["scale"]["configs"]]
     results_io.write_json(out, {"meta": [p["meta"] for p in parts], "command": [p["command"] for p in parts],
-                                "environment": [p["environment"] for p in parts], "scale": parts[0]["scale"],
+                                "environment": [p["environment"] for p in parts],
+                                "scale": {**parts[0]["scale"], "configs": list(dict.fromkeys(map(tuple, configs)))},
                                 "parts": [str(f) for f in files], "runs": rows, "summary": summarize(rows)})
     print(f"wrote {out}")
 
