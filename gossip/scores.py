@@ -73,6 +73,8 @@ def screen(peers: Sequence[str], updates: Sequence[Sequence[torch.Tensor]], loss
 class PeerScores:
     """Decayed scores per peer, from the rounds this member screened (reporting only: see the module docstring)."""
 
+    SHOWN = 256  # peers a status answer carries: the most recently scored
+
     def __init__(self, decay: float = DECAY, limit: int = 4096) -> None:
         self.decay, self.limit = decay, limit
         self.scores: dict[str, float] = {}
@@ -82,16 +84,18 @@ class PeerScores:
         for peer, gain in result.gains.items():
             unit = gain / result.scale if result.scale > 0 and math.isfinite(gain) else (-CLAMP if not math.isfinite(gain) else 0.0)
             unit = max(-CLAMP, min(CLAMP, unit))
-            self.scores[peer] = self.decay * self.scores.get(peer, 0.0) + (1 - self.decay) * unit
+            earlier = self.scores.pop(peer, 0.0)  # re-inserted: the dict runs from least to most recently scored
+            self.scores[peer] = self.decay * earlier + (1 - self.decay) * unit
             if peer in result.dropped:
                 self.harmful[peer] = self.harmful.get(peer, 0) + 1
-        while len(self.scores) > self.limit:  # bounded whatever peers come and go
+        while len(self.scores) > self.limit:  # bounded whatever peers come and go: the least recently scored go first
             oldest = next(iter(self.scores))
             self.scores.pop(oldest)
             self.harmful.pop(oldest, None)
 
     def snapshot(self) -> dict[str, dict[str, float | int]]:
-        return {p: {"score": round(s, 4), "harmful_rounds": self.harmful.get(p, 0)} for p, s in self.scores.items()}
+        recent = list(self.scores.items())[-self.SHOWN:]
+        return {p: {"score": round(s, 4), "harmful_rounds": self.harmful.get(p, 0)} for p, s in recent}
 
 
 @dataclass

@@ -141,3 +141,14 @@ def test_node_status_shows_the_median_of_the_other_peers_scores() -> None:
     console.print(status_table({"run_id": "r", "stages": [], "peers": rows}))
     text = console.export_text()
     assert "score" in text and "-0.75" in text and "+0.25" in text
+
+
+def test_peer_scores_forget_the_least_recently_scored_and_show_the_most_recent() -> None:
+    scores = PeerScores(limit=3)
+    for peers in (("a", "b"), ("a",), ("c",), ("d",)):
+        scores.record(Screen({p: 1.0 for p in peers}, 1.0))
+    assert list(scores.snapshot()) == ["a", "c", "d"]  # b, scored least recently, went first
+    many = PeerScores()
+    many.record(Screen({f"p{i}": 1.0 for i in range(PeerScores.SHOWN + 10)}, 1.0))
+    shown = many.snapshot()
+    assert len(shown) == PeerScores.SHOWN and "p0" not in shown and f"p{PeerScores.SHOWN + 9}" in shown
