@@ -58,7 +58,7 @@ class Screen:
 def screen(peers: Sequence[str], updates: Sequence[Sequence[torch.Tensor]], loss_at: LossAt, harm: float = HARM) -> Screen:
     """Score every contribution against φ and drop those that raise the loss (see the module docstring)."""
     if len(peers) < 2:
-        return Screen({}, 0.0)
+        return Screen({}, 0.0, kept_all=list(peers))
     base = loss_at(None)
     gains = {p: base - loss_at(u) for p, u in zip(peers, updates)}
     finite = [abs(g) for g in gains.values() if math.isfinite(g)]
@@ -109,8 +109,6 @@ class ContributionScorer:
 
     def __call__(self, round_no: int, phi: Sequence[torch.Tensor], contributions: Mapping[str, Sequence[torch.Tensor]]) -> Screen:
         peers = list(contributions)
-        if len(peers) < 2:
-            return Screen({}, 0.0, kept_all=peers)
         result = screen(peers, [contributions[p] for p in peers], self.loss_for(round_no, phi), self.harm)
         self.peers.record(result)
         return result

@@ -57,7 +57,7 @@ def test_a_non_finite_loss_drops_the_update() -> None:
 def test_a_round_of_one_is_not_screened() -> None:
     phi = [torch.zeros(4)]
     alone = screen(["me"], [[-u for u in honest(phi[0], 0.3, 0)]], quadratic(phi))
-    assert alone.dropped == {} and alone.gains == {}
+    assert alone.dropped == {} and alone.gains == {} and alone.kept == ["me"]
     scorer = ContributionScorer(lambda round_no, phi: quadratic(phi))
     assert scorer(0, phi, {"me": [-u for u in honest(phi[0], 0.3, 0)]}).kept == ["me"]
     assert scorer.peers.snapshot() == {}
