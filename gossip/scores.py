@@ -19,9 +19,10 @@ rounds compare): shown in ``node status``, the round records and the metrics. It
 anything: members that joined at different times hold different histories, and a weight taken from
 them would split the replicas; the per-round screen needs no history.
 
-A round of one contribution is not screened: there is nothing to compare it with, and a member
-alone would only throw away its own work. Members whose contributions were all dropped step by
-nothing that round.
+A round of fewer than three contributions is not screened: alone, a member would only throw away
+its own work; with two, nobody can tell which one lies, and near a plateau both honest gains are
+noise (a live 2-node run dropped an honest update whose gain was −0.005 against its partner's
++0.005). Members whose contributions were all dropped step by nothing that round.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 LossAt = Callable[[Sequence[torch.Tensor] | None], float]
 
 HARM = 0.5  # a gain below −HARM × the round's scale drops the contribution
+MIN_MEMBERS = 3  # fewer contributions than this are not screened: no majority to judge by
 DECAY = 0.8  # weight of a peer's earlier score in its decayed score
 CLAMP = 3.0  # a round adds at most ±CLAMP (in units of its scale) to a decayed score
 
@@ -57,7 +59,7 @@ class Screen:
 
 def screen(peers: Sequence[str], updates: Sequence[Sequence[torch.Tensor]], loss_at: LossAt, harm: float = HARM) -> Screen:
     """Score every contribution against φ and drop those that raise the loss (see the module docstring)."""
-    if len(peers) < 2:
+    if len(peers) < MIN_MEMBERS:
         return Screen({}, 0.0, kept_all=list(peers))
     base = loss_at(None)
     gains = {p: base - loss_at(u) for p, u in zip(peers, updates)}
@@ -65,7 +67,7 @@ def screen(peers: Sequence[str], updates: Sequence[Sequence[torch.Tensor]], loss
     scale = statistics.median(finite) if finite and math.isfinite(base) else 0.0
     dropped = {}
     for p, g in gains.items():
-        if not math.isfinite(g) or (scale > 0 and g < -harm * scale):
+        if not math.isfinite(g) or g < -harm * scale:  # scale 0 (most updates change nothing): any rise
             dropped[p] = "harmful_update"
     return Screen(gains, scale, dropped)
 

@@ -142,8 +142,9 @@ class NodeConfig(BaseModel):
         "but the first two bound what any one peer can do to the model", AVG,
         default_text="centered-clip (sparse-clip for sparseloco); with --swarm-key: mean (sparse-mean)")
     contribution_scores: Literal["auto", "on", "off"] = option(
-        "auto", "auto | on | off: before averaging, score each member's update by the loss it gives applied alone and drop "
-        "those that raise it (diloco, sparseloco rounds that gather whole updates); auto: on without --swarm-key", AVG)
+        "auto", "auto | on | off: before averaging a round of 3+ whole updates, score each by the loss it gives applied "
+        "alone and drop those that raise it (diloco, sparseloco); auto: on in open swarms whose rounds gather whole "
+        "updates (sparseloco; dense rounds that cannot reduce-scatter)", AVG)
     zo_eps: float = option(1e-3, "zo: perturbation size ε of each step's two loss evaluations at θ ± εz", AVG, gt=0, le=1)
     zo_lr: float = option(1e-4, "zo: learning rate of every one-byte step (θ moves by −lr·g·z); each peer's steps are applied, "
                           "so lower it for many peers", AVG, gt=0, le=1)
@@ -324,11 +325,20 @@ class NodeConfig(BaseModel):
 
     @property
     def scores_contributions(self) -> bool:
-        """Whether rounds screen each update by its loss (``gossip.scores``): asked for, or an open swarm of
-        DiLoCo or SparseLoCo (NoLoCo averages weights in pairs and zo sends seeds, not updates)."""
+        """Whether rounds screen each update by its loss (``gossip.scores``): asked for (DiLoCo or SparseLoCo;
+        NoLoCo averages weights in pairs and zo sends seeds, not updates), or by default in an open swarm
+        whose rounds gather whole updates: SparseLoCo's, and dense ones that cannot reduce-scatter (another
+        codec, an aggregation that needs whole updates, eager overlap). Dense rounds of three or more
+        under ``mean``/``centered-clip`` reduce-scatter, so no member sees a whole update to score."""
+        from gossip.reduce_scatter import PART_WISE, is_dense
+
+        if self.algorithm not in ("diloco", "sparseloco"):
+            return False
         if self.contribution_scores != "auto":
-            return self.contribution_scores == "on" and self.algorithm in ("diloco", "sparseloco")
-        return self.swarm_key is None and self.algorithm in ("diloco", "sparseloco")
+            return self.contribution_scores == "on"
+        whole = (self.algorithm == "sparseloco" or not is_dense(self.codec) or self.aggregation not in PART_WISE
+                 or (self.overlap and self.overlap_mode == "eager"))
+        return self.swarm_key is None and whole
 
     @property
     def aggregation(self) -> str:

@@ -91,7 +91,9 @@ def test_fake_free_memory_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_contribution_scoring_model_is_counted_where_it_is_built() -> None:
     scoring = "contribution scoring model"
-    assert part(est(model="small"), scoring).nbytes == part(est(model="small"), "model parameters").nbytes
-    assert part(est(model="small", device="cuda", free_vram=8 * GIB), scoring).where == "VRAM"
-    for flags in ({"contribution_scores": "off"}, {"algorithm": "noloco"}, {"fragments": 2}, {"stages": 2, "role": "stage", "stage": 0}):
-        assert not [r for r in est(model="small", **flags).rows if r.what.startswith(scoring)], flags
+    sparse = {"model": "small", "algorithm": "sparseloco"}
+    assert part(est(**sparse), scoring).nbytes == part(est(**sparse), "model parameters").nbytes
+    assert part(est(device="cuda", free_vram=8 * GIB, **sparse), scoring).where == "VRAM"
+    for flags in ({"contribution_scores": "off"}, {"algorithm": "noloco"}, {"algorithm": "diloco"}, {"fragments": 2},
+                  {"algorithm": "diloco", "contribution_scores": "on", "stages": 2, "role": "stage", "stage": 0}):
+        assert not [r for r in est(**(sparse | flags)).rows if r.what.startswith(scoring)], flags
