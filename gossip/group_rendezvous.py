@@ -12,20 +12,18 @@ under a neighbouring grouping (near a grouping boundary only).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from gossip.groups import group_count, group_of, near_a_grouping_boundary, other_groupings
 from gossip.rendezvous import gather_group, read_round_entries, round_members
 from protocol.records import RoundEntry
 
-if TYPE_CHECKING:
-    from gossip.diloco import _Round
-
 
 class GroupedRendezvous:
     """The rendezvous steps of a DiLoCo round (a mixin of :class:`gossip.diloco.DiLoCoAverager`, whose
     attributes it reads: ``dht``, ``validator``, ``run_id``, ``peer_id``, ``member_role``,
-    ``max_group_size``, ``reachable``, ``deadline``, ``up_mbit``)."""
+    ``max_group_size``, ``reachable``, ``deadline``, ``up_mbit``). A round, ``rnd``, is
+    ``gossip.diloco._Round``: typed ``Any`` here, since importing it would make an import circle."""
 
     async def expected_members(self, round_no: int) -> set[str]:
         return await round_members(self.dht, self.run_id, round_no, self.member_role)
@@ -65,7 +63,7 @@ class GroupedRendezvous:
             found |= candidates & set(await read_round_entries(self.dht, self.run_id, round_no, tag))
         return found
 
-    async def _choose_group(self, rnd: _Round) -> None:
+    async def _choose_group(self, rnd: Any) -> None:
         """With a bounded group size, read the live members and, when more of them than one group holds
         (``gossip.groups``), set ``rnd.grouping`` to this member's group of the round."""
         if self.max_group_size is None:
@@ -75,7 +73,7 @@ class GroupedRendezvous:
         if count > 1:
             rnd.grouping = (group_of(self.run_id, rnd.number, self.peer_id, count), count)
 
-    async def _rendezvous(self, rnd: _Round) -> list[RoundEntry]:
+    async def _rendezvous(self, rnd: Any) -> list[RoundEntry]:
         """Register in the round's DHT rendezvous (this member's group's, if grouped) and wait for the
         group, up to the adaptive deadline (which learns from this wait). Returns the group, self included."""
         entry = RoundEntry(peer_id=self.peer_id, samples=rnd.samples, codec=rnd.wire, up_mbit=self.up_mbit)

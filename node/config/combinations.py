@@ -46,6 +46,9 @@ def check_combinations(cfg: Any) -> None:
         raise ValueError("--fragments works with diloco and sparseloco; noloco sends whole models (use --fragments 1)")
     if cfg.attack is not None and (cfg.stages > 1 or cfg.algorithm == "zo"):
         raise ValueError("--attack rewrites a replica's pseudo-gradient: use it with diloco, noloco or sparseloco and --stages 1")
+    if cfg.contribution_scores == "on" and (cfg.stages > 1 or cfg.algorithm not in ("diloco", "sparseloco")):
+        raise ValueError("--contribution-scores on screens whole-model updates of diloco and sparseloco replicas (--stages 1); "
+                         "use auto or off")
     if cfg.stages > 1:
         _pipeline_refusals(cfg)
     if cfg.algorithm != "zo" and (cfg.zo_eps, cfg.zo_lr) != (_default(cfg, "zo_eps"), _default(cfg, "zo_lr")):

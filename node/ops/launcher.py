@@ -30,7 +30,27 @@ logger = logging.getLogger("locomesh.swarm")
 STOP_GRACE_S = 60.0
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A free TCP port on loopback for a node's /metrics, below the kernel's ephemeral range when there is
+    room: a port picked from that range (``bind(0)``) was once taken by a p2pd listening on ``tcp/0``
+    between this pick and the node's own bind ("Address already in use" in a pipeline test)."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(64) if low > 12000 else ():
+        port = rng.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

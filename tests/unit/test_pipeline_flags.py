@@ -92,6 +92,7 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "zo_seed_pool": (4, ("refused", "--zo-seed-pool is used by --algorithm zo")),
     "min_peers": (2, ("refused", "--min-peers holds whole-model replicas (--stages 1)")),
     "attack": ("sign", ("refused", "--attack rewrites a replica's pseudo-gradient")),
+    "contribution_scores": ("on", ("refused", "--contribution-scores on screens whole-model updates")),
     # the pipeline's own
     "stages": (2, ("applied", [(NODE, "cfg.stages")])),
     "role": ("trainer", ("applied", [(NODE, 'cfg.role == "trainer"')])),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -123,7 +124,8 @@ def test_scores_are_on_by_default_in_open_swarms_whose_rounds_gather_whole_updat
     assert NodeConfig(algorithm="diloco", aggregate="median-clip").scores_contributions
     assert NodeConfig(algorithm="diloco", compression="topk:64/4096+q2").scores_contributions  # sparse: all-gather
     assert not NodeConfig(algorithm="noloco").scores_contributions
-    assert not NodeConfig(algorithm="noloco", contribution_scores="on").scores_contributions
+    with pytest.raises(ValueError, match="--contribution-scores on screens whole-model updates"):
+        NodeConfig(algorithm="noloco", contribution_scores="on")
     assert not NodeConfig(algorithm="sparseloco", contribution_scores="off").scores_contributions
     assert NodeConfig(algorithm="diloco", contribution_scores="on").scores_contributions
 

@@ -308,3 +308,17 @@ def test_an_absurd_throughput_claim_is_capped_at_a_multiple_of_the_lower_median(
                *(PeerRecord(peer_id=f"s1-{i}", role="stage", stage=1, tokens_per_s=100.0) for i in range(70)),
                *(PeerRecord(peer_id=f"t{i}", role="trainer") for i in range(3))]
     assert choose_role(records, 2) == 0, "stage 0 counts 64 × 100 + 100 tokens/s at most, less than stage 1's 7000"
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_are_bindable() -> None:
+    import socket
+
+    from node.ops.launcher import _ephemeral_low, free_port
+
+    for _ in range(20):
+        port = free_port()
+        assert 0 < port < 65536
+        if _ephemeral_low() > 12000:
+            assert port < _ephemeral_low()  # where a p2pd on tcp/0 cannot take it in the meantime
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
