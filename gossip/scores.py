@@ -47,20 +47,20 @@ CLAMP = 3.0  # a round adds at most ±CLAMP (in units of its scale) to a decayed
 class Screen:
     """One round's scores: each contributor's gain, the round's scale, and who was dropped."""
 
+    peers: list[str]
     gains: dict[str, float]
     scale: float
     dropped: dict[str, str] = field(default_factory=dict)
-    kept_all: Sequence[str] = ()  # a round that was not screened keeps these
 
     @property
     def kept(self) -> list[str]:
-        return [p for p in self.gains if p not in self.dropped] if self.gains else list(self.kept_all)
+        return [p for p in self.peers if p not in self.dropped]
 
 
 def screen(peers: Sequence[str], updates: Sequence[Sequence[torch.Tensor]], loss_at: LossAt, harm: float = HARM) -> Screen:
     """Score every contribution against φ and drop those that raise the loss (see the module docstring)."""
     if len(peers) < MIN_MEMBERS:
-        return Screen({}, 0.0, kept_all=list(peers))
+        return Screen(list(peers), {}, 0.0)
     base = loss_at(None)
     gains = {p: base - loss_at(u) for p, u in zip(peers, updates)}
     finite = [abs(g) for g in gains.values() if math.isfinite(g)]
@@ -69,7 +69,7 @@ def screen(peers: Sequence[str], updates: Sequence[Sequence[torch.Tensor]], loss
     for p, g in gains.items():
         if not math.isfinite(g) or g < -harm * scale:  # scale 0 (most updates change nothing): any rise
             dropped[p] = "harmful_update"
-    return Screen(gains, scale, dropped)
+    return Screen(list(peers), gains, scale, dropped)
 
 
 class PeerScores:

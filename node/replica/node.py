@@ -156,7 +156,7 @@ class Daemon(NodeBase):
         cfg = self.cfg
         return {"inner_step": self.inner_step, "tokens_per_s": self.tokens_per_s, "algorithm": cfg.algorithm, "compression": cfg.codec,
                 "fragments": cfg.fragments, "round_steps": self.round_target,
-                "peer_scores": self.averager.scorer.peers.snapshot() if getattr(self.averager, "scorer", None) else {}}
+                "peer_scores": self.averager.scorer.peers.snapshot() if self.averager.scorer else {}}
 
     def _checkpoint_state(self) -> dict[str, Any]:
         return {"inner_steps_total": self.trainer.steps, "phi": [t.to("cpu", copy=True) for t in self.phi],

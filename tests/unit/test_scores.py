@@ -86,12 +86,12 @@ def test_the_screen_never_drops_an_update_that_lowers_the_loss_and_is_determinis
 
 def test_peer_scores_decay_count_harm_and_stay_bounded() -> None:
     scores = PeerScores(decay=0.5, limit=3)
-    scores.record(Screen({"a": 1.0, "b": -1.0}, 1.0, {"b": "harmful_update"}))
-    scores.record(Screen({"a": 1.0, "b": -1.0}, 1.0, {"b": "harmful_update"}))
+    scores.record(Screen(["a", "b"], {"a": 1.0, "b": -1.0}, 1.0, {"b": "harmful_update"}))
+    scores.record(Screen(["a", "b"], {"a": 1.0, "b": -1.0}, 1.0, {"b": "harmful_update"}))
     snap = scores.snapshot()
     assert snap["a"]["score"] == 0.75 and snap["b"]["score"] == -0.75
     assert snap["b"]["harmful_rounds"] == 2 and snap["a"]["harmful_rounds"] == 0
-    scores.record(Screen({"c": float("nan"), "d": 100.0}, 1.0, {"c": "harmful_update"}))
+    scores.record(Screen(["c", "d"], {"c": float("nan"), "d": 100.0}, 1.0, {"c": "harmful_update"}))
     assert len(scores.snapshot()) == 3 and "a" not in scores.snapshot()
     assert scores.snapshot()["d"]["score"] == 1.5  # a round adds at most ±3 units
 
@@ -153,9 +153,9 @@ def test_node_status_shows_the_median_of_the_other_peers_scores() -> None:
 def test_peer_scores_forget_the_least_recently_scored_and_show_the_most_recent() -> None:
     scores = PeerScores(limit=3)
     for peers in (("a", "b"), ("a",), ("c",), ("d",)):
-        scores.record(Screen({p: 1.0 for p in peers}, 1.0))
+        scores.record(Screen(list(peers), {p: 1.0 for p in peers}, 1.0))
     assert list(scores.snapshot()) == ["a", "c", "d"]  # b, scored least recently, went first
     many = PeerScores()
-    many.record(Screen({f"p{i}": 1.0 for i in range(PeerScores.SHOWN + 10)}, 1.0))
+    many.record(Screen([], {f"p{i}": 1.0 for i in range(PeerScores.SHOWN + 10)}, 1.0))
     shown = many.snapshot()
     assert len(shown) == PeerScores.SHOWN and "p0" not in shown and f"p{PeerScores.SHOWN + 9}" in shown
