@@ -111,8 +111,11 @@ def decode_message(data: bytes, max_size: int = DEFAULT_MAX_FRAME, major: int = 
     return Message(kind=kind, body=body, version=(version[0], version[1]))
 
 
-async def read_frame(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_FRAME) -> bytes:
-    """Read one frame's bytes; the length is checked against ``max_size`` before the body is read."""
+async def read_frame(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_FRAME,
+                     stall_timeout: float | None = None) -> bytes:
+    """Read one frame's bytes; the length is checked against ``max_size`` before the body is read.
+    ``stall_timeout``: once the header has arrived, the longest wait for the body's next bytes (a peer
+    that sends part of a frame and stops is refused with :class:`StreamTimeout`, however slow its link)."""
     try:
         header = await reader.readexactly(_LENGTH.size)
     except asyncio.IncompleteReadError as e:
@@ -122,10 +125,21 @@ async def read_frame(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_F
     (length,) = _LENGTH.unpack(header)
     if length > max_size:
         raise FrameTooLarge(f"frame announces {length} bytes, the cap is {max_size} bytes")
-    try:
-        return await reader.readexactly(length)
-    except asyncio.IncompleteReadError as e:
-        raise TruncatedFrame(f"stream ended after {len(e.partial)} of {length} frame bytes") from None
+    if stall_timeout is None:
+        try:
+            return await reader.readexactly(length)
+        except asyncio.IncompleteReadError as e:
+            raise TruncatedFrame(f"stream ended after {len(e.partial)} of {length} frame bytes") from None
+    body = bytearray()
+    while len(body) < length:
+        try:
+            chunk = await asyncio.wait_for(reader.read(min(length - len(body), 1 << 20)), stall_timeout)
+        except asyncio.TimeoutError:
+            raise StreamTimeout(f"a frame stopped after {len(body)} of {length} bytes for {stall_timeout:.0f}s") from None
+        if not chunk:
+            raise TruncatedFrame(f"stream ended after {len(body)} of {length} frame bytes")
+        body += chunk
+    return bytes(body)
 
 
 class FramedStream:
@@ -153,6 +167,8 @@ class FramedStream:
         self.unread: Message | None = None  # a first request a server read while looking for a hello
         self.remote_addr = ""  # the connection's remote multiaddr, when the transport knows it
         self.relay = ""  # the peer id of the locomesh relay carrying this stream, if any
+        self.cipher: Any = None  # a relayed stream's end-to-end seal (protocol.circuit.FrameCipher), once agreed
+        self.stall_timeout: float | None = None  # longest pause inside a frame that has begun to arrive
 
     async def send(self, kind: str, body: dict[str, Any]) -> int:
         """Send one envelope; returns the bytes written (length prefix included).
@@ -160,7 +176,8 @@ class FramedStream:
         When the write fails because the peer already refused us and went away (a private swarm's
         wrong key, say), the refusal it sent first is read and raised as :class:`RemoteError`, so the
         caller learns why instead of seeing a bare broken stream."""
-        data = encode_frame(encode_message(kind, body))
+        payload = encode_message(kind, body)
+        data = encode_frame(payload if self.cipher is None else self.cipher.seal(payload))
         try:
             self.writer.write(data)
             await self.writer.drain()
@@ -176,7 +193,7 @@ class FramedStream:
         """The error frame the peer sent before closing, if one is waiting to be read (else None)."""
         saved, self.idle_timeout = self.idle_timeout, timeout
         try:
-            msg = decode_message(await self._next_frame(), self.max_frame)
+            msg = decode_message(await self._frame_payload(), self.max_frame)
         except Exception:  # nothing readable is waiting: the caller reports its own failure
             return None
         finally:
@@ -221,8 +238,7 @@ class FramedStream:
         if self.unread is not None:
             msg, self.unread = self.unread, None
         else:
-            data = await self._next_frame(self.max_frame if max_size is None else min(max_size, self.max_frame))
-            self.bytes_received += len(data) + _LENGTH.size
+            data = await self._frame_payload(max_size)
             msg = decode_message(data, self.max_frame)
         if msg.kind == ERROR_KIND:
             raise RemoteError(str(msg.body.get("code", "?")), str(msg.body.get("message", "")))
@@ -232,13 +248,22 @@ class FramedStream:
                 raise SchemaError(f"expected a {' or '.join(sorted(allowed))} message, got {msg.kind!r}")
         return msg
 
+    async def _frame_payload(self, max_size: int | None = None) -> bytes:
+        """The next frame's envelope bytes (at most ``max_size``, default ``max_frame``), opened when the
+        stream is sealed."""
+        cap = self.max_frame if max_size is None else min(max_size, self.max_frame)
+        data = await self._next_frame(cap if self.cipher is None else cap + self.cipher.overhead)
+        self.bytes_received += len(data) + _LENGTH.size
+        return data if self.cipher is None else self.cipher.open(data, self.peer)
+
     async def _next_frame(self, max_size: int | None = None) -> bytes:
         """The next frame's bytes (at most ``max_size``, default ``max_frame``), within ``idle_timeout``.
         The only asyncio-specific part of receiving: an adapter for another event loop
         (``protocol.libp2p_transport`` runs on trio) overrides it."""
         try:
-            return await asyncio.wait_for(read_frame(self.reader, max_size or self.max_frame), self.idle_timeout)
-        except asyncio.TimeoutError:
+            return await asyncio.wait_for(read_frame(self.reader, max_size or self.max_frame, self.stall_timeout),
+                                          self.idle_timeout)
+        except asyncio.TimeoutError:  # (a stall inside the frame raises its own StreamTimeout)
             raise StreamTimeout(f"no complete frame from {self.peer} within {self.idle_timeout:.0f}s") from None
 
     async def wait_peer_closed(self, timeout: float = 10.0, max_bytes: int = 1 << 22) -> None:

@@ -15,6 +15,7 @@ import time
 from typing import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils.crypto import RSAPrivateKey
 
 from protocol import ids, relay
 from protocol.auth import client_hello, server_hello
@@ -28,6 +29,10 @@ Handler = Callable[[FramedStream], Awaitable[None]]
 RELAY_RETRY_S = 30.0  # a relay that failed is skipped this long
 MAX_STREAMS_PER_PEER = 32  # streams of one protocol one client may hold open here at once
 UNCAPPED = (ids.STAGE, ids.RELAYED)  # bounded elsewhere: the stage's queue; each relayed request under its origin
+# Requests one client may make of a protocol whose small request costs a large answer: (burst, per second).
+# A whole state for 30 bytes: a joiner asks a handful of peers once, a resync tries up to 20 times.
+REQUEST_RATES = {ids.STATE: (30, 0.5)}
+MAX_TRACKED_CLIENTS = 4096  # request buckets kept; full ones are forgotten first
 
 
 class Transport:
@@ -48,6 +53,12 @@ class Transport:
         else. Peers without the key are refused before any handler runs.
     :param limits: the node's upload/download caps (``protocol.ratelimit``): every stream's bytes, served,
         opened and relayed, pass through the same two buckets
+    :param identity: the RSA key p2pd runs with (the one this node's peer id derives from): relayed
+        streams are authenticated end to end with it and sealed (``protocol.circuit``); a transport
+        without it opens and accepts direct streams only
+    :param stall_timeout: on opened streams, the longest pause inside a frame the peer has begun to send
+        (a server that sends part of an answer and stops is given up on; waiting for an answer to
+        begin is the caller's to bound)
     """
 
     def __init__(
@@ -59,8 +70,11 @@ class Transport:
         swarm_key: bytes | None = None,
         idle_timeout: float = 30.0,
         limits: RateLimits | None = None,
+        identity: RSAPrivateKey | None = None,
+        stall_timeout: float = 60.0,
     ) -> None:
         self.limits = limits or RateLimits()
+        self.identity, self.stall_timeout = identity, stall_timeout
         self.p2p = p2p
         self.idle_timeout = idle_timeout
         self.swarm_key = swarm_key
@@ -74,6 +88,7 @@ class Transport:
         self._relay_failed: dict[str, float] = {}
         self._direct_cache: tuple[float, set[str]] = (0.0, set())
         self._active: dict[tuple[str, str], int] = {}  # (protocol, client) → streams being served
+        self._requests: dict[tuple[str, str], tuple[float, float]] = {}  # (protocol, client) → (tokens, when)
 
     @property
     def peer_id(self) -> str:
@@ -108,6 +123,12 @@ class Transport:
             self.on_error(protocol, "busy", client)
             await stream.refuse("busy", f"{MAX_STREAMS_PER_PEER} {protocol} streams of yours are open here; wait for them")
             return
+        if not self._admit_request(key):
+            burst, rate = REQUEST_RATES[protocol]
+            self.on_error(protocol, "busy", client)
+            await stream.refuse("busy", f"more than {burst} {protocol} requests of yours in a row; "
+                                        f"at most one every {1 / rate:.0f}s now")
+            return
         self._active[key] = self._active.get(key, 0) + 1
         try:
             await self._handle_counted(protocol, handler, stream, client)
@@ -115,6 +136,24 @@ class Transport:
             self._active[key] -= 1
             if not self._active[key]:
                 del self._active[key]
+
+    def _admit_request(self, key: tuple[str, str]) -> bool:
+        """Take one request from ``key``'s bucket (protocols without a rate always pass)."""
+        if key[0] not in REQUEST_RATES:
+            return True
+        burst, rate = REQUEST_RATES[key[0]]
+        now = time.monotonic()
+        tokens, stamp = self._requests.get(key, (float(burst), now))
+        tokens = min(float(burst), tokens + (now - stamp) * rate)
+        if tokens < 1:
+            self._requests[key] = (tokens, now)
+            return False
+        self._requests[key] = (tokens - 1, now)
+        if len(self._requests) > MAX_TRACKED_CLIENTS:  # forget the buckets that have refilled since
+            full = [k for k, (t, when) in self._requests.items() if t + (now - when) * REQUEST_RATES[k[0]][1] >= REQUEST_RATES[k[0]][0]]
+            for k in full or list(self._requests)[: len(self._requests) // 2]:
+                self._requests.pop(k, None)
+        return True
 
     async def _handle_counted(self, protocol: str, handler: Handler, stream: FramedStream, client: str) -> None:
         try:
@@ -138,6 +177,8 @@ class Transport:
 
     async def enable_relays(self, serve_relay: bool) -> None:
         """Accept streams relayed to us by public peers, and relay for others when ``serve_relay``."""
+        if self.identity is None:
+            raise ValueError("relayed streams are authenticated with the node's identity key: pass identity=")
         await self.serve(ids.RELAYED, lambda stream: relay.serve_relayed(self, stream))
         if serve_relay:
             self.relay_limits = relay.RelayLimits()
@@ -149,8 +190,8 @@ class Transport:
         A peer that announced relays (it is behind NAT) and has no direct connection to us is reached
         through one of them (:mod:`protocol.relay`), the next one when a relay fails; a direct stream
         is the last resort."""
-        relays = [r for r in self.routes.get(peer_id, [])
-                  if r != self.peer_id and self._relay_failed.get(r, 0) < time.monotonic() - RELAY_RETRY_S]
+        relays = [r for r in self.routes.get(peer_id, []) if self.identity is not None
+                  and r != self.peer_id and self._relay_failed.get(r, 0) < time.monotonic() - RELAY_RETRY_S]
         if relays and not await self._connected_directly(peer_id):
             for hop in relays:
                 try:
@@ -167,7 +208,7 @@ class Transport:
         reader, writer = self.limits.pace(reader, writer)
         # client side: the caller bounds the whole exchange (a server may legitimately wait for its own data)
         stream = FramedStream(reader, writer, peer=peer_id, max_frame=self.max_frame)
-        stream.remote_addr = str(info.addr)
+        stream.remote_addr, stream.stall_timeout = str(info.addr), self.stall_timeout
         await client_hello(stream, self.swarm_key, protocol, self.peer_id, peer_id)
         return stream
 

@@ -138,6 +138,11 @@ class OwnedRecordValidator(RSASignatureValidator):
         self.foreign_seals = 0  # records refused because a swarm key this node does not hold sealed them
         self._log = _Throttled()
 
+    @property
+    def identity(self) -> RSAPrivateKey:
+        """The RSA key records are signed with: the node's libp2p identity."""
+        return self._private_key
+
     def owned_subkey(self) -> bytes:
         """The subkey under which this node writes its record of a key."""
         return self.peer_id.encode() + self.local_public_key

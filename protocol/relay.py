@@ -9,9 +9,10 @@ state and activations go through this relay instead:
   direct connection (a private peer keeps one to each relay it announces) and sends
   ``relayed {from, protocol}``; the target answers ``relay_ok``, the relay answers ``relay_ok`` to
   the client, and from then on the relay copies bytes both ways until either side closes.
-- The client then speaks ``protocol`` end to end, the version ``hello`` included: the target checks
-  the client's proof for (client, target, protocol), so the relay cannot impersonate the client
-  without the key, and the target serves the request with the same handler as a direct stream.
+- The two ends then authenticate each other with their libp2p identity keys and seal every later
+  frame (:mod:`protocol.circuit`): the relay can neither read nor change what it carries, nor name an
+  origin whose key it lacks. The client then speaks ``protocol`` end to end, the version ``hello``
+  included, and the target serves the request with the same handler as a direct stream.
 - Caps: circuits per client and in all, and bytes per circuit. Refusals are error frames with a
   reason; a relay never relays to a peer it can reach only through a relay itself.
 """
@@ -27,7 +28,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from hivemind.p2p import PeerID
 
-from protocol import ids
+from protocol import circuit, ids
 from protocol.auth import client_hello
 from protocol.errors import SchemaError
 from protocol.frames import FramedStream, require
@@ -41,7 +42,9 @@ class RelayHost(Protocol):
 
     p2p: Any  # hivemind's P2P: ``call_binary_stream_handler``
     peer_id: str
+    identity: Any  # the node's RSA identity key (hivemind's RSAPrivateKey): circuits are sealed with it
     swarm_key: bytes | None
+    stall_timeout: float
     max_frame: int
     idle_timeout: float
     relay_limits: "RelayLimits | None"
@@ -174,6 +177,7 @@ async def serve_relayed(transport: RelayHost, stream: FramedStream) -> None:
         raise SchemaError(f"this node does not serve {protocol}")
     await stream.send("relay_ok", {})
     stream.relay, stream.peer, stream.inner_protocol = stream.peer, origin, protocol
+    await circuit.target_handshake(stream, transport.identity, protocol, origin, transport.peer_id)
     await transport.handle(protocol, handler, stream, origin)
 
 
@@ -182,12 +186,13 @@ async def open_via(transport: RelayHost, relay: str, target: str, protocol: str)
     info, reader, writer = await transport.p2p.call_binary_stream_handler(PeerID.from_base58(relay), ids.RELAY)
     reader, writer = transport.limits.pace(reader, writer)
     stream = FramedStream(reader, writer, peer=relay, max_frame=transport.max_frame)
-    stream.remote_addr = str(info.addr)
+    stream.remote_addr, stream.stall_timeout = str(info.addr), transport.stall_timeout
     try:
         await client_hello(stream, transport.swarm_key, ids.RELAY, transport.peer_id, relay)
         await stream.send("relay", {"target": target, "protocol": protocol})
         await asyncio.wait_for(stream.recv(expect="relay_ok"), 20)
         stream.peer, stream.relay = target, relay
+        await asyncio.wait_for(circuit.client_handshake(stream, transport.identity, protocol, transport.peer_id, target), 20)
         await client_hello(stream, transport.swarm_key, protocol, transport.peer_id, target)
         return stream
     except BaseException:

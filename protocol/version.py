@@ -23,8 +23,8 @@ import threading
 
 from protocol.errors import printable
 
-LOCOMESH_VERSION = "0.2.0"
-PROTOCOL_VERSION = 2
+LOCOMESH_VERSION = "0.3.0"
+PROTOCOL_VERSION = 3  # 3: relayed streams are authenticated end to end and sealed (protocol.circuit)
 UPGRADE = "git pull && make setup"
 OLD_VERSION = "before 0.2.0"  # what a peer without a version (protocol 1) is shown as
 

@@ -18,7 +18,7 @@ from node.runtime.network import learn_routes
 from node.runtime.status_service import fetch_status
 from swarm.stage_map import missing_roles
 from protocol.hivemind_transport import Transport
-from protocol.peer_identity import OwnedRecordValidator
+from protocol.peer_identity import OwnedRecordValidator, identified_p2p
 from protocol.version import UPGRADE, package_version, protocol_version
 
 
@@ -31,14 +31,15 @@ class StatusClient:
         self.dht: DHTNode | None = None
 
     async def __aenter__(self) -> "StatusClient":
-        self.p2p = await P2P.create(initial_peers=self.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        self.p2p, signer = await identified_p2p(initial_peers=self.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         try:
             self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=self.initial_peers, client_mode=True,
-                                            record_validator=OwnedRecordValidator(swarm_key=self.swarm_key))
+                                            record_validator=OwnedRecordValidator(signer.identity, swarm_key=self.swarm_key))
         except BaseException:
             await self.p2p.shutdown()
             raise
-        self.transport = Transport(self.p2p, swarm_key=self.swarm_key)
+        # peers behind NAT are asked through their relays, and a relayed stream proves this identity
+        self.transport = Transport(self.p2p, swarm_key=self.swarm_key, identity=signer.identity)
         watch_records(self.dht, lambda records: learn_routes(self.transport, records))  # peers behind NAT: via their relays
         return self
 

@@ -159,7 +159,7 @@ class NetworkThread:
             if child is not None:
                 self._watchdog = guard_child(child.pid)
             self.transport = Transport(self.p2p, on_bytes=on_bytes, on_error=on_error, swarm_key=swarm_key,
-                                       idle_timeout=stream_timeout, limits=limits)
+                                       idle_timeout=stream_timeout, limits=limits, identity=key)
             await self.transport.serve(ids.DIALBACK, reach.serve_dialback)
             await self.transport.enable_relays(serve_relay=relay_service and mode != "private")
 
@@ -258,8 +258,15 @@ class NetworkThread:
         return maddrs
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        """Run ``coro`` on the loop and wait for its result; past ``timeout`` the work is cancelled (its
+        streams closed, its buffers freed) before ``TimeoutError`` is raised, so a retry never runs
+        beside the attempt it replaces."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
 
     def run(self, coro: Coroutine[Any, Any, T], stop: threading.Event, poll: float = 0.2) -> T:
         """Like :meth:`call`, but cancels the work and raises :class:`Interrupted` once ``stop`` is set."""

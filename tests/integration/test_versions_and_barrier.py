@@ -14,6 +14,8 @@ from node.runtime.status_service import fetch_status
 from protocol import ids
 from protocol.errors import IncompatiblePeer
 from protocol.hivemind_transport import Transport
+from protocol.version import LOCOMESH_VERSION as V
+from protocol.version import PROTOCOL_VERSION as P
 from tests.helpers.swarm_utils import FAST_ARGS, events, start_node
 
 ODD = {"LOCOMESH_FAKE_PROTOCOL_VERSION": "1", "LOCOMESH_FAKE_VERSION": "0.1.0"}  # an outdated peer
@@ -35,14 +37,14 @@ def test_a_peer_of_another_protocol_is_refused_once_and_the_run_trains_on(tmp_pa
     odd = start_node(tmp_path, "odd", FAST_ARGS, [boot], env=ODD)
     nodes.append(odd)
     assert odd.process.wait(timeout=180) == 3, odd.log()[-3000:]
-    line = f"peer {peer_a} runs locomesh 0.2.0 (protocol 2); this node runs 0.1.0 (protocol 1): not training with it, " \
+    line = f"peer {peer_a} runs locomesh {V} (protocol {P}); this node runs 0.1.0 (protocol 1): not training with it, " \
            "upgrade this node with `git pull && make setup`"
     assert len(_lines(odd.log(), line)) == 1, odd.log()[-3000:]  # records are read every second: still one line
     assert "runs this node's protocol version 1" in odd.log() and "Traceback" not in odd.log()
 
-    # the hello of every stream: a client of protocol 3 is refused by the daemon before any handler, twice,
-    # and the daemon logs its line once; status stays version-free
-    monkeypatch.setenv("LOCOMESH_FAKE_PROTOCOL_VERSION", "3")
+    # the hello of every stream: a client of the next protocol is refused by the daemon before any handler,
+    # twice, and the daemon logs its line once; status stays version-free
+    monkeypatch.setenv("LOCOMESH_FAKE_PROTOCOL_VERSION", str(P + 1))
 
     async def ask() -> tuple[str, list[str], dict]:
         p2p = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -62,10 +64,10 @@ def test_a_peer_of_another_protocol_is_refused_once_and_the_run_trains_on(tmp_pa
 
     before = a.info()["steps"]
     client, refusals, status = asyncio.run(ask())
-    assert all("runs locomesh 0.2.0 (protocol 2); this node runs 0.2.0 (protocol 3)" in r for r in refusals), refusals
-    assert status["protocol"] == 2 and status["version"] == "0.2.0"
+    assert all(f"runs locomesh {V} (protocol {P}); this node runs {V} (protocol {P + 1})" in r for r in refusals), refusals
+    assert status["protocol"] == P and status["version"] == V
     a.wait(lambda i: i["steps"] > before + 5, 90, "training to go on")
-    assert len(_lines(a.log(), f"peer {client} runs locomesh 0.2.0 (protocol 3); this node runs 0.2.0 (protocol 2)")) == 1
+    assert len(_lines(a.log(), f"peer {client} runs locomesh {V} (protocol {P + 1}); this node runs {V} (protocol {P})")) == 1
     assert "Traceback" not in a.log()
     assert a.stop() == 0
 

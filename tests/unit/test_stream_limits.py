@@ -5,7 +5,7 @@ import asyncio
 from protocol import ids
 from protocol.auth import hello_body
 from protocol.frames import decode_message, encode_frame, encode_message, read_frame
-from protocol.hivemind_transport import MAX_STREAMS_PER_PEER, Transport
+from protocol.hivemind_transport import MAX_STREAMS_PER_PEER, REQUEST_RATES, Transport
 from tests.helpers.memory_transport import canned_stream, ended_reader
 
 
@@ -29,13 +29,13 @@ def test_a_client_is_refused_past_its_stream_cap_and_others_are_not() -> None:
         async def slow(stream) -> None:
             await release.wait()
 
-        held = [asyncio.ensure_future(transport.handle(ids.STATE, slow, canned_stream(HELLO)[0], "greedy"))
+        held = [asyncio.ensure_future(transport.handle(ids.AVERAGE, slow, canned_stream(HELLO)[0], "greedy"))
                 for _ in range(MAX_STREAMS_PER_PEER)]
         await asyncio.sleep(0.05)
         refused, sink = canned_stream(HELLO)
-        await transport.handle(ids.STATE, slow, refused, "greedy")
+        await transport.handle(ids.AVERAGE, slow, refused, "greedy")
         frame = await read_frame(ended_reader(bytes(sink.data)))  # refused before the hello is read
-        other = asyncio.ensure_future(transport.handle(ids.STATE, slow, canned_stream(HELLO)[0], "someone-else"))
+        other = asyncio.ensure_future(transport.handle(ids.AVERAGE, slow, canned_stream(HELLO)[0], "someone-else"))
         await asyncio.sleep(0.05)
         served_other = not other.done()
         release.set()
@@ -44,7 +44,7 @@ def test_a_client_is_refused_past_its_stream_cap_and_others_are_not() -> None:
 
     codes, served_other = asyncio.run(run())
     assert codes == ["busy"] and served_other
-    assert errors == [(ids.STATE, "busy", "greedy")]
+    assert errors == [(ids.AVERAGE, "busy", "greedy")]
     assert transport._active == {}
 
 
@@ -66,3 +66,33 @@ def test_a_relay_carrying_many_clients_is_not_capped_as_one_client() -> None:
         return open_now
 
     assert asyncio.run(run()) == MAX_STREAMS_PER_PEER + 8
+
+
+def test_state_requests_are_rate_limited_per_client() -> None:
+    """A 30-byte get_state costs a whole state: past its burst a client gets one every 2 s, others are unaffected."""
+    errors: list[tuple[str, str, str]] = []
+    transport = Transport(_P2P(), on_error=lambda *e: errors.append(e))  # type: ignore[arg-type]
+    burst, rate = REQUEST_RATES[ids.STATE]
+    served: list[str] = []
+
+    async def answer(stream) -> None:
+        served.append(stream.peer)
+
+    async def ask(client: str) -> str:
+        stream, sink = canned_stream(HELLO, peer=client)
+        await transport.handle(ids.STATE, answer, stream, client)
+        frames = ended_reader(bytes(sink.data))
+        first = decode_message(await read_frame(frames))
+        return first.body.get("code", "") if first.kind == "error" else first.kind
+
+    async def run() -> tuple[list[str], str, str]:
+        replies = [await ask("greedy") for _ in range(burst + 1)]
+        other = await ask("someone-else")
+        tokens, when = transport._requests[(ids.STATE, "greedy")]
+        transport._requests[(ids.STATE, "greedy")] = (tokens, when - 1.1 / rate)  # a little over one refill later
+        return replies, other, await ask("greedy")
+
+    replies, other, later = asyncio.run(run())
+    assert replies == ["hello"] * burst + ["busy"] and other == "hello" and later == "hello"
+    assert served.count("greedy") == burst + 1 and errors == [(ids.STATE, "busy", "greedy")]
+    assert REQUEST_RATES[ids.STATE][0] >= 20  # a resync's 20 tries at one peer still pass
