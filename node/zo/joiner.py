@@ -90,21 +90,30 @@ class ZOJoiner:
 
     def join(self) -> tuple[str, str] | None:
         """Sync with the most advanced live peer that answers: (its peer id, how), or None when no peer
-        answered within the join timeout (the node then trains alone). Raises :class:`JoinRefused`."""
+        answered within the join timeout (the node then trains alone). Raises :class:`JoinRefused` only
+        when every trainer of the run disagrees (another algorithm, or other settings): one peer's record
+        or meta is its word, and it is skipped, never allowed to stop a newcomer."""
         deadline = time.monotonic() + self.join_timeout
         while not self.stop.is_set():
             others = self._trainers()
-            for rec in others:
-                if rec.algorithm != "zo":
-                    raise JoinRefused(f"run {self.run_id!r} trains with --algorithm {rec.algorithm} (this node: zo); "
-                                      "restart with the swarm's settings or another --run-id")
-            for rec in sorted(others, key=lambda r: (-r.round, r.peer_id)):
+            zo_peers = [rec for rec in others if rec.algorithm == "zo"]
+            if others and not zo_peers:
+                algorithms = sorted({rec.algorithm for rec in others})
+                raise JoinRefused(f"run {self.run_id!r} trains with --algorithm {', '.join(algorithms)} (this node: zo); "
+                                  "restart with the swarm's settings or another --run-id")
+            refusals: list[JoinRefused] = []
+            for rec in sorted(zo_peers, key=lambda r: (-r.round, r.peer_id)):
                 try:
                     return rec.peer_id, self.sync_from(rec.peer_id)
-                except (JoinRefused, Interrupted):
+                except Interrupted:
                     raise
+                except JoinRefused as e:
+                    refusals.append(e)
+                    logger.warning("not syncing with %s: %s", rec.peer_id, e)
                 except Exception as e:
                     logger.warning("could not sync with %s: %s", rec.peer_id, e)
+            if zo_peers and len(refusals) == len(zo_peers):
+                raise refusals[0]
             if not others:
                 check_joinable(self.net, self.run_id, self.peer_id)
             if time.monotonic() >= deadline:

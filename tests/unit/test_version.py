@@ -35,7 +35,7 @@ def test_same_protocol_is_compatible_whatever_the_package_version() -> None:
     assert compatible(PROTOCOL_VERSION) and not compatible(PROTOCOL_VERSION + 1) and not compatible(1)
     assert incompatibility("12D3KooWpeer", "0.9.7", PROTOCOL_VERSION) is None  # another package version, same protocol
     older = incompatibility("12D3KooWpeer", "0.1.0", PROTOCOL_VERSION - 1)
-    assert older is not None and "0.1.0 (protocol 1)" in older and f"(protocol {PROTOCOL_VERSION})" in older
+    assert older is not None and f"0.1.0 (protocol {PROTOCOL_VERSION - 1})" in older and f"(protocol {PROTOCOL_VERSION})" in older
     assert "upgrade that peer with `git pull && make setup`" in older
     newer = incompatibility("12D3KooWpeer", "9.0.0", PROTOCOL_VERSION + 1)
     assert newer is not None and "upgrade this node" in newer
@@ -59,7 +59,7 @@ def test_a_hello_of_another_protocol_is_refused_with_the_line() -> None:
     async def run() -> None:
         hello = {"protocol": PROTOCOL_VERSION + 1, "version": "9.0.0"}
         stream, sink = canned_stream(_frame("hello", hello) + _frame("state_request", {}), peer="12D3KooWnewer")
-        with pytest.raises(IncompatiblePeer, match=r"runs locomesh 9\.0\.0 \(protocol 3\); this node runs .* upgrade this node"):
+        with pytest.raises(IncompatiblePeer, match=rf"runs locomesh 9\.0\.0 \(protocol {PROTOCOL_VERSION + 1}\); this node runs .* upgrade this node"):
             await server_hello(stream, None, STATE, "12D3KooWnewer", "me")
         # the server answered with its own hello first, so the client can name both versions too
         (answer,) = _sent(sink)
