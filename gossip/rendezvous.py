@@ -307,9 +307,12 @@ class Reachable:
                         type(e).__name__)
         else:
             self.answered[peer] = None
+            self.failed.pop(peer, None)
             while len(self.answered) > self.max_tracked:
                 del self.answered[next(iter(self.answered))]
         finally:
+            while len(self.failed) > self.max_tracked:
+                del self.failed[next(iter(self.failed))]
             self.pending.pop(peer, None)
 
     async def check(self, peers: set[str]) -> set[str]:
@@ -321,18 +324,18 @@ class Reachable:
         return {p for p in peers if p in self.answered}
 
     def filter(self, peers: set[str]) -> set[str]:
-        """``peers`` less those that failed their last probe (probing the ones not tried yet)."""
+        """``peers`` less those that failed their last probe (probing the ones not tried yet, and again
+        those that failed ``retry_s`` ago: they stay out until they answer)."""
         now = time.monotonic()
-        for peer, at in list(self.failed.items()):
-            if now - at > self.retry_s:
-                del self.failed[peer]
         out = set()
         for peer in peers:
             if peer in self.answered:
                 out.add(peer)
-            elif peer not in self.failed:
-                if peer not in self.pending and len(self.pending) < 64:
-                    self.pending[peer] = asyncio.create_task(self._try(peer))
+                continue
+            failed_at = self.failed.get(peer)
+            if peer not in self.pending and len(self.pending) < 64 and (failed_at is None or now - failed_at > self.retry_s):
+                self.pending[peer] = asyncio.create_task(self._try(peer))
+            if failed_at is None:
                 out.add(peer)
         return out
 

@@ -69,6 +69,8 @@ class PipelineNode(NodeBase):
         self._info_written = 0.0  # when --info-file was last rewritten (monotonic)
         self.trainer: PipelineTrainer | None = None
         self.checkpoint: tuple[Path, dict[str, Any]] | None = None
+        # a record signed by a key no daemon runs must not make a lost stage look served or draw microbatches
+        self.live = self.reachable_members()
 
     @property
     def algorithm(self) -> str:
@@ -110,7 +112,7 @@ class PipelineNode(NodeBase):
             stages=cfg.stages, model_cfg=self.model_cfg, seed=stage_init_seed(cfg), plus=cfg.checkfree_plus,
             grace=cfg.recovery_grace, fetch_stage=server.fetch_stage, new_stage=server.new_stage, become=self._serve_rebuilt,
             claim=lambda stage, ignore: net.call(claim_stage(net.dht, net.validator, cfg.run_id, stage, peer_id, ignore=ignore), timeout=30),
-            refresh=lambda: net.call(list_peers(net.dht, cfg.run_id), timeout=30), metrics=self.metrics, event=self.event,
+            refresh=lambda: net.call(self._live_records(), timeout=30), metrics=self.metrics, event=self.event,
         )
         target = self._held()["stage"]  # a restarted server serves its checkpoint's stage again
         if target is not None:
@@ -294,7 +296,15 @@ class PipelineNode(NodeBase):
         serving = self.stage is not None and self.role == "stage"
         return [self.cfg.run_id] + ([stage_run(self.cfg.run_id, self.stage)] if serving else [])  # type: ignore[arg-type]
 
+    async def _live_records(self) -> dict[str, PeerRecord]:
+        """The run's records of peers that answered a status probe (and this node's own), probing new ones."""
+        peers = await list_peers(self.net.dht, self.cfg.run_id)
+        alive = await self.live.check(set(peers) - {self.summary.peer_id})
+        return {p: rec for p, rec in peers.items() if p in alive or p == self.summary.peer_id}
+
     def _observe_peers(self, peers: dict[str, PeerRecord]) -> None:
+        alive = self.live.filter(set(peers))  # peers being probed for the first time count until they fail
+        peers = {p: rec for p, rec in peers.items() if p in alive or p == self.summary.peer_id}
         self.peers = peers
         self.recoverer.observe(peers)
         if self.stage is None and self.trainer is not None:

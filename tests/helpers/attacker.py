@@ -9,7 +9,9 @@ second it reads the run's members and round R, then stores (each kind can be swi
   ids (one-year expiration) and records signed by fresh keys no daemon runs (refreshed, TTL 8 s);
 - ``ahead``: its own, validly signed record announcing round R + ``--ahead`` (it serves nothing);
 - ``claim`` (pipelines, off unless asked for): a validly signed claim on each of ``--stages`` stages
-  with time 0, the earliest possible, refreshed every pass; it never rebuilds a stage.
+  with time 0, the earliest possible, refreshed every pass; it never rebuilds a stage;
+- ``serve`` (pipelines, off unless asked for): for each of ``--stages`` stages, a server record
+  signed by a fresh key no daemon runs, so that no stage ever looks lost (refreshed, TTL 8 s).
 
 Its DHT node validates nothing, so its stores reach the honest nodes as written. The report (JSON,
 rewritten atomically each pass) names the attacker, the invented ids and the members it impersonated.
@@ -38,7 +40,7 @@ from swarm.claims import CLAIM_TTL_S, claim_key
 
 YEAR = 365 * 86400.0
 KINDS = ("impersonate", "invent", "ahead")
-PIPELINE_KINDS = ("claim",)
+PIPELINE_KINDS = ("claim", "serve")
 
 
 def made_up_id(rng: random.Random) -> str:
@@ -76,6 +78,7 @@ async def attack(initial_peers: list[str], run_id: str, report: Path, kinds: set
     rng = random.Random(7)
     fake_ids = [made_up_id(rng) for _ in range(sybils)]
     fake_keys = [OwnedRecordValidator() for _ in range(sybils)]
+    fake_servers = [OwnedRecordValidator() for _ in range(stages if "serve" in kinds else 0)]
     key = peers_key(run_id)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -83,7 +86,7 @@ async def attack(initial_peers: list[str], run_id: str, report: Path, kinds: set
     passes = 0
     try:
         while not stop.is_set():
-            invented = fake_ids + [k.peer_id for k in fake_keys]
+            invented = fake_ids + [k.peer_id for k in fake_keys + fake_servers]
             peers = {p: r for p, r in (await list_peers(dht, run_id)).items() if p != me.peer_id and p not in invented}
             r = max((rec.round for rec in peers.values()), default=0)
             now = get_dht_time()
@@ -109,6 +112,9 @@ async def attack(initial_peers: list[str], run_id: str, report: Path, kinds: set
                                         subkey=me.owned_subkey())
                     finally:
                         dht.protocol.record_validator = None
+            for stage, signer in enumerate(fake_servers):
+                server = PeerRecord(peer_id=signer.peer_id, role="stage", stage=stage, round=r, tokens_per_s=1e3)
+                await _store(dht, key, server, now + 8, signer.owned_subkey(), signer)
             passes += 1
             tmp = report.with_suffix(".tmp")
             tmp.write_text(json.dumps({"peer_id": me.peer_id, "invented": invented, "victims": sorted(victims),
@@ -137,8 +143,8 @@ def main() -> None:
     known = set(KINDS + PIPELINE_KINDS)
     if not kinds <= known:
         parser.error(f"--attacks: unknown {sorted(kinds - known)}; known: {', '.join(sorted(known))}")
-    if "claim" in kinds and args.stages < 1:
-        parser.error("--attacks claim needs --stages")
+    if kinds & set(PIPELINE_KINDS) and args.stages < 1:
+        parser.error("--attacks claim and serve need --stages")
     asyncio.run(attack(args.initial_peers, args.run_id, args.report, kinds, args.sybils, args.ahead, args.stages))
 
 

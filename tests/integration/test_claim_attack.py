@@ -1,9 +1,11 @@
-"""A peer that claims every lost stage first and rebuilds none cannot block CheckFree (real daemons).
+"""A peer that claims every lost stage first and rebuilds none, and announces invented servers for
+every stage, cannot block CheckFree (real daemons).
 
-3 stages × 1 server, a spare and a trainer; an attacker (tests/helpers/attacker.py ``claim``) keeps a
-validly signed claim with time 0 on every stage. When the middle stage is SIGKILLed, the spare loses
-the claim to the attacker, waits one claim period, sees the stage still unserved, ignores the attacker
-and rebuilds the stage from its neighbours; training goes on.
+3 stages × 1 server, a spare and a trainer; an attacker (tests/helpers/attacker.py ``claim,serve``)
+keeps a validly signed claim with time 0 on every stage, and a server record for every stage signed
+by a key no daemon runs. When the middle stage is SIGKILLed, the spare does not count the invented
+server (it answers no status probe), loses the claim to the attacker, waits one claim period, sees the
+stage still unserved, ignores the attacker and rebuilds the stage from its neighbours; training goes on.
 """
 
 import os
@@ -29,7 +31,7 @@ def test_a_peer_that_claims_every_stage_first_cannot_block_a_rebuild(tmp_path, n
                        ("spare", ["--role", "spare"]), ("trainer", ["--role", "trainer"])):
         nodes.append(start_node(tmp_path, name, [*ARGS, *role], [addr]))
     st0, st1, st2, spare, trainer = nodes
-    attacker, report = start_attacker(tmp_path, addr, "--run-id", RUN, "--attacks", "claim", "--stages", "3")
+    attacker, report = start_attacker(tmp_path, addr, "--run-id", RUN, "--attacks", "claim,serve", "--stages", "3")
     nodes.append(attacker)
     liar = attacker_report(attacker, report, lambda found: found["passes"] >= 2)["peer_id"]
     trainer.wait(lambda i: i.get("steps", 0) >= 20, 240, "20 pipeline steps")
