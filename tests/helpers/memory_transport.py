@@ -134,3 +134,17 @@ class MemoryTransport:
 
     def account(self, protocol: str, stream: FramedStream) -> None:
         self.network.sent[self.peer_id] += stream.bytes_sent
+
+
+def byte_flipper(offset: int, mask: int = 1) -> Callable[[bytes], bytes]:
+    """A tamperer for a stream's chunks in order: XORs the byte at ``offset`` of the whole stream with ``mask``."""
+    passed = [0]
+
+    def tamper(chunk: bytes) -> bytes:
+        start, passed[0] = passed[0], passed[0] + len(chunk)
+        if start <= offset < passed[0]:
+            i = offset - start
+            return chunk[:i] + bytes([chunk[i] ^ mask]) + chunk[i + 1:]
+        return chunk
+
+    return tamper

@@ -20,6 +20,7 @@ from protocol.errors import AuthError, RemoteError
 from protocol.frames import FramedStream
 from protocol.hivemind_transport import Transport
 from protocol.peer_identity import identified_p2p
+from tests.helpers.memory_transport import byte_flipper
 
 BLOB = bytes(range(256)) * 80  # a 20 KiB answer: far past the circuit handshake's bytes
 
@@ -37,19 +38,6 @@ async def _peer(initial: list[str], relay: bool | None, hidden: bool = False) ->
 
 async def _maddr(p2p: P2P) -> str:
     return f"{(await p2p.get_visible_maddrs())[0]}"
-
-
-def _flip(offset: int):
-    passed = [0]
-
-    def tamper(chunk: bytes) -> bytes:
-        start, passed[0] = passed[0], passed[0] + len(chunk)
-        if start <= offset < passed[0]:
-            i = offset - start
-            return chunk[:i] + bytes([chunk[i] ^ 0x40]) + chunk[i + 1:]
-        return chunk
-
-    return tamper
 
 
 def _hostile_hop(evil: Transport, origin: str | None, tamper) -> object:
@@ -120,7 +108,7 @@ def test_a_relay_can_neither_name_another_origin_nor_change_the_answer() -> None
             evil.handlers.pop(ids.RELAY)
             await e_p2p.remove_binary_stream_handler(ids.RELAY)
             evil.protocols.remove(ids.RELAY)
-            await evil.serve(ids.RELAY, _hostile_hop(evil, None, _flip(4000)))
+            await evil.serve(ids.RELAY, _hostile_hop(evil, None, byte_flipper(4000, 0x40)))
             with pytest.raises(AuthError) as tampered:
                 await ask(evil)
             out["tampered"] = str(tampered.value)

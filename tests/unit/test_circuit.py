@@ -14,7 +14,7 @@ from protocol import circuit
 from protocol.errors import AuthError, StreamTimeout
 from protocol.frames import FramedStream, read_frame
 from protocol.peer_identity import peer_id_of
-from tests.helpers.memory_transport import PipeWriter
+from tests.helpers.memory_transport import PipeWriter, byte_flipper
 
 STATE = "/locomesh/state/1.0"
 CLIENT_KEY, TARGET_KEY, RELAY_KEY = RSAPrivateKey(), RSAPrivateKey(), RSAPrivateKey()
@@ -70,22 +70,9 @@ def test_a_sealed_circuit_carries_frames_both_ways_and_the_relay_reads_none() ->
     assert b"weights-in-clear" not in wire  # sealed, not only signed
 
 
-def _flip_after(offset: int) -> Tamper:
-    passed = [0]
-
-    def tamper(b: bytes) -> bytes:
-        start, passed[0] = passed[0], passed[0] + len(b)
-        if start <= offset < passed[0]:
-            i = offset - start
-            return b[:i] + bytes([b[i] ^ 1]) + b[i + 1:]
-        return b
-
-    return tamper
-
-
 def test_a_relay_that_changes_one_byte_of_a_sealed_frame_is_caught() -> None:
     async def run() -> None:
-        client, target, down = _pair(down=_flip_after(3000))  # the handshake is under 3,000 bytes; the reply is not
+        client, target, down = _pair(down=byte_flipper(3000))  # the handshake is under 3,000 bytes; the reply is not
         await _handshake(client, target)
         await target.send("state", {"blob": bytes(5000)})
         with pytest.raises(AuthError, match="failed its end-to-end check"):
