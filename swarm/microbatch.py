@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -103,9 +104,12 @@ class PipelineClient:
             except NoPeerAvailable as e:
                 raise PipelineStepFailed(str(e), stage) from None
             try:
+                started = time.monotonic()
                 out = await call_stage(self.transport, peer, self.run_id, stage, kind, x, codec=self.codec, timeout=self.timeout, **kw)
                 problem = self._answer_problem(stage, kind, x, out, {k: kw[k] for k in ("embed", "head") if k in kw})
                 if problem is None:
+                    tokens = x.shape[0] * x.shape[1] if x.dim() >= 2 else x.numel()  # [B, T] ids or [B, T, D] activations
+                    self.router.observe(peer, float(tokens), time.monotonic() - started)
                     return out, peer
                 self.implausible += 1
                 raise StageCallError(f"stage {stage} peer {peer[-8:]}: {problem}")

@@ -6,7 +6,8 @@ receives a share proportional to its throughput. No peer's load runs more than o
 current estimate) ahead of the least loaded peer's, so charges made at an outdated estimate cannot
 starve it. A new peer enters at the stage's current minimum (it neither floods nor starves), a peer
 that fails is banned until its DHT record would expire, and peers that left the DHT are forgotten.
-Ties are broken at random (seeded).
+Ties are broken at random (seeded). A throughput is its peer's claim: it is bounded by the stage's
+median and by what this router measured the peer answer at (:meth:`Router.observe`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from typing import Callable, Iterable
 STALE_S = 30.0  # an announced throughput unchanged this long is treated as unmeasured
 MIN_SHARE_OF_MEDIAN = 0.25  # no peer counts as slower than this fraction of its stage's median
 MAX_MULTIPLE_OF_MEDIAN = 64.0  # nor faster than this multiple of the lower median: a throughput is its peer's claim
+# ... nor faster than this multiple of the rate this router measured from it (tokens over each answered
+# request's wall time, queueing and network included: below a server's own compute rate, hence the slack)
+MAX_MULTIPLE_OF_OBSERVED = 8.0
+MIN_OBSERVATIONS = 3  # answers measured before the measured rate bounds a claim
 
 
 class NoPeerAvailable(Exception):
@@ -39,6 +44,7 @@ class Router:
         self.throughput: dict[str, float] = {}
         self.banned: dict[str, float] = {}
         self.announced: dict[str, tuple[float, float]] = {}  # peer → (announced throughput, when it last changed)
+        self.observed: dict[str, tuple[float, int]] = {}  # peer → (measured tokens/s, a moving average; answers measured)
 
     def update(self, stage: int, peers: dict[str, float]) -> None:
         """The stage's live peers with their announced throughput.
@@ -64,8 +70,15 @@ class Router:
             estimate = tp if tp > 0 else median
             if now - self.announced[peer][1] > self.stale_s:
                 estimate = max(estimate, median)
-            self.throughput[peer] = min(max(estimate, MIN_SHARE_OF_MEDIAN * median), cap)
+            bound = cap
+            rate, answers = self.observed.get(peer, (0.0, 0))
+            if answers >= MIN_OBSERVATIONS:
+                bound = min(bound, MAX_MULTIPLE_OF_OBSERVED * rate)
+            self.throughput[peer] = min(max(estimate, MIN_SHARE_OF_MEDIAN * median), bound)
             loads.setdefault(peer, floor)
+        live = {p for stage_loads in self.loads.values() for p in stage_loads}
+        for gone in set(self.observed) - live:
+            del self.observed[gone]
 
     def peers(self, stage: int) -> list[str]:
         return sorted(self.loads.get(stage, {}))
@@ -92,6 +105,15 @@ class Router:
     def _cost(self, peer: str, task_size: float) -> float:
         """The virtual load a task adds to a peer: its size over the peer's estimated throughput."""
         return task_size / self.throughput.get(peer, 1.0)
+
+    def observe(self, peer: str, tokens: float, seconds: float) -> None:
+        """A request of ``tokens`` tokens that ``peer`` answered in ``seconds`` (wall time, as seen here):
+        the next :meth:`update` bounds the peer's announced throughput by a multiple of this rate."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate, answers = self.observed.get(peer, (0.0, 0))
+        sample = tokens / seconds
+        self.observed[peer] = (sample if answers == 0 else 0.7 * rate + 0.3 * sample, answers + 1)
 
     def refund(self, stage: int, peer: str, task_size: float = 1.0) -> None:
         """Take back the load :meth:`choose` charged for a task the peer refused unstarted (busy), so a

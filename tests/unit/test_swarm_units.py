@@ -283,6 +283,33 @@ def test_local_swarm_roles():
     assert [pipeline_role(i, 3, 2) for i in range(3)] == [0, 1, None]
 
 
+def test_a_claim_is_bounded_by_the_rate_the_router_measured_from_that_peer():
+    """A peer announcing far more than its stage but answering slowly draws a share by its measured speed, not its word."""
+    from swarm.router import MAX_MULTIPLE_OF_MEDIAN, MAX_MULTIPLE_OF_OBSERVED, MIN_OBSERVATIONS
+
+    router = Router(seed=3)
+    claims = {"honest-a": 1000.0, "honest-b": 1000.0, "liar": 1e30}
+
+    def answers(n: int) -> None:
+        for _ in range(n):
+            router.observe("liar", 256.0, 2.56)  # 100 tokens/s as seen from here
+            for peer in ("honest-a", "honest-b"):
+                router.observe(peer, 256.0, 0.512)  # 500 tokens/s from here (queueing and network included)
+
+    router.update(0, claims)
+    answers(MIN_OBSERVATIONS - 1)
+    router.update(0, claims)
+    assert router.throughput["liar"] == MAX_MULTIPLE_OF_MEDIAN * 1000.0, "too few answers to bound a claim yet"
+    answers(1)
+    router.update(0, claims)
+    assert router.throughput["liar"] == pytest.approx(MAX_MULTIPLE_OF_OBSERVED * 100.0)
+    assert router.throughput["honest-a"] == 1000.0, "an honest claim within the slack is taken as announced"
+    picks = [router.choose(0) for _ in range(1400)]
+    assert picks.count("liar") == pytest.approx(1400 * 800 / 2800, abs=5)  # was 64,000 / 66,000 of the work
+    router.update(0, {"honest-a": 1000.0, "honest-b": 1000.0})  # a peer that left is forgotten, its measurements too
+    assert "liar" not in router.observed
+
+
 def test_stage_throughput_counts_each_microbatch_once_over_all_its_compute():
     service = _service(0)
     service._observe(0, 0.1)  # a forward: time, no finished microbatch yet
