@@ -19,6 +19,7 @@ from node.config import ConfigError, NodeConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "node/runtime/base.py"
+PRESENCE = "node/runtime/presence.py"  # networking start-up and heartbeat, mixed into the base
 SERVER = "node/pipeline/stage_server.py"
 NODE = "node/pipeline/node.py"
 TRAINER = "node/pipeline/trainer.py"
@@ -32,17 +33,17 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     # swarm and networking: the lifecycle every kind of node shares
     "run_id": ("other-run", ("applied", [(SERVER, "stage_run(cfg.run_id"), (TRAINER, "cfg.run_id")])),
     "initial_peers": (["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq"],
-                      ("applied", [(BASE, "cfg.initial_peers"), (SERVER, "cfg.initial_peers")])),
-    "listen": (["/ip4/127.0.0.1/tcp/0"], ("applied", [(BASE, "cfg.listen")])),
-    "announce": (["/ip4/1.2.3.4/tcp/1"], ("applied", [(BASE, "cfg.announce")])),
-    "identity": (Path("id.key"), ("applied", [(BASE, "cfg.identity")])),
-    "swarm_key": (Path("swarm.key"), ("applied", [(BASE, "read_swarm_key(cfg.swarm_key)")])),
-    "reachability": ("public", ("applied", [(BASE, "reachability=cfg.reachability")])),
-    "relay": ("off", ("applied", [(BASE, "relay_service=cfg.relay")])),
-    "stream_timeout": (5.0, ("applied", [(BASE, "stream_timeout=cfg.stream_timeout")])),
-    "max_upload_mbit": (2.0, ("applied", [(BASE, "RateLimits.from_mbit(cfg.max_upload_mbit, cfg.max_download_mbit)")])),
-    "max_download_mbit": (2.0, ("applied", [(BASE, "RateLimits.from_mbit(cfg.max_upload_mbit, cfg.max_download_mbit)")])),
-    "join_timeout": (5.0, ("applied", [(BASE, "join_timeout=cfg.join_timeout"), (TRAINER, "self.cfg.join_timeout")])),
+                      ("applied", [(PRESENCE, "cfg.initial_peers"), (SERVER, "cfg.initial_peers")])),
+    "listen": (["/ip4/127.0.0.1/tcp/0"], ("applied", [(PRESENCE, "cfg.listen")])),
+    "announce": (["/ip4/1.2.3.4/tcp/1"], ("applied", [(PRESENCE, "cfg.announce")])),
+    "identity": (Path("id.key"), ("applied", [(PRESENCE, "cfg.identity")])),
+    "swarm_key": (Path("swarm.key"), ("applied", [(PRESENCE, "read_swarm_key(cfg.swarm_key)")])),
+    "reachability": ("public", ("applied", [(PRESENCE, "reachability=cfg.reachability")])),
+    "relay": ("off", ("applied", [(PRESENCE, "relay_service=cfg.relay")])),
+    "stream_timeout": (5.0, ("applied", [(PRESENCE, "stream_timeout=cfg.stream_timeout")])),
+    "max_upload_mbit": (2.0, ("applied", [(PRESENCE, "RateLimits.from_mbit(cfg.max_upload_mbit, cfg.max_download_mbit)")])),
+    "max_download_mbit": (2.0, ("applied", [(PRESENCE, "RateLimits.from_mbit(cfg.max_upload_mbit, cfg.max_download_mbit)")])),
+    "join_timeout": (5.0, ("applied", [(PRESENCE, "join_timeout=cfg.join_timeout"), (TRAINER, "self.cfg.join_timeout")])),
     # the model and its data
     "device": ("cpu", ("applied", [(BASE, "pick_device(cfg.device)")])),
     "model": ("nano", ("applied", [(WORKLOAD, "cfg.model"), (SERVER, "self.cfg.model")])),
