@@ -8,3 +8,8 @@ def command_group(name: str, help: str) -> typer.Typer:
     cuts a flag or variable name at 80 columns), no completion installer, no pretty tracebacks."""
     return typer.Typer(name=name, help=help, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                        rich_markup_mode=None)
+
+
+def env_var(name: str) -> str:
+    """The environment variable that sets option ``name`` (``LOCOMESH_<NAME>``)."""
+    return "LOCOMESH_" + name.upper()
