@@ -26,6 +26,7 @@ TRAINER = "node/pipeline/trainer.py"
 WORKLOAD = "node/runtime/workload.py"
 CLI = "node/cli/app.py"
 CONFIG = "node/config/node_config.py"
+DERIVED = "node/config/derived.py"  # the settings in force, derived from the given ones
 
 # setting → (a value other than the default, how a pipeline honours it):
 #   ("refused", text the one-line error holds) | ("applied", [(file, expression using it), ...])
@@ -57,10 +58,10 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     # inner training
     "batch_size": (4, ("applied", [(TRAINER, "cfg.batch_size")])),
     "lr": (3e-3, ("applied", [(SERVER, "cfg.lr * lr_scale")])),
-    "warmup_steps": (5, ("applied", [(SERVER, "schedule=cfg.schedule()"), (CONFIG, "self.warmup_steps")])),
-    "lr_schedule": ("wsd", ("applied", [(SERVER, "schedule=cfg.schedule()"), (CONFIG, "LrSchedule(self.lr_schedule")])),
-    "total_steps": (100, ("applied", [(SERVER, "schedule=cfg.schedule()"), (CONFIG, "self.total_steps if self.total_steps")])),
-    "lr_floor": (0.5, ("applied", [(SERVER, "schedule=cfg.schedule()"), (CONFIG, "self.lr_floor")])),
+    "warmup_steps": (5, ("applied", [(SERVER, "schedule=cfg.schedule()"), (DERIVED, "self.warmup_steps")])),
+    "lr_schedule": ("wsd", ("applied", [(SERVER, "schedule=cfg.schedule()"), (DERIVED, "LrSchedule(self.lr_schedule")])),
+    "total_steps": (100, ("applied", [(SERVER, "schedule=cfg.schedule()"), (DERIVED, "self.total_steps if self.total_steps")])),
+    "lr_floor": (0.5, ("applied", [(SERVER, "schedule=cfg.schedule()"), (DERIVED, "self.lr_floor")])),
     "inner_optimizer": ("muon", ("applied", [(SERVER, "inner_optimizer=cfg.inner_optimizer")])),
     "weight_decay": (0.0, ("applied", [(SERVER, "cfg.weight_decay")])),
     "slowdown": (2.0, ("applied", [(SERVER, "slowdown=cfg.slowdown")])),
