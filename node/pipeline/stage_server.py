@@ -33,6 +33,7 @@ from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter
 from gossip.placement import OuterPlacement
 from gossip.rendezvous import list_peers
+from gossip.state_sources import SourcePlan, plan_sources, rank_candidates
 from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from node.config import NodeConfig
 from node.pipeline.checkpoint import stage_cut
@@ -239,25 +240,38 @@ class StageServer:
         return module, peers.get(source)
 
     def _download(self, module: Stage, sub: str, peers: dict[str, PeerRecord], adopt: bool = True,
-                  serving: StageWorker | None = None, ahead_of: int | None = None) -> str | None:
+                  serving: StageWorker | None = None, ahead_of: int | None = None, prefer: str | None = None) -> str | None:
         """Load a live replica's weights (and, with ``adopt``, outer momentum and round) into ``module``;
-        returns its peer id. ``serving``: the worker computing on ``module`` meanwhile, whose lock the
-        copy takes (a request's backward pass must not see its weights change under it). ``ahead_of``:
-        take only a state that holds more than this many stage steps (a resumed checkpoint's)."""
+        returns its peer id. Replicas are asked as ``gossip.state_sources`` plans it: a state most of them
+        report, from its holders and checked against their digests (``prefer`` first), else each by its own
+        header; a replica announcing a round far ahead of the others is not asked. ``serving``: the worker
+        computing on ``module`` meanwhile, whose lock the copy takes (a request's backward pass must not see
+        its weights change under it). ``ahead_of``: take only a state that holds more than this many stage
+        steps (a resumed checkpoint's)."""
         net = self.net
         shapes = [(tuple(p.shape), torch.float32) for p in module.parameters()]
-        for rec in sorted(peers.values(), key=lambda r: (-r.round, r.peer_id)):
-            if rec.peer_id == self.summary.peer_id or rec.role != "stage":
-                continue
+        layout = {"params": shapes, "outer_momentum": shapes}
+        rounds = {p: rec.round for p, rec in peers.items() if p != self.summary.peer_id and rec.role == "stage"}
+        try:
+            plan = net.call(plan_sources(net.transport, rounds, sub, layout, prefer=prefer, stripe=1), timeout=30)
+        except Exception as e:
+            logger.warning("could not ask the replicas of %s for their state's digests: %s", sub, e)
+            plan = SourcePlan([[p] for p in rank_candidates(rounds, prefer)[0]])
+        if plan.ignored:
+            logger.warning("not downloading %s from %s: they announce rounds far ahead of the other replicas'", sub, ", ".join(plan.ignored))
+        if plan.dissent:
+            logger.warning("replicas %s of %s hold a state other than the majority's; not downloading from them", ", ".join(plan.dissent), sub)
+            self.metrics.errors.labels("poisoned").inc(len(plan.dissent))
+        for (source,) in plan.attempts:
             try:
-                got = net.call(download_state(net.transport, rec.peer_id, sub, {"params": shapes, "outer_momentum": shapes}), timeout=120)
+                got = net.call(download_state(net.transport, source, sub, layout, trusted=plan.trusted), timeout=120)
             except Exception as e:
-                logger.warning("could not download %s from %s: %s", sub, rec.peer_id, e)
+                logger.warning("could not download %s from %s: %s", sub, source, e)
                 continue
             theirs = got.snapshot.meta.get("stage_steps", 0)
             if ahead_of is not None and not (isinstance(theirs, int) and theirs > ahead_of):
                 logger.info("replica %s of %s holds %s stage steps, this node's checkpoint %d: keeping the checkpoint",
-                            rec.peer_id, sub, theirs, ahead_of)
+                            source, sub, theirs, ahead_of)
                 continue
             if serving is not None:
                 serving.load_weights(got.snapshot.tensors["params"])
@@ -273,7 +287,7 @@ class StageServer:
                 if isinstance(theirs, int):
                     self.stage_steps = max(self.stage_steps, theirs)
             self.metrics.state_downloads.labels("ok").inc()
-            return rec.peer_id
+            return source
         return None
 
     def publish_state(self) -> None:
@@ -359,8 +373,7 @@ class StageServer:
             self.event("out_of_sync", stage=self.stage, round=result.round, majority_peer=result.sync_peer)
             sub = stage_run(self.cfg.run_id, self.stage)
             peers = self.net.call(list_peers(self.net.dht, sub), timeout=30)
-            preferred = {p: r for p, r in peers.items() if p == result.sync_peer} or peers
-            if self._download(worker.stage, sub, preferred, serving=worker):
+            if self._download(worker.stage, sub, peers, serving=worker, prefer=result.sync_peer):
                 self.phi = worker.snapshot(self.placement.device)
                 self.round = max(self.round, result.round)
                 self.publish_state()

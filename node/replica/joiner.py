@@ -13,14 +13,14 @@ import math
 import sys
 import threading
 import time
-from collections import Counter
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 
 from gossip.fingerprint import fingerprint
 from gossip.rendezvous import list_peers, plausible_rounds, rejoin_target
-from gossip.state_transfer import DownloadedState, download_state, majority_state, state_headers
+from gossip.state_sources import SourcePlan, plan_sources
+from gossip.state_transfer import DownloadedState, download_state
 from node.runtime.barrier import check_joinable
 from node.runtime.metrics import NodeMetrics
 from node.runtime.network import NetworkThread
@@ -31,8 +31,6 @@ from protocol.ratelimit import RateLimits, mbit_to_bytes_per_s
 from node.errors import JoinRefused
 
 logger = logging.getLogger("locomesh.node")
-STRIPE_PEERS = 4  # a joiner downloads from up to this many peers at once, an even share from each
-VERIFY_PEERS = 5  # a joiner asks up to this many peers for their state's digests before it downloads
 STATE_TIMEOUT_S = 120.0  # a whole state download, plus what --max-download-mbit adds
 
 Layout = dict[str, list[tuple[tuple[int, ...], torch.dtype]]]
@@ -64,43 +62,30 @@ class Joiner:
         self.up_caps: dict[str, float] = {}  # peers' announced --max-upload-mbit, from their last records read
         self.established = established  # whether this node saw a peer in enough of its rounds (gossip.votes)
         self.answering = answering  # the peers among some that answer a probe (gossip.rendezvous.Reachable.check)
+        self.dissenters: set[str] = set()  # peers already logged and counted for serving a state other than the majority's
 
     def _trainers(self) -> list[Any]:
         peers = self.net.call(list_peers(self.net.dht, self.run_id), timeout=30)
         self.up_caps = {p: rec.up_mbit for p, rec in peers.items()}
         return [rec for p, rec in peers.items() if p != self.peer_id and rec.role == "trainer"]
 
-    def _sources(self, candidates: list[Any]) -> tuple[list[list[str]], dict[str, str] | None]:
-        """Whom to download from, in order, and the group digests the state must have.
-
-        The round most peers announce is the swarm's (a peer's round is a claim: one announcing a round
-        far ahead of it is not asked). Up to ``VERIFY_PEERS`` peers near it are asked for their state's
-        digests; when a strict majority of them agrees, only those holders are asked (striped across
-        several) and what arrives must match their digests. Without a majority (one peer, or a tie) each
-        download is checked against its own peer's digests only."""
-        if not candidates:
-            return [], None
-        counts = Counter(rec.round for rec in candidates)
-        swarm_round = max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
-        near = sorted((rec for rec in candidates if rec.round <= swarm_round + 1),
-                      key=lambda r: (abs(r.round - swarm_round), -r.round, r.peer_id))
-        ignored = [rec.peer_id for rec in candidates if rec.round > swarm_round + 1]
-        if ignored:
-            logger.warning("not downloading from %d peer(s) announcing rounds far ahead of the swarm's %d: %s",
-                           len(ignored), swarm_round, ", ".join(p[-8:] for p in ignored))
-        asked = [rec.peer_id for rec in near[:VERIFY_PEERS]]
-        headers = self.net.call(state_headers(self.net.transport, asked, self.run_id, self.layout()), timeout=30) if len(asked) > 1 else {}
-        majority = majority_state(headers)
-        if majority is not None:
-            _, trusted, holders = majority
-            dissent = sorted(set(headers) - set(holders))
-            if dissent:
-                logger.warning("peers %s hold a state other than the majority's; not downloading from them",
-                               ", ".join(p[-8:] for p in dissent))
-                self.metrics.errors.labels("poisoned").inc(len(dissent))
-            return ([holders[:STRIPE_PEERS]] if len(holders) > 1 else []) + [[h] for h in holders], trusted
-        top = [rec.peer_id for rec in near if rec.round == near[0].round][:STRIPE_PEERS]
-        return ([top] if len(top) > 1 else []) + [[rec.peer_id] for rec in near], None
+    def _plan(self, rounds: dict[str, int], prefer: str | None = None, min_round: int | None = None,
+              fallback: bool = True) -> SourcePlan:
+        """Whom to download from, in order, and the digests the state must match (``gossip.state_sources``):
+        only the holders of the state a majority of up to five peers reports, else each peer by its own
+        header. Logs and counts the peers that answered with another state, or that announce a round far ahead."""
+        plan = self.net.call(plan_sources(self.net.transport, rounds, self.run_id, self.layout(), prefer=prefer,
+                                          min_round=min_round, fallback=fallback), timeout=30)
+        if plan.ignored:
+            logger.warning("not downloading from %d peer(s) announcing rounds far ahead of the swarm's: %s",
+                           len(plan.ignored), ", ".join(p[-8:] for p in plan.ignored))
+        fresh = [p for p in plan.dissent if p not in self.dissenters]
+        if fresh:
+            logger.warning("peers %s hold a state other than the majority's; not downloading from them",
+                           ", ".join(p[-8:] for p in fresh))
+            self.metrics.errors.labels("poisoned").inc(len(fresh))
+            self.dissenters.update(fresh)
+        return plan
 
     def join(self, resumed: bool) -> bool:
         """Download state from a live peer and take over its progress into the current round, so this
@@ -116,11 +101,12 @@ class Joiner:
         while not self.stop.is_set():
             candidates = self._trainers()
             try:
-                sources, trusted = self._sources(candidates)
+                plan = self._plan({rec.peer_id: rec.round for rec in candidates})
             except Exception as e:
                 logger.warning("could not ask peers for their state's digests: %s", e)
-                sources, trusted = [[rec.peer_id] for rec in candidates], None
-            for peers in sources:
+                plan = SourcePlan([[rec.peer_id] for rec in candidates])
+            trusted = plan.trusted
+            for peers in plan.attempts:
                 try:
                     got = self.download_from(peers, offer_held=True, trusted=trusted)
                 except JoinRefused as e:
@@ -207,8 +193,12 @@ class Joiner:
         theirs = [share / mbit_to_bytes_per_s(self.up_caps[p]) for p in sources if self.up_caps.get(p, 0) > 0]
         return max([limits.seconds_for(0, size), *theirs])
 
-    def resync(self, peer: str | None, failed_round: int) -> None:
-        """Re-download the group's state after drifting (the peer publishes it right after its round)."""
+    def resync(self, peer: str | None, failed_round: int, members: Sequence[str] = ()) -> None:
+        """Re-download the group's state after drifting out of it. ``peer``: the vote's choice among the
+        round's majority; ``members``: the round's members that held the majority's φ. They publish the
+        new state right after the round; only a state most of them report is adopted, from its holders
+        (``peer`` first) and checked against their digests. When no majority shows within 20 tries (a tie,
+        or one member), ``peer``'s state is taken, checked against its own header."""
         if peer is None:
             return
         if peer not in self.up_caps:  # its upload cap stretches the download's timeout
@@ -216,14 +206,24 @@ class Joiner:
                 self._trainers()
             except Exception as e:
                 logger.info("could not read %s's record before resyncing: %s", peer, e)
-        for _ in range(20):
+        candidates = {p: failed_round + 1 for p in dict.fromkeys([peer, *members]) if p != self.peer_id}
+        tries = 20
+        for attempt in range(tries):
             try:
-                got = self.download_from(peer)
-                if got.snapshot.round > failed_round:
-                    self.event("resynced", peer=peer, round=got.snapshot.round, fingerprint=got.snapshot.fingerprint)
-                    return
+                plan = self._plan(candidates, prefer=peer, min_round=failed_round + 1, fallback=attempt == tries - 1)
             except Exception as e:
-                logger.warning("resync from %s failed: %s", peer, e)
+                logger.warning("could not ask the round's members for their state's digests: %s", e)
+                plan = SourcePlan([[peer]] if attempt == tries - 1 else [])
+            for sources in plan.attempts:
+                try:
+                    got = self.download_from(sources if len(sources) > 1 else sources[0], trusted=plan.trusted)
+                except Exception as e:
+                    logger.warning("resync from %s failed: %s", ",".join(sources), e)
+                    continue
+                if got.snapshot.round > failed_round:
+                    self.event("resynced", peer=got.peer, round=got.snapshot.round, fingerprint=got.snapshot.fingerprint,
+                               verified="majority" if plan.trusted is not None else "own_header")
+                    return
             time.sleep(0.5)
 
     def catch_up(self, current_round: int, keep_weights: bool) -> int | None:
@@ -253,11 +253,19 @@ class Joiner:
         if keep_weights:
             self.event("caught_up", peer="", round=target, direction=direction, from_round=current_round)
             return target
-        source = max((rec for rec in others if rec.round == target), key=lambda r: (self.established(r.peer_id), r.peer_id))
+        holding = {rec.peer_id: rec.round for rec in others if rec.round == target}
+        source = max(holding, key=lambda p: (self.established(p), p))
         try:
-            got = self.download_from(source.peer_id)
+            plan = self._plan(holding, prefer=source, min_round=target)
         except Exception as e:
-            logger.warning("could not rejoin round %d through %s: %s", target, source.peer_id, e)
-            return None
-        self.event("caught_up", peer=source.peer_id, round=got.snapshot.round, direction=direction)
-        return got.snapshot.round
+            logger.warning("could not ask the peers of round %d for their state's digests: %s", target, e)
+            plan = SourcePlan([[source]])
+        for sources in plan.attempts:
+            try:
+                got = self.download_from(sources if len(sources) > 1 else sources[0], trusted=plan.trusted)
+            except Exception as e:
+                logger.warning("could not rejoin round %d through %s: %s", target, ",".join(sources), e)
+                continue
+            self.event("caught_up", peer=got.peer, round=got.snapshot.round, direction=direction)
+            return got.snapshot.round
+        return None

@@ -343,7 +343,7 @@ class Daemon(NodeBase):
             m.outer_rounds.labels("failed").inc()
             m.errors.labels("out_of_sync").inc()
             self.event("out_of_sync", round=result.round, majority_peer=result.sync_peer)
-            self.joiner.resync(result.sync_peer, result.round)
+            self.joiner.resync(result.sync_peer, result.round, members=result.contributors)
             self.inner_step = 0
         else:
             m.outer_rounds.labels("alone" if len(result.contributors) == 1 else "completed").inc()

@@ -25,6 +25,7 @@ import torch
 from gossip.fingerprint import fingerprint
 from gossip.rendezvous import list_peers
 from gossip.state_transfer import download_state
+from gossip.state_sources import rank_candidates
 from gossip.zo_exchange import CodeExchange, LogReply, replay
 from node.errors import JoinRefused
 from node.runtime.barrier import check_joinable
@@ -89,7 +90,8 @@ class ZOJoiner:
         return [rec for p, rec in peers.items() if p != self.peer_id and rec.role == "trainer"]
 
     def join(self) -> tuple[str, str] | None:
-        """Sync with the most advanced live peer that answers: (its peer id, how), or None when no peer
+        """Sync with a live peer near the round most peers announce (``gossip.state_sources.rank_candidates``:
+        one announcing a round far ahead is not asked) that answers: (its peer id, how), or None when no peer
         answered within the join timeout (the node then trains alone). Raises :class:`JoinRefused` only
         when every trainer of the run disagrees (another algorithm, or other settings): one peer's record
         or meta is its word, and it is skipped, never allowed to stop a newcomer."""
@@ -102,17 +104,20 @@ class ZOJoiner:
                 raise JoinRefused(f"run {self.run_id!r} trains with --algorithm {', '.join(algorithms)} (this node: zo); "
                                   "restart with the swarm's settings or another --run-id")
             refusals: list[JoinRefused] = []
-            for rec in sorted(zo_peers, key=lambda r: (-r.round, r.peer_id)):
+            near, ahead = rank_candidates({rec.peer_id: rec.round for rec in zo_peers})
+            if ahead:
+                logger.warning("not syncing with %d peer(s) announcing rounds far ahead of the swarm's: %s", len(ahead), ", ".join(ahead))
+            for peer in near:
                 try:
-                    return rec.peer_id, self.sync_from(rec.peer_id)
+                    return peer, self.sync_from(peer)
                 except Interrupted:
                     raise
                 except JoinRefused as e:
                     refusals.append(e)
-                    logger.warning("not syncing with %s: %s", rec.peer_id, e)
+                    logger.warning("not syncing with %s: %s", peer, e)
                 except Exception as e:
-                    logger.warning("could not sync with %s: %s", rec.peer_id, e)
-            if zo_peers and len(refusals) == len(zo_peers):
+                    logger.warning("could not sync with %s: %s", peer, e)
+            if near and len(refusals) == len(near):
                 raise refusals[0]
             if not others:
                 check_joinable(self.net, self.run_id, self.peer_id)

@@ -50,3 +50,8 @@ def test_the_join_is_refused_when_every_trainer_disagrees() -> None:
     with pytest.raises(JoinRefused, match="--zo-lr 9"):
         joiner.join()
     assert sorted(tried) == ["a", "b"]
+
+
+def test_a_peer_announcing_a_round_far_ahead_is_never_synced_with() -> None:
+    joiner, tried = _joiner([_rec("liar", round_no=10**9), _rec("a"), _rec("b")], refusing=set())
+    assert joiner.join() == ("a", "log") and tried == ["a"]

@@ -1,0 +1,192 @@
+"""Every whole-state download takes the state most peers hold, from its holders: a peer announcing round
+10⁹ is never asked, one serving another state is skipped and counted, one with other settings does not
+stop a joiner, and a resync or a pipeline stage's download cannot be handed the vote's choice's poison.
+
+Real state servers answer over in-memory streams; the joiner and the stage server run their own code
+on a network thread of their own (``LoopNet``), as in the daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+from typing import Any, Coroutine
+
+import pytest
+import torch
+
+from gossip.state_sources import SourcePlan, attempts_of, plan_sources, rank_candidates
+from gossip.state_transfer import StateServer, StateSnapshot, group_digests
+from node.errors import JoinRefused
+from node.replica.joiner import Joiner
+from node.runtime.metrics import NodeMetrics
+from tests.helpers.memory_transport import Network
+
+SHAPES = [(16, 8), (8,)]
+ROUND = 6
+SETTINGS = {"model": "nano", "algorithm": "diloco"}
+
+
+def _state(seed: int) -> dict[str, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return {"params": [torch.randn(s, generator=g) for s in SHAPES], "outer_momentum": [torch.randn(s, generator=g) for s in SHAPES]}
+
+
+HONEST, OTHER = _state(0), _state(1)
+LAYOUT = {name: [(tuple(t.shape), t.dtype) for t in ts] for name, ts in HONEST.items()}
+
+
+class LoopNet:
+    """A network thread over a memory network: ``call`` runs a coroutine on its loop and waits, as
+    ``node.runtime.network.NetworkThread.call`` does."""
+
+    def __init__(self, network: Network, peer: str) -> None:
+        self.network, self.transport, self.dht = network, network.transport(peer), None
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def serve(self, peer: str, state: dict[str, list[torch.Tensor]], round_no: int = ROUND, meta: dict | None = None,
+              run_id: str = "run") -> None:
+        server = StateServer(self.network.transport(peer), run_id, progress=lambda: 2)  # type: ignore[arg-type]
+        self.call(server.start())
+        server.publish(StateSnapshot(round=round_no, tensors=state, fingerprint="fp", meta=dict(SETTINGS if meta is None else meta)))
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def net():
+    loop_net = LoopNet(Network(), "joiner")
+    yield loop_net
+    loop_net.close()
+
+
+def _joiner(net: LoopNet, records: dict[str, int]) -> tuple[Joiner, list[dict[str, list[torch.Tensor]]], list[tuple[str, dict]]]:
+    """A joiner that lists ``records`` ({peer: announced round}) as the run's trainers."""
+    adopted: list[dict[str, list[torch.Tensor]]] = []
+    events: list[tuple[str, dict]] = []
+
+    async def announce() -> None:
+        return None
+
+    joiner = Joiner(net=net, run_id="run", peer_id="joiner", settings=dict(SETTINGS), layout=lambda: LAYOUT,  # type: ignore[arg-type]
+                    adopt=lambda got: adopted.append(got.snapshot.tensors), announce=announce, metrics=NodeMetrics(),
+                    event=lambda kind, **fields: events.append((kind, fields)), stop=threading.Event(), join_timeout=5.0)
+    joiner._trainers = lambda: [SimpleNamespace(peer_id=p, round=r, role="trainer") for p, r in records.items()]  # type: ignore[method-assign]
+    return joiner, adopted, events
+
+
+def _same(a: dict[str, list[torch.Tensor]], b: dict[str, list[torch.Tensor]]) -> bool:
+    return group_digests(a) == group_digests(b)
+
+
+def test_the_round_most_peers_announce_decides_and_a_far_ahead_claim_is_not_asked() -> None:
+    near, ignored = rank_candidates({"a": 5, "b": 5, "c": 6, "liar": 10**9})
+    assert near == ["a", "b", "c"] and ignored == ["liar"]
+    near, _ = rank_candidates({"a": 5, "b": 5, "c": 4}, prefer="c")
+    assert near[0] == "c", "the caller's choice leads when it is near the swarm's round"
+    assert rank_candidates({}) == ([], [])
+    assert attempts_of(["a", "b", "c"], stripe=2) == [["a", "b"], ["a"], ["b"], ["c"]]
+    assert attempts_of(["a", "b"], stripe=1) == [["a"], ["b"]]
+
+
+def test_a_plan_downloads_only_from_the_majoritys_holders(net: LoopNet) -> None:
+    for peer in ("a", "b", "c"):
+        net.serve(peer, HONEST)
+    net.serve("liar", OTHER)
+    net.serve("ahead", OTHER, round_no=10**9)
+    plan = net.call(plan_sources(net.transport, {"a": ROUND, "b": ROUND, "c": ROUND, "liar": ROUND, "ahead": 10**9}, "run", LAYOUT))
+    assert plan.trusted == group_digests(HONEST) and plan.round == ROUND
+    assert sorted({p for attempt in plan.attempts for p in attempt}) == ["a", "b", "c"]
+    assert plan.dissent == ["liar"] and plan.ignored == ["ahead"]
+    assert net.network.sent.get("ahead", 0) == 0, "a far-ahead claimer is not even asked for its header"
+
+
+def test_a_majority_of_an_older_round_waits_or_falls_back(net: LoopNet) -> None:
+    for peer in ("a", "b"):
+        net.serve(peer, HONEST, round_no=ROUND - 1)
+    rounds = {"a": ROUND, "b": ROUND}
+    waiting = net.call(plan_sources(net.transport, rounds, "run", LAYOUT, min_round=ROUND, fallback=False))
+    assert waiting == SourcePlan([])
+    fallback = net.call(plan_sources(net.transport, rounds, "run", LAYOUT, min_round=ROUND))
+    assert fallback.trusted is None and fallback.attempts == [["a", "b"], ["a"], ["b"]]
+
+
+def test_a_joiner_takes_the_majoritys_state_not_the_claimer_of_round_1e9s(net: LoopNet) -> None:
+    for peer in ("a", "b"):
+        net.serve(peer, HONEST)
+    net.serve("liar", OTHER, round_no=10**9)
+    joiner, adopted, events = _joiner(net, {"liar": 10**9, "a": ROUND, "b": ROUND})
+    assert joiner.join(resumed=False)
+    assert len(adopted) == 1 and _same(adopted[0], HONEST)
+    assert events[-1][1]["verified"] == "majority"
+
+
+def test_one_peer_with_other_settings_does_not_stop_a_joiner(net: LoopNet) -> None:
+    net.serve("odd", OTHER, meta={"model": "llama-small", "algorithm": "diloco"})
+    net.serve("a", HONEST)
+    joiner, adopted, _ = _joiner(net, {"odd": ROUND, "a": ROUND})
+    assert joiner.join(resumed=False) and _same(adopted[0], HONEST)
+
+
+def test_a_joiner_is_refused_only_when_every_peer_has_other_settings(net: LoopNet) -> None:
+    for peer in ("a", "b"):
+        net.serve(peer, HONEST, meta={"model": "llama-small", "algorithm": "diloco"})
+    joiner, adopted, _ = _joiner(net, {"a": ROUND, "b": ROUND})
+    with pytest.raises(JoinRefused, match="--model llama-small"):
+        joiner.join(resumed=False)
+    assert adopted == []
+
+
+def test_a_resync_skips_the_votes_choice_when_the_round_majority_holds_another_state(net: LoopNet) -> None:
+    net.serve("chosen", OTHER, round_no=ROUND + 1)  # the vote's pick serves a state of its own making
+    for peer in ("a", "b"):
+        net.serve(peer, HONEST, round_no=ROUND + 1)
+    joiner, adopted, events = _joiner(net, {})
+    joiner.resync("chosen", ROUND, members=["chosen", "a", "b", "joiner"])
+    assert len(adopted) == 1 and _same(adopted[0], HONEST)
+    assert events[-1][0] == "resynced" and "chosen" not in events[-1][1]["peer"] and events[-1][1]["verified"] == "majority"
+    assert joiner.metrics.errors.labels("poisoned")._value.get() == 1
+
+
+def test_a_resync_with_one_member_takes_its_state(net: LoopNet) -> None:
+    net.serve("only", HONEST, round_no=ROUND + 1)
+    joiner, adopted, events = _joiner(net, {})
+    joiner.resync("only", ROUND, members=["only"])
+    assert len(adopted) == 1 and events[-1][1] == {"peer": "only", "round": ROUND + 1, "fingerprint": "fp", "verified": "own_header"}
+
+
+def test_a_catch_up_downloads_the_target_rounds_majority(net: LoopNet) -> None:
+    net.serve("liar", OTHER, round_no=ROUND)
+    for peer in ("a", "b"):
+        net.serve(peer, HONEST, round_no=ROUND)
+    joiner, adopted, events = _joiner(net, {"liar": ROUND, "a": ROUND, "b": ROUND})
+    joiner.established = lambda peer: peer == "liar"  # the liar would be the preferred source
+    assert joiner.catch_up(ROUND - 1, keep_weights=False) == ROUND
+    assert len(adopted) == 1 and _same(adopted[0], HONEST) and "liar" not in events[-1][1]["peer"]
+
+
+def test_a_stage_download_takes_the_replicas_majority(net: LoopNet) -> None:
+    from node.pipeline.stage_server import StageServer
+    from swarm.stages import stage_run
+
+    sub = stage_run("run", 1)
+    for peer in ("a", "b"):
+        net.serve(peer, HONEST, run_id=sub)
+    net.serve("chosen", OTHER, run_id=sub)
+    net.serve("ahead", OTHER, round_no=10**9, run_id=sub)
+    role = StageServer.__new__(StageServer)
+    role.net, role.metrics, role.summary = net, NodeMetrics(), SimpleNamespace(peer_id="me")
+    module = torch.nn.Module()
+    module.w, module.b = (torch.nn.Parameter(torch.zeros(s)) for s in SHAPES)
+    records = {p: SimpleNamespace(peer_id=p, round=r, role="stage") for p, r in (("a", ROUND), ("b", ROUND), ("chosen", ROUND), ("ahead", 10**9))}
+    source = role._download(module, sub, records, adopt=False, prefer="chosen")  # type: ignore[arg-type]
+    assert source in ("a", "b")
+    assert all(torch.equal(p, t) for p, t in zip(module.parameters(), HONEST["params"]))
+    assert net.network.sent.get("ahead", 0) == 0
