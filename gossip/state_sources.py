@@ -15,6 +15,9 @@ catch-up; a pipeline stage's join, resync and CheckFree neighbour) is planned he
    own header's digests, unless the caller would rather ask again (a resync waiting for the round's
    members to publish).
 
+Ids are free: where the caller knows established peers (seen in several of its own rounds, as the
+fingerprint vote counts them), only their answers make the majority.
+
 A peer that answers with another state of the majority's round is *dissent*: the caller logs and
 counts it (``poisoned``). A peer at another round is only behind or ahead, and is left out quietly.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from gossip.state_transfer import Expected, majority_state, state_headers
 from protocol.hivemind_transport import Transport
@@ -43,16 +46,18 @@ class SourcePlan:
     ignored: list[str] = field(default_factory=list)  # announced a round far ahead of the swarm's: not asked
 
 
-def rank_candidates(rounds: dict[str, int], prefer: str | None = None) -> tuple[list[str], list[str]]:
+def rank_candidates(rounds: dict[str, int], prefer: str | None = None,
+                    established: Callable[[str], bool] = lambda peer: False) -> tuple[list[str], list[str]]:
     """The candidates to ask, best first, and those announcing a round more than one ahead of the round
-    most of them announce (ties: the later round). Nearest that round first, then the later round, then
-    the peer id; ``prefer`` (a peer the caller has reason to trust, e.g. the vote's) leads when it is near."""
+    most of them announce (ties: the later round). ``prefer`` (a peer the caller has reason to trust, e.g.
+    the vote's) leads when it is near, then established peers, then the nearest that round, the later
+    round, the peer id."""
     if not rounds:
         return [], []
     counts = Counter(rounds.values())
     swarm_round = max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
     near = sorted((p for p, r in rounds.items() if r <= swarm_round + 1),
-                  key=lambda p: (p != prefer, abs(rounds[p] - swarm_round), -rounds[p], p))
+                  key=lambda p: (p != prefer, not established(p), abs(rounds[p] - swarm_round), -rounds[p], p))
     return near, sorted(p for p, r in rounds.items() if r > swarm_round + 1)
 
 
@@ -65,18 +70,23 @@ def attempts_of(peers: Sequence[str], stripe: int = STRIPE_PEERS) -> list[list[s
 
 async def plan_sources(transport: Transport, rounds: dict[str, int], run_id: str, expected: Expected, *,
                        prefer: str | None = None, min_round: int | None = None, fallback: bool = True,
+                       established: Callable[[str], bool] = lambda peer: False,
                        stripe: int = STRIPE_PEERS, verify: int = VERIFY_PEERS, timeout: float = 10.0) -> SourcePlan:
     """Plan a download among the peers of ``rounds`` ({peer: the round it announces}); see the module's
     docstring. ``min_round``: a majority below this round does not count (its holders have not yet
     published the state wanted). ``fallback``: without such a majority, plan each candidate checked
-    against its own header (else, unless there is only one candidate, no attempt: the caller asks again later)."""
-    near, ignored = rank_candidates(rounds, prefer)
+    against its own header (else, unless there is only one candidate, no attempt: the caller asks again later).
+    ``established``: the peers this node saw in enough of its rounds (``gossip.votes.Tenure``); when any of
+    those asked is, only theirs count toward the majority, as in the fingerprint vote (ids are free), and
+    the others that hold the same state are holders too."""
+    near, ignored = rank_candidates(rounds, prefer, established)
     asked = near[:verify]
     headers = await state_headers(transport, asked, run_id, expected, timeout) if len(asked) > 1 else {}
-    majority = majority_state(headers)
+    voters = {p: h for p, h in headers.items() if established(p)} or headers
+    majority = majority_state(voters)
     if majority is not None and (min_round is None or majority[0] >= min_round):
-        round_no, trusted, holders = majority
-        ordered = [p for p in asked if p in holders]
+        round_no, trusted, _ = majority
+        ordered = [p for p in asked if headers.get(p) == (round_no, trusted)]
         dissent = sorted(p for p, (r, digests) in headers.items() if r == round_no and digests != trusted)
         return SourcePlan(attempts_of(ordered, stripe), trusted, round_no, dissent, ignored)
     if not fallback and len(asked) > 1:  # one candidate has nobody to be compared with: waiting cannot help

@@ -253,7 +253,8 @@ class StageServer:
         layout = {"params": shapes, "outer_momentum": shapes}
         rounds = {p: rec.round for p, rec in peers.items() if p != self.summary.peer_id and rec.role == "stage"}
         try:
-            plan = net.call(plan_sources(net.transport, rounds, sub, layout, prefer=prefer, stripe=1), timeout=30)
+            plan = net.call(plan_sources(net.transport, rounds, sub, layout, prefer=prefer, stripe=1,
+                                         established=self.averager.tenure.established), timeout=30)
         except Exception as e:
             logger.warning("could not ask the replicas of %s for their state's digests: %s", sub, e)
             plan = SourcePlan([[p] for p in rank_candidates(rounds, prefer)[0]])

@@ -72,10 +72,10 @@ class Joiner:
     def _plan(self, rounds: dict[str, int], prefer: str | None = None, min_round: int | None = None,
               fallback: bool = True) -> SourcePlan:
         """Whom to download from, in order, and the digests the state must match (``gossip.state_sources``):
-        only the holders of the state a majority of up to five peers reports, else each peer by its own
-        header. Logs and counts the peers that answered with another state, or that announce a round far ahead."""
+        only the holders of the state a majority of up to five peers reports (of the established ones among
+        them, when there are: this node's tenure), else each peer by its own header. Logs and counts the peers that answered with another state, or that announce a round far ahead."""
         plan = self.net.call(plan_sources(self.net.transport, rounds, self.run_id, self.layout(), prefer=prefer,
-                                          min_round=min_round, fallback=fallback), timeout=30)
+                                          min_round=min_round, fallback=fallback, established=self.established), timeout=30)
         if plan.ignored:
             logger.warning("not downloading from %d peer(s) announcing rounds far ahead of the swarm's: %s",
                            len(plan.ignored), ", ".join(p[-8:] for p in plan.ignored))

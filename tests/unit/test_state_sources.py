@@ -17,6 +17,7 @@ import torch
 
 from gossip.state_sources import SourcePlan, attempts_of, plan_sources, rank_candidates
 from gossip.state_transfer import StateServer, StateSnapshot, group_digests
+from gossip.votes import Tenure
 from node.errors import JoinRefused
 from node.replica.joiner import Joiner
 from node.runtime.metrics import NodeMetrics
@@ -108,6 +109,19 @@ def test_a_plan_downloads_only_from_the_majoritys_holders(net: LoopNet) -> None:
     assert net.network.sent.get("ahead", 0) == 0, "a far-ahead claimer is not even asked for its header"
 
 
+def test_fresh_ids_do_not_outvote_established_peers(net: LoopNet) -> None:
+    for peer in ("old1", "old2"):
+        net.serve(peer, HONEST)
+    for peer in ("new1", "new2", "new3"):
+        net.serve(peer, OTHER)
+    rounds = dict.fromkeys(("new1", "new2", "new3", "old1", "old2"), ROUND)
+    plan = net.call(plan_sources(net.transport, rounds, "run", LAYOUT, established=lambda p: p.startswith("old")))
+    assert plan.trusted == group_digests(HONEST) and plan.dissent == ["new1", "new2", "new3"]
+    assert plan.attempts[0] == ["old1", "old2"], "established peers are asked first"
+    counted_by_id = net.call(plan_sources(net.transport, rounds, "run", LAYOUT))
+    assert counted_by_id.trusted == group_digests(OTHER), "without tenure, three ids outvote two (a joiner's first window)"
+
+
 def test_a_majority_of_an_older_round_waits_or_falls_back(net: LoopNet) -> None:
     for peer in ("a", "b"):
         net.serve(peer, HONEST, round_no=ROUND - 1)
@@ -155,6 +169,17 @@ def test_a_resync_skips_the_votes_choice_when_the_round_majority_holds_another_s
     assert joiner.metrics.errors.labels("poisoned")._value.get() == 1
 
 
+def test_a_resync_counts_only_the_established_members_when_it_knows_some(net: LoopNet) -> None:
+    for peer in ("chosen", "fake1", "fake2"):
+        net.serve(peer, OTHER, round_no=ROUND + 1)
+    for peer in ("a", "b"):
+        net.serve(peer, HONEST, round_no=ROUND + 1)
+    joiner, adopted, _ = _joiner(net, {})
+    joiner.established = lambda peer: peer in ("a", "b")
+    joiner.resync("chosen", ROUND, members=["chosen", "fake1", "fake2", "a", "b"])
+    assert len(adopted) == 1 and _same(adopted[0], HONEST)
+
+
 def test_a_resync_with_one_member_takes_its_state(net: LoopNet) -> None:
     net.serve("only", HONEST, round_no=ROUND + 1)
     joiner, adopted, events = _joiner(net, {})
@@ -167,7 +192,7 @@ def test_a_catch_up_downloads_the_target_rounds_majority(net: LoopNet) -> None:
     for peer in ("a", "b"):
         net.serve(peer, HONEST, round_no=ROUND)
     joiner, adopted, events = _joiner(net, {"liar": ROUND, "a": ROUND, "b": ROUND})
-    joiner.established = lambda peer: peer == "liar"  # the liar would be the preferred source
+    joiner.established = lambda peer: True  # all three established: the liar ("l" > "b") would be the preferred source
     assert joiner.catch_up(ROUND - 1, keep_weights=False) == ROUND
     assert len(adopted) == 1 and _same(adopted[0], HONEST) and "liar" not in events[-1][1]["peer"]
 
@@ -183,6 +208,7 @@ def test_a_stage_download_takes_the_replicas_majority(net: LoopNet) -> None:
     net.serve("ahead", OTHER, round_no=10**9, run_id=sub)
     role = StageServer.__new__(StageServer)
     role.net, role.metrics, role.summary = net, NodeMetrics(), SimpleNamespace(peer_id="me")
+    role.averager = SimpleNamespace(tenure=Tenure())
     module = torch.nn.Module()
     module.w, module.b = (torch.nn.Parameter(torch.zeros(s)) for s in SHAPES)
     records = {p: SimpleNamespace(peer_id=p, round=r, role="stage") for p, r in (("a", ROUND), ("b", ROUND), ("chosen", ROUND), ("ahead", 10**9))}
