@@ -55,3 +55,15 @@ def test_sparseloco_sizes_its_rounds_from_its_own_table() -> None:
     assert d._round_steps() == steps_for_replicas(2, "sparseloco")
     d.last_contributors = 8
     assert d._round_steps() == steps_for_replicas(8, "sparseloco")
+
+
+def test_under_auto_steps_a_claimed_rate_of_1e30_cannot_push_a_peer_to_one_step() -> None:
+    d = _daemon(inner_steps="auto")
+    d.compute_tokens_per_s = 1000.0
+    d.peer_rates = {d.summary.peer_id: 1000.0, "peer-1": 1000.0, "peer-2": 1000.0}
+    honest = d._round_steps()
+    assert honest == d.cfg.round_steps
+    d.peer_rates["liar"] = 1e30  # one liar among three: the median moves by one rank at most
+    assert d._round_steps() == honest
+    d.peer_rates = {d.summary.peer_id: 1000.0, "liar": 1e30}  # alone with the liar: bounded by the clip of 20x
+    assert d._round_steps() >= d.cfg.round_steps // 11 > 1
