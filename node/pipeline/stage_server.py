@@ -240,11 +240,13 @@ class StageServer:
         return module, peers.get(source)
 
     def _download(self, module: Stage, sub: str, peers: dict[str, PeerRecord], adopt: bool = True,
-                  serving: StageWorker | None = None, ahead_of: int | None = None, prefer: str | None = None) -> str | None:
+                  serving: StageWorker | None = None, ahead_of: int | None = None, prefer: str | None = None,
+                  min_round: int | None = None) -> str | None:
         """Load a live replica's weights (and, with ``adopt``, outer momentum and round) into ``module``;
         returns its peer id. Replicas are asked as ``gossip.state_sources`` plans it: a state most of them
         report, from its holders and checked against their digests (``prefer`` first), else each by its own
-        header; a replica announcing a round far ahead of the others is not asked. ``serving``: the worker
+        header (also when the majority holds a round below ``min_round``: the replicas have not all published
+        the round just averaged); a replica announcing a round far ahead of the others is not asked. ``serving``: the worker
         computing on ``module`` meanwhile, whose lock the copy takes (a request's backward pass must not see
         its weights change under it). ``ahead_of``: take only a state that holds more than this many stage
         steps (a resumed checkpoint's)."""
@@ -253,7 +255,7 @@ class StageServer:
         layout = {"params": shapes, "outer_momentum": shapes}
         rounds = {p: rec.round for p, rec in peers.items() if p != self.summary.peer_id and rec.role == "stage"}
         try:
-            plan = net.call(plan_sources(net.transport, rounds, sub, layout, prefer=prefer, stripe=1,
+            plan = net.call(plan_sources(net.transport, rounds, sub, layout, prefer=prefer, min_round=min_round, stripe=1,
                                          established=self.averager.tenure.established), timeout=30)
         except Exception as e:
             logger.warning("could not ask the replicas of %s for their state's digests: %s", sub, e)
@@ -374,7 +376,7 @@ class StageServer:
             self.event("out_of_sync", stage=self.stage, round=result.round, majority_peer=result.sync_peer)
             sub = stage_run(self.cfg.run_id, self.stage)
             peers = self.net.call(list_peers(self.net.dht, sub), timeout=30)
-            if self._download(worker.stage, sub, peers, serving=worker, prefer=result.sync_peer):
+            if self._download(worker.stage, sub, peers, serving=worker, prefer=result.sync_peer, min_round=result.round):
                 self.phi = worker.snapshot(self.placement.device)
                 self.round = max(self.round, result.round)
                 self.publish_state()

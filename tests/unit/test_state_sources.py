@@ -197,8 +197,22 @@ def test_a_catch_up_downloads_the_target_rounds_majority(net: LoopNet) -> None:
     assert len(adopted) == 1 and _same(adopted[0], HONEST) and "liar" not in events[-1][1]["peer"]
 
 
-def test_a_stage_download_takes_the_replicas_majority(net: LoopNet) -> None:
+def _stage_role(net: LoopNet):
     from node.pipeline.stage_server import StageServer
+
+    role = StageServer.__new__(StageServer)
+    role.net, role.metrics, role.summary = net, NodeMetrics(), SimpleNamespace(peer_id="me")
+    role.averager = SimpleNamespace(tenure=Tenure())
+    module = torch.nn.Module()
+    module.w, module.b = (torch.nn.Parameter(torch.zeros(s)) for s in SHAPES)
+    return role, module
+
+
+def _stage_records(rounds: dict[str, int]) -> dict[str, SimpleNamespace]:
+    return {p: SimpleNamespace(peer_id=p, round=r, role="stage") for p, r in rounds.items()}
+
+
+def test_a_stage_download_takes_the_replicas_majority(net: LoopNet) -> None:
     from swarm.stages import stage_run
 
     sub = stage_run("run", 1)
@@ -206,13 +220,22 @@ def test_a_stage_download_takes_the_replicas_majority(net: LoopNet) -> None:
         net.serve(peer, HONEST, run_id=sub)
     net.serve("chosen", OTHER, run_id=sub)
     net.serve("ahead", OTHER, round_no=10**9, run_id=sub)
-    role = StageServer.__new__(StageServer)
-    role.net, role.metrics, role.summary = net, NodeMetrics(), SimpleNamespace(peer_id="me")
-    role.averager = SimpleNamespace(tenure=Tenure())
-    module = torch.nn.Module()
-    module.w, module.b = (torch.nn.Parameter(torch.zeros(s)) for s in SHAPES)
-    records = {p: SimpleNamespace(peer_id=p, round=r, role="stage") for p, r in (("a", ROUND), ("b", ROUND), ("chosen", ROUND), ("ahead", 10**9))}
+    role, module = _stage_role(net)
+    records = _stage_records({"a": ROUND, "b": ROUND, "chosen": ROUND, "ahead": 10**9})
     source = role._download(module, sub, records, adopt=False, prefer="chosen")  # type: ignore[arg-type]
     assert source in ("a", "b")
     assert all(torch.equal(p, t) for p, t in zip(module.parameters(), HONEST["params"]))
     assert net.network.sent.get("ahead", 0) == 0
+
+
+def test_an_out_of_sync_stage_takes_the_new_round_from_its_source_while_the_others_publish(net: LoopNet) -> None:
+    from swarm.stages import stage_run
+
+    sub = stage_run("run", 1)
+    for peer in ("a", "b"):
+        net.serve(peer, OTHER, round_no=ROUND - 1, run_id=sub)  # not yet published the round just averaged
+    net.serve("chosen", HONEST, round_no=ROUND, run_id=sub)
+    role, module = _stage_role(net)
+    records = _stage_records({"a": ROUND, "b": ROUND, "chosen": ROUND})
+    assert role._download(module, sub, records, adopt=False, prefer="chosen", min_round=ROUND) == "chosen"  # type: ignore[arg-type]
+    assert all(torch.equal(p, t) for p, t in zip(module.parameters(), HONEST["params"]))
