@@ -87,6 +87,19 @@ class Joiner:
             self.dissenters.update(fresh)
         return plan
 
+    def _answering(self, candidates: list[Any]) -> list[Any]:
+        """The candidates that answer a status probe (records signed by keys no daemon runs must not make the
+        swarm's round, nor make a live peer look far ahead); all of them when none answers (a private swarm
+        may refuse this node's probes: its downloads then say so)."""
+        if self.answering is None or not candidates:
+            return candidates
+        try:
+            live = self.net.call(self.answering({rec.peer_id for rec in candidates}), timeout=60)
+        except Exception as e:
+            logger.info("could not probe the run's peers: %s", e)
+            return candidates
+        return [rec for rec in candidates if rec.peer_id in live] or candidates
+
     def join(self, resumed: bool) -> bool:
         """Download state from a live peer and take over its progress into the current round, so this
         node runs only the round's remaining inner steps and meets its peers at the rendezvous.
@@ -99,7 +112,7 @@ class Joiner:
         refusals: set[str] = set()
         mismatched: dict[str, str] = {}
         while not self.stop.is_set():
-            candidates = self._trainers()
+            candidates = self._answering(self._trainers())
             try:
                 plan = self._plan({rec.peer_id: rec.round for rec in candidates})
             except Exception as e:

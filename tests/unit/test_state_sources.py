@@ -142,6 +142,19 @@ def test_a_joiner_takes_the_majoritys_state_not_the_claimer_of_round_1e9s(net: L
     assert events[-1][1]["verified"] == "majority"
 
 
+def test_invented_members_cannot_make_the_live_peer_look_far_ahead(net: LoopNet) -> None:
+    net.serve("live", HONEST, round_no=ROUND)
+    invented = {f"invented{i}": 0 for i in range(3)}  # records signed by keys no daemon runs, at round 0
+    joiner, adopted, _ = _joiner(net, {**invented, "live": ROUND})
+    joiner.join_timeout = 2.0
+
+    async def answering(peers: set[str]) -> set[str]:
+        return {p for p in peers if any(owner == p for owner, _ in net.network.handlers)}
+
+    joiner.answering = answering
+    assert joiner.join(resumed=False) and _same(adopted[0], HONEST)
+
+
 def test_one_peer_with_other_settings_does_not_stop_a_joiner(net: LoopNet) -> None:
     net.serve("odd", OTHER, meta={"model": "llama-small", "algorithm": "diloco"})
     net.serve("a", HONEST)
