@@ -274,21 +274,33 @@ def convergence(r: Results, name: str = "convergence.json") -> str:
 
 
 def forging(r: Results) -> str:
-    """DiLoCo's held-out loss beside a forging peer against the clean run of the same seeds."""
+    """DiLoCo's held-out loss beside a forging peer against the clean run of the same seeds, and (where the
+    file has it) the clean run repeated: the change timing alone makes, which the forger's must be read against."""
     d = r.load("forging.json")
     configs, s = d["configs"], d["settings"]
-    clean, forged = configs["diloco"], configs["diloco-forged"]
+    clean, forged, again = configs["diloco"], configs["diloco-forged"], configs.get("diloco-again")
+
+    def run(config: dict, seed: str) -> dict:
+        return config.get("per_seed", {}).get(seed, config)
+
     rows = []
     for seed in map(str, d.get("seeds") or [s["seed"]]):
-        a, b = (clean.get("per_seed", {}).get(seed, clean), forged.get("per_seed", {}).get(seed, forged))
+        a, b = run(clean, seed), run(forged, seed)
         if a.get("status") != "ok" or b.get("status") != "ok":
-            rows.append([seed, "–", "–", "–", a.get("status", "?") + " / " + b.get("status", "?")])
+            rows.append([seed, "–", "–", "–", a.get("status", "?") + " / " + b.get("status", "?")] + (["–", "–"] if again else []))
             continue
-        change = b["final_val_loss"] / a["final_val_loss"] - 1
         passes = (b.get("forger") or {}).get("passes", 0)
-        rows.append([seed, loss(a["final_val_loss"]), loss(b["final_val_loss"]), pct(change), str(passes)])
+        row = [seed, loss(a["final_val_loss"]), loss(b["final_val_loss"]), pct(b["final_val_loss"] / a["final_val_loss"] - 1), str(passes)]
+        if again is not None:
+            c = run(again, seed)
+            ok = c.get("status") == "ok"
+            row += [loss(c["final_val_loss"]) if ok else "–", pct(c["final_val_loss"] / a["final_val_loss"] - 1) if ok else "–"]
+        rows.append(row)
     what = (f"`{s['model']}`, {s['nodes']} honest nodes × {s['steps']} steps, H = {s['inner_steps']}, loopback, default "
             "aggregation; the forger (`tests/helpers/attacker.py`) stores, every second, records \"of\" every member "
             "announcing round R + 1000, invented members, and its own record 1000 rounds ahead.")
-    return r.caption("forging.json", what=what) + "\n\n" + table(
-        ["seed", "clean held-out loss", "with the forger", "change", "forger passes"], rows)
+    headers = ["seed", "clean held-out loss", "with the forger", "change", "forger passes"]
+    if again is not None:
+        what += " \"Clean again\" is the clean run repeated in the same invocation: its change is timing noise alone."
+        headers += ["clean again", "change (noise)"]
+    return r.caption("forging.json", what=what) + "\n\n" + table(headers, rows)
