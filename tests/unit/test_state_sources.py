@@ -156,10 +156,10 @@ def test_invented_members_cannot_make_the_live_peer_look_far_ahead(net: LoopNet)
 
 
 def test_one_peer_with_other_settings_does_not_stop_a_joiner(net: LoopNet) -> None:
-    net.serve("odd", OTHER, meta={"model": "llama-small", "algorithm": "diloco"})
+    net.serve("0odd", OTHER, meta={"model": "llama-small", "algorithm": "diloco"})  # asked first alone (ids sort "0" < "a")
     net.serve("a", HONEST)
-    joiner, adopted, _ = _joiner(net, {"odd": ROUND, "a": ROUND})
-    assert joiner.join(resumed=False) and _same(adopted[0], HONEST)
+    joiner, adopted, events = _joiner(net, {"0odd": ROUND, "a": ROUND})
+    assert joiner.join(resumed=False) and _same(adopted[0], HONEST) and events[-1][1]["peer"] == "a"
 
 
 def test_a_joiner_is_refused_only_when_every_peer_has_other_settings(net: LoopNet) -> None:
