@@ -245,11 +245,11 @@ class StageServer:
         """Load a live replica's weights (and, with ``adopt``, outer momentum and round) into ``module``;
         returns its peer id. Replicas are asked as ``gossip.state_sources`` plans it: a state most of them
         report, from its holders and checked against their digests (``prefer`` first), else each by its own
-        header (also when the majority holds a round below ``min_round``: the replicas have not all published
-        the round just averaged); a replica announcing a round far ahead of the others is not asked. ``serving``: the worker
-        computing on ``module`` meanwhile, whose lock the copy takes (a request's backward pass must not see
-        its weights change under it). ``ahead_of``: take only a state that holds more than this many stage
-        steps (a resumed checkpoint's)."""
+        header (also when the majority holds a round below ``min_round``: the replicas have not all
+        published the round just averaged); a replica announcing a round far ahead is not asked.
+        ``serving``: the worker computing on ``module`` meanwhile, whose lock the copy takes (a request's
+        backward pass must not see its weights change under it). ``ahead_of``: take only a state that
+        holds more than this many stage steps (a resumed checkpoint's)."""
         net = self.net
         shapes = [(tuple(p.shape), torch.float32) for p in module.parameters()]
         layout = {"params": shapes, "outer_momentum": shapes}
@@ -261,9 +261,11 @@ class StageServer:
             logger.warning("could not ask the replicas of %s for their state's digests: %s", sub, e)
             plan = SourcePlan([[p] for p in rank_candidates(rounds, prefer)[0]])
         if plan.ignored:
-            logger.warning("not downloading %s from %s: they announce rounds far ahead of the other replicas'", sub, ", ".join(plan.ignored))
+            logger.warning("not downloading %s from %s: they announce rounds far ahead of the other replicas'",
+                           sub, ", ".join(plan.ignored))
         if plan.dissent:
-            logger.warning("replicas %s of %s hold a state other than the majority's; not downloading from them", ", ".join(plan.dissent), sub)
+            logger.warning("replicas %s of %s hold a state other than the majority's; not downloading from them",
+                           ", ".join(plan.dissent), sub)
             self.metrics.errors.labels("poisoned").inc(len(plan.dissent))
         for (source,) in plan.attempts:
             try:

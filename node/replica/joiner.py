@@ -73,7 +73,8 @@ class Joiner:
               fallback: bool = True) -> SourcePlan:
         """Whom to download from, in order, and the digests the state must match (``gossip.state_sources``):
         only the holders of the state a majority of up to five peers reports (of the established ones among
-        them, when there are: this node's tenure), else each peer by its own header. Logs and counts the peers that answered with another state, or that announce a round far ahead."""
+        them, when there are: this node's tenure), else each peer by its own header. Logs and counts the peers
+        that answered with another state, or that announce a round far ahead."""
         plan = self.net.call(plan_sources(self.net.transport, rounds, self.run_id, self.layout(), prefer=prefer,
                                           min_round=min_round, fallback=fallback, established=self.established), timeout=30)
         if plan.ignored:
