@@ -96,11 +96,11 @@ ENTRIES: tuple[Entry, ...] = (
           _a(f"--quick --seeds {SEEDS}"), {"quick": 6.5, "full": 100},
           "Benchmarks, convergence: every algorithm against ddp and hivemind (plain and 8-bit), 3 seeds alternated"),
     Entry("forging", "benchmarks.convergence",
-          _a(f"--quick --nodes 3 --steps 300 --inner-steps 15 --seeds {SEEDS} --configs diloco,diloco-forged,diloco-again "
+          _a(f"--quick --nodes 3 --steps 240 --inner-steps 15 --seeds {SEEDS} --configs diloco,diloco-forged,diloco-again "
              "--variant diloco-forged=diloco: --variant diloco-again=diloco: --forged diloco-forged --no-dense-per-h"),
           _a(f"--model tiny --nodes 4 --steps 600 --inner-steps 30 --batch-size 16 --seeds {SEEDS} --configs diloco,diloco-forged "
              "--variant diloco-forged=diloco: --forged diloco-forged --no-dense-per-h"),
-          {"quick": 7, "full": 45}, "Robustness: DiLoCo beside a forging peer against a clean run, 3 seeds alternated "
+          {"quick": 4, "full": 45}, "Robustness: DiLoCo beside a forging peer against a clean run, 3 seeds alternated "
           "(quick: and the clean run again, its noise floor)"),
     Entry("sparse_gap", "benchmarks.convergence", None,
           _a(f"--model tiny --nodes 4 --steps 600 --inner-steps 30 --batch-size 16 --seeds {SEEDS} "
