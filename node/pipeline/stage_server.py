@@ -38,7 +38,7 @@ from gossip.state_transfer import StateServer, StateSnapshot, download_state
 from node.config import NodeConfig
 from node.pipeline.checkpoint import stage_cut
 from node.runtime.metrics import NodeMetrics
-from node.runtime.mfu import mfu, peak_flops, peak_memory_mb
+from node.runtime.mfu import peak_flops, record_throughput
 from node.runtime.network import NetworkThread
 from node.runtime.summary import Summary, count_steps, write_info
 from node.runtime.workload import identity
@@ -344,11 +344,9 @@ class StageServer:
 
     def _record_throughput(self, tokens_per_s: float) -> None:
         """The stage's tokens per second, its MFU (``node.runtime.mfu``, with the stage's own FLOPs per token) and peak memory."""
-        value = mfu(self.flops_per_token, tokens_per_s, self.peak_flops)
         self.metrics.tokens_per_second.set(tokens_per_s)
-        self.metrics.mfu.set(math.nan if value is None else value)
-        self.summary.tokens_per_s, self.summary.mfu = tokens_per_s, value
-        self.summary.peak_mem_mb = round(peak_memory_mb(self.device), 1)
+        record_throughput(self.summary, self.metrics, self.device, self.flops_per_token, self.peak_flops,
+                          exported=tokens_per_s, summarized=tokens_per_s)
 
     def drain(self, timeout: float) -> None:
         """Apply the round still in flight when the node stops, if it finishes within ``timeout``."""

@@ -23,7 +23,6 @@ refused when written with other settings), ``node.replica.joiner`` (join, resync
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 from typing import Any
@@ -47,7 +46,7 @@ from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
 from node.replica.scoring import build_scorer
 from node.runtime.base import NodeBase
 from node.runtime.local_training import LocalTrainer
-from node.runtime.mfu import flops_per_token, mfu, peak_flops, peak_memory_mb
+from node.runtime.mfu import flops_per_token, peak_flops, record_throughput
 from node.runtime.settings import run_settings
 from node.runtime.status_service import StatusService
 from protocol.records import PeerRecord
@@ -391,12 +390,6 @@ class Daemon(NodeBase):
         self.peak_flops = peak_flops(self.device, self.cfg.peak_tflops)
 
     def _record_throughput(self, recent_tokens_per_s: float | None = None, inner_tokens_per_s: float | None = None) -> None:
-        """Export the MFU of the recent rate (``locomesh_mfu``) and put the inner steps' rate, its MFU and
-        the peak memory in the summary."""
-        if recent_tokens_per_s is not None:
-            value = mfu(self.flops_per_token, recent_tokens_per_s, self.peak_flops)
-            self.metrics.mfu.set(math.nan if value is None else value)
-        if inner_tokens_per_s is not None:
-            self.summary.tokens_per_s = inner_tokens_per_s
-            self.summary.mfu = mfu(self.flops_per_token, inner_tokens_per_s, self.peak_flops)
-        self.summary.peak_mem_mb = round(peak_memory_mb(self.device), 1)
+        """Export the MFU of the recent rate (``locomesh_mfu``); the inner steps' rate and its MFU go in the summary."""
+        record_throughput(self.summary, self.metrics, self.device, self.flops_per_token, self.peak_flops,
+                          exported=recent_tokens_per_s, summarized=inner_tokens_per_s)

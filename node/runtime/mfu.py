@@ -10,11 +10,17 @@ from NVIDIA's datasheets (fp16 for V100 and T4, which have no bf16), matched by 
 
 from __future__ import annotations
 
+import math
 import re
 import resource
 import sys
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from node.runtime.metrics import NodeMetrics
+    from node.runtime.summary import Summary
 
 # (name pattern, dense bf16 TFLOPS); first match wins, so more specific names come first.
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
@@ -78,3 +84,15 @@ def peak_memory_mb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def record_throughput(summary: "Summary", metrics: "NodeMetrics", device: torch.device, flops_per_token: float,
+                      peak: float | None, exported: float | None = None, summarized: float | None = None) -> None:
+    """Export the MFU of ``exported`` tokens/s (``locomesh_mfu``), put ``summarized`` tokens/s and its MFU in
+    the summary (each when given), and the device's peak memory."""
+    if exported is not None:
+        value = mfu(flops_per_token, exported, peak)
+        metrics.mfu.set(math.nan if value is None else value)
+    if summarized is not None:
+        summary.tokens_per_s, summary.mfu = summarized, mfu(flops_per_token, summarized, peak)
+    summary.peak_mem_mb = round(peak_memory_mb(device), 1)
