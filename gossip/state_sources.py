@@ -24,6 +24,7 @@ counts it (``poisoned``). A peer at another round is only behind or ahead, and i
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -31,6 +32,7 @@ from typing import Callable, Sequence
 from gossip.state_transfer import Expected, majority_state, state_headers
 from protocol.hivemind_transport import Transport
 
+logger = logging.getLogger(__name__)
 VERIFY_PEERS = 5  # peers asked for their state's digests before a download
 STRIPE_PEERS = 4  # a download takes an even share from up to this many peers that hold the same state
 
@@ -44,6 +46,21 @@ class SourcePlan:
     round: int | None = None  # the majority's round, when there is one
     dissent: list[str] = field(default_factory=list)  # answered with another state of the majority's round
     ignored: list[str] = field(default_factory=list)  # announced a round far ahead of the swarm's: not asked
+
+    def left_out(self, what: str, seen: set[str] | None = None) -> list[str]:
+        """Log the peers this plan leaves out (``what``: the state, for the messages) and return those that
+        answered with another state and are not in ``seen`` (which grows by them), for the caller to
+        count as ``poisoned``: a caller that plans again logs and counts each such peer once."""
+        if self.ignored:
+            logger.warning("not downloading %s from %d peer(s) announcing rounds far ahead of the others': %s",
+                           what, len(self.ignored), ", ".join(p[-8:] for p in self.ignored))
+        fresh = [p for p in self.dissent if seen is None or p not in seen]
+        if fresh:
+            logger.warning("peers %s hold a state of %s other than the majority's; not downloading from them",
+                           ", ".join(p[-8:] for p in fresh), what)
+            if seen is not None:
+                seen.update(fresh)
+        return fresh
 
 
 def rank_candidates(rounds: dict[str, int], prefer: str | None = None,

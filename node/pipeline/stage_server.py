@@ -260,13 +260,9 @@ class StageServer:
         except Exception as e:
             logger.warning("could not ask the replicas of %s for their state's digests: %s", sub, e)
             plan = SourcePlan([[p] for p in rank_candidates(rounds, prefer)[0]])
-        if plan.ignored:
-            logger.warning("not downloading %s from %s: they announce rounds far ahead of the other replicas'",
-                           sub, ", ".join(plan.ignored))
-        if plan.dissent:
-            logger.warning("replicas %s of %s hold a state other than the majority's; not downloading from them",
-                           ", ".join(plan.dissent), sub)
-            self.metrics.errors.labels("poisoned").inc(len(plan.dissent))
+        poisoned = plan.left_out(sub)
+        if poisoned:
+            self.metrics.errors.labels("poisoned").inc(len(poisoned))
         for (source,) in plan.attempts:
             try:
                 got = net.call(download_state(net.transport, source, sub, layout, trusted=plan.trusted), timeout=120)

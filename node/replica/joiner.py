@@ -77,29 +77,31 @@ class Joiner:
         that answered with another state, or that announce a round far ahead."""
         plan = self.net.call(plan_sources(self.net.transport, rounds, self.run_id, self.layout(), prefer=prefer,
                                           min_round=min_round, fallback=fallback, established=self.established), timeout=30)
-        if plan.ignored:
-            logger.warning("not downloading from %d peer(s) announcing rounds far ahead of the swarm's: %s",
-                           len(plan.ignored), ", ".join(p[-8:] for p in plan.ignored))
-        fresh = [p for p in plan.dissent if p not in self.dissenters]
-        if fresh:
-            logger.warning("peers %s hold a state other than the majority's; not downloading from them",
-                           ", ".join(p[-8:] for p in fresh))
-            self.metrics.errors.labels("poisoned").inc(len(fresh))
-            self.dissenters.update(fresh)
+        poisoned = plan.left_out(f"run {self.run_id}", self.dissenters)
+        if poisoned:
+            self.metrics.errors.labels("poisoned").inc(len(poisoned))
         return plan
 
+    def _first(self, plan: SourcePlan, what: str,
+               accept: Callable[[DownloadedState], bool] = lambda got: True) -> DownloadedState | None:
+        """The first download of ``plan`` that succeeds and that ``accept`` takes (each is adopted as it arrives)."""
+        for sources in plan.attempts:
+            try:
+                got = self.download_from(sources, trusted=plan.trusted)
+            except Exception as e:
+                logger.warning("%s from %s failed: %s", what, ",".join(sources), e)
+                continue
+            if accept(got):
+                return got
+        return None
+
     def _answering(self, candidates: list[Any]) -> list[Any]:
-        """The candidates that answer a status probe (records signed by keys no daemon runs must not make the
-        swarm's round, nor make a live peer look far ahead); all of them when none answers (a private swarm
-        may refuse this node's probes: its downloads then say so)."""
+        """The candidates that answer a status probe (all of them without a prober): a record signed by a key no
+        daemon runs must not make the swarm's round, outvote the members, nor make a live peer look far ahead."""
         if self.answering is None or not candidates:
             return candidates
-        try:
-            live = self.net.call(self.answering({rec.peer_id for rec in candidates}), timeout=60)
-        except Exception as e:
-            logger.info("could not probe the run's peers: %s", e)
-            return candidates
-        return [rec for rec in candidates if rec.peer_id in live] or candidates
+        live = self.net.call(self.answering({rec.peer_id for rec in candidates}), timeout=60)
+        return [rec for rec in candidates if rec.peer_id in live]
 
     def join(self, resumed: bool) -> bool:
         """Download state from a live peer and take over its progress into the current round, so this
@@ -113,7 +115,11 @@ class Joiner:
         refusals: set[str] = set()
         mismatched: dict[str, str] = {}
         while not self.stop.is_set():
-            candidates = self._answering(self._trainers())
+            candidates = self._trainers()
+            try:  # all of them when none answers (a private swarm may refuse this node's probes: its downloads say so)
+                candidates = self._answering(candidates) or candidates
+            except Exception as e:
+                logger.info("could not probe the run's peers: %s", e)
             try:
                 plan = self._plan({rec.peer_id: rec.round for rec in candidates})
             except Exception as e:
@@ -228,16 +234,11 @@ class Joiner:
             except Exception as e:
                 logger.warning("could not ask the round's members for their state's digests: %s", e)
                 plan = SourcePlan([[peer]] if attempt == tries - 1 else [])
-            for sources in plan.attempts:
-                try:
-                    got = self.download_from(sources if len(sources) > 1 else sources[0], trusted=plan.trusted)
-                except Exception as e:
-                    logger.warning("resync from %s failed: %s", ",".join(sources), e)
-                    continue
-                if got.snapshot.round > failed_round:
-                    self.event("resynced", peer=got.peer, round=got.snapshot.round, fingerprint=got.snapshot.fingerprint,
-                               verified="majority" if plan.trusted is not None else "own_header")
-                    return
+            got = self._first(plan, "resync", accept=lambda got: got.snapshot.round > failed_round)
+            if got is not None:
+                self.event("resynced", peer=got.peer, round=got.snapshot.round, fingerprint=got.snapshot.fingerprint,
+                           verified="majority" if plan.trusted is not None else "own_header")
+                return
             time.sleep(0.5)
 
     def catch_up(self, current_round: int, keep_weights: bool) -> int | None:
@@ -251,9 +252,7 @@ class Joiner:
         except Exception as e:
             logger.info("could not list peers after the round: %s", e)
             return None
-        if self.answering is not None:  # a record signed by a key no daemon runs must not outvote the members
-            live = self.net.call(self.answering({rec.peer_id for rec in others}), timeout=60)
-            others = [rec for rec in others if rec.peer_id in live]
+        others = self._answering(others)
         rounds = plausible_rounds(current_round, {rec.peer_id: rec.round for rec in others}, self.established)
         if len(rounds) < len(others):
             logger.warning("not following %d peer(s) announcing rounds far ahead of this node's %d that neither a majority "
@@ -274,12 +273,8 @@ class Joiner:
         except Exception as e:
             logger.warning("could not ask the peers of round %d for their state's digests: %s", target, e)
             plan = SourcePlan([[source]])
-        for sources in plan.attempts:
-            try:
-                got = self.download_from(sources if len(sources) > 1 else sources[0], trusted=plan.trusted)
-            except Exception as e:
-                logger.warning("could not rejoin round %d through %s: %s", target, ",".join(sources), e)
-                continue
-            self.event("caught_up", peer=got.peer, round=got.snapshot.round, direction=direction)
-            return got.snapshot.round
-        return None
+        got = self._first(plan, f"rejoining round {target}")
+        if got is None:
+            return None
+        self.event("caught_up", peer=got.peer, round=got.snapshot.round, direction=direction)
+        return got.snapshot.round
