@@ -34,8 +34,12 @@ test-deps:
 	  || echo "note: $$pkg is not installed; the tests that need it will skip"; \
 	done
 
+# The live tests mostly wait (daemon start-up, rounds, timeouts), so pytest-xdist runs TEST_WORKERS of them
+# at once on any number of cores, longest first (tests/conftest.py); docs/testing.md has the details.
+TEST_WORKERS ?= 4
+
 test: setup test-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-slow: setup test-deps
 	$(PY) -m pytest -q -m slow

@@ -251,7 +251,12 @@ class SwarmLauncher:
             for node in self.nodes[1:]:
                 time.sleep(self.join_interval)
                 self._spawn(node, bootstrap[:1])
-            end = self.t0 + self.duration
+            for node in self.nodes[1:]:
+                self._wait_ready(node)
+            # --duration counts training, not start-up: on a loaded machine start-up alone took 35 s once,
+            # and a swarm stopped before its last node was up reported that node as failed
+            end = time.time() + self.duration
+            self.event("swarm_ready", nodes=len(self.nodes), after_s=round(time.time() - self.t0, 1))
             next_line = 0.0
             live = LiveProgress(self._progress_table()) if sys.stdout.isatty() else None
             try:

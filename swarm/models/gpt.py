@@ -27,6 +27,13 @@ class GPTConfig:
     dropout: float = 0.0
     family: ClassVar[str] = "gpt"  # not a field: old checkpoints' dicts stay as they were
 
+    def param_count(self) -> int:
+        """Parameters of :class:`GPT` under this config (the tied head counted once), from the shapes
+        alone: building even a meta-device model costs a daemon ~1.4 s of CPU at start-up."""
+        d = self.d_model
+        block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (4 * d * d + 4 * d) + (4 * d * d + d)
+        return self.vocab_size * d + self.context * d + self.n_layer * block + 2 * d
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -51,6 +51,13 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
+    def param_count(self) -> int:
+        """Parameters of :class:`Llama` under this config (a tied head counted once), from the shapes alone."""
+        d, q, kv = self.d_model, self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        block = 2 * d + d * q + 2 * d * kv + q * d + 3 * d * self.d_ff
+        embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return embeddings + self.n_layer * block + d
+
     def to_dict(self) -> dict:
         return asdict(self)
 

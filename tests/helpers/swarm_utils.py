@@ -6,13 +6,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from node.ops.launcher import free_port
+from tests.helpers.zygote import ForkedProcess, launch
 
 FAST_ARGS = ["--model", "nano", "--batch-size", "8", "--inner-steps", "15", "--threads", "1", "--warmup-steps", "10",
              "--eval-batches", "4", "--averaging-timeout", "20"]
@@ -22,7 +22,7 @@ FAST_ARGS = ["--model", "nano", "--batch-size", "8", "--inner-steps", "15", "--t
 class NodeHandle:
     name: str
     directory: Path
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     metrics_port: int
 
     @property
@@ -81,14 +81,12 @@ def start_node(directory: Path, name: str, args: list[str], initial_peers: list[
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "info.json").unlink(missing_ok=True)  # a restart must not read the last run's info
     port = free_port()
-    cmd = [sys.executable, "-m", "node", "join", *args, "--listen", listen, "--metrics-port", str(port),
+    cmd = ["join", *args, "--listen", listen, "--metrics-port", str(port),
            "--checkpoint-dir", str(directory), "--info-file", str(directory / "info.json")]
     for peer in initial_peers or []:
         cmd += ["--initial-peers", peer]
-    log = open(directory / "log.txt", "w")
     environ = {k: v for k, v in os.environ.items() if not k.startswith("LOCOMESH_")} | (env or {})
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=environ)
-    return NodeHandle(name, directory, process, port)
+    return NodeHandle(name, directory, launch("node", cmd, environ, directory / "log.txt"), port)
 
 
 def descendants(pid: int) -> set[int]:
@@ -136,9 +134,8 @@ def start_attacker(tmp_path: Path, boot: str, *args: str) -> tuple[NodeHandle, P
     folder = tmp_path / "attacker"
     folder.mkdir()
     report = folder / "report.json"
-    log = open(folder / "log.txt", "w")
-    process = subprocess.Popen([sys.executable, "-m", "tests.helpers.attacker", "--initial-peers", boot, "--report", str(report), *args],
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = launch("tests.helpers.attacker", ["--initial-peers", boot, "--report", str(report), *args], dict(os.environ),
+                     folder / "log.txt")
     return NodeHandle("attacker", folder, process, 0), report
 
 

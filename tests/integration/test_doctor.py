@@ -2,14 +2,13 @@
 
 import json
 import socket
-import subprocess
-import sys
 
 from tests.helpers.swarm_utils import FAST_ARGS, kill_group, start_node
+from tests.helpers import zygote
 
 
 def _doctor(*args):
-    out = subprocess.run([sys.executable, "-m", "node", "doctor", "--json", *args], capture_output=True, text=True, timeout=120)
+    out = zygote.run(["doctor", "--json", *args], timeout=120)
     return out.returncode, {c["name"]: c for c in json.loads(out.stdout)}
 
 

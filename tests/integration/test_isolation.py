@@ -16,6 +16,7 @@ from node.checkpoints import checkpoint
 from protocol.peer_identity import bind, identified_p2p
 from protocol.records import PeerRecord, peers_key
 from tests.helpers.swarm_utils import FAST_ARGS, start_node
+from tests.helpers import zygote
 
 
 def test_peers_of_another_run_never_enter_a_group(tmp_path, nodes):
@@ -26,8 +27,8 @@ def test_peers_of_another_run_never_enter_a_group(tmp_path, nodes):
     nodes.append(b)
     for h in (a, b):
         h.wait(lambda i: i.get("outer_rounds", 0) >= 3, 180, "3 rounds")
-    out = subprocess.run([sys.executable, "-m", "node", "status", "--initial-peers", boot, "--run-id", "run-one", "--json"],
-                         capture_output=True, text=True, timeout=120)
+    out = zygote.run(["status", "--initial-peers", boot, "--run-id", "run-one", "--json"],
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     assert [p["peer_id"] for p in json.loads(out.stdout)["peers"]] == [a.info()["peer_id"]]
     for h in (a, b):
@@ -86,10 +87,12 @@ def test_checkpoint_survives_sigkill_during_save(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for delay in (0.3, 0.55, 0.8):
         proc = subprocess.Popen([sys.executable, "-c", WRITER.format(root=root, path=str(path))], stdout=subprocess.PIPE)
-        assert proc.stdout.readline().strip() == b"ready"
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        try:
+            assert proc.stdout.readline().strip() == b"ready"
+            time.sleep(delay)
+        finally:  # an interrupted run must not leave the writer looping
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
         state = checkpoint.load(path)  # whatever moment the kill hit, a whole checkpoint loads
         assert bool((state["w"] == float(state["round"])).all())
     assert checkpoint.newest_valid(tmp_path) is not None

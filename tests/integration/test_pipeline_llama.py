@@ -10,8 +10,6 @@ after training stops and then stay put (an idle stage's pseudo-gradient is zero,
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import torch
 
 from node.runtime.base import HEARTBEAT_S
 from tests.helpers.swarm_utils import start_node
+from tests.helpers import zygote
 
 RUN = "pipe-llama"
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex jovial kings "
@@ -56,7 +55,7 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for args in (["tokenizer", "--input", str(root / "docs"), "--vocab-size", "300", "--out", str(root / "tokenizer.json")],
                  ["prepare", "--input", str(root / "docs"), "--tokenizer", str(root / "tokenizer.json"), "--out", str(root / "shards"),
                   "--val-fraction", "0.2", "--workers", "1"]):
-        run = subprocess.run([sys.executable, "-m", "node", "data", *args, "--no-progress"], capture_output=True, text=True, timeout=120)
+        run = zygote.run(["data", *args, "--no-progress"], timeout=120)
         assert run.returncode == 0, run.stderr[-2000:]
     return root / "shards"
 

@@ -15,8 +15,9 @@ import pytest
 from node.ops.launcher import free_port
 from tests.helpers.swarm_utils import FAST_ARGS, kill_group, start_node
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("libp2p") is None,
-                                reason="needs the lite extra: pip install -e '.[dev,lite]' (make setup installs it)")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("libp2p") is None,
+                                 reason="needs the lite extra: pip install -e '.[dev,lite]' (make setup installs it)"),
+              pytest.mark.xdist_group("probe")]  # one worker runs the module, so its shared daemon starts once
 
 RUN = "probe-test"
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("LOCOMESH_")}

@@ -3,14 +3,13 @@ swarm agreed on and its round) trains, stays in sync, serves status and metrics,
 SIGTERM with nothing left behind."""
 
 import json
-import subprocess
-import sys
 import time
 from urllib.request import urlopen
 
 import pytest
 
 from tests.helpers.swarm_utils import FAST_ARGS, alive, descendants, start_node
+from tests.helpers import zygote
 
 
 def _rounds_by_number(info):
@@ -59,8 +58,8 @@ def test_three_node_swarm_with_a_joiner_trains_in_sync_and_stops_cleanly(tmp_pat
         time.sleep(0.5)
 
     # status over the DHT + the status protocol, as a user would run it
-    out = subprocess.run([sys.executable, "-m", "node", "status", "--initial-peers", boot, "--json"],
-                         capture_output=True, text=True, timeout=120)
+    out = zygote.run(["status", "--initial-peers", boot, "--json"],
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout)
     peers = {p["peer_id"]: p for p in status["peers"]}
@@ -98,8 +97,8 @@ def test_three_node_swarm_with_a_joiner_trains_in_sync_and_stops_cleanly(tmp_pat
 
     # the checkpoint written at SIGTERM evaluates to the loss the node reported
     ckpt = infos[0]["checkpoint"]
-    out = subprocess.run([sys.executable, "-m", "node", "eval", "--checkpoint", ckpt, "--batches", "4", "--batch-size", "8", "--json"],
-                         capture_output=True, text=True, timeout=120)
+    out = zygote.run(["eval", "--checkpoint", ckpt, "--batches", "4", "--batch-size", "8", "--json"],
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["val_loss"] == pytest.approx(infos[0]["val_loss"], abs=1e-4)
 

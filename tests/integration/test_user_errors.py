@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from node.config import NodeConfig
+from tests.helpers import zygote
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("LOCOMESH_")}
 PEER = "12D3KooWFjXsHsvh1LqZB1dDQNnci4wQmNDza2R5FJN2QEivr5go"
@@ -15,6 +16,7 @@ MADDR = f"/ip4/127.0.0.1/tcp/9/p2p/{PEER}"
 
 
 def batch(cases: list[list[str]], env: dict | None = None, timeout: float = 240) -> list[dict]:
+    # exec'd, not forked: the probe commands load py-libp2p, which cannot share a process with hivemind
     out = subprocess.run([sys.executable, "-m", "tests.helpers.cli_batch", json.dumps(cases)], capture_output=True, text=True,
                          timeout=timeout, env=env or ENV)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -126,8 +128,8 @@ def test_a_second_daemon_on_one_checkpoint_folder_is_refused_and_a_dead_ones_loc
     first = start_node(tmp_path, "n", FAST_ARGS)
     nodes.append(first)
     info = first.wait(lambda i: i.get("state") == "training", 90, "startup")
-    second = subprocess.run([sys.executable, "-m", "node", "join", *FAST_ARGS, "--checkpoint-dir", str(tmp_path / "n")],
-                            capture_output=True, text=True, timeout=120, env=ENV)
+    second = zygote.run(["join", *FAST_ARGS, "--checkpoint-dir", str(tmp_path / "n")],
+                            timeout=120, env=ENV)
     check_one_line("second daemon", {"code": second.returncode, "stdout": second.stdout, "stderr": second.stderr},
                    f"--checkpoint-dir {tmp_path / 'n'} is in use by pid {first.process.pid} (peer {info['peer_id']})")
 

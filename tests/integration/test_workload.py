@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from node.runtime.settings import run_settings
 from node.data.shards import prepare
 from node.data.tokenizer import train_tokenizer
 from node.runtime.workload import identity, load_workload
+from tests.helpers import zygote
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex jovial kings "
          "and queens of distant lands sing of rivers mountains stars and the sea").split()
@@ -87,14 +86,14 @@ def test_an_architecture_file_replaces_the_preset_and_must_fit_the_tokenizer(sha
 def test_the_embedded_corpus_is_written_as_text_with_the_demo_held_out_plays(tmp_path: Path) -> None:
     from node.data.byte_corpus import load_embedded_corpus
 
-    out = subprocess.run([sys.executable, "-m", "node", "data", "corpus", "--out", str(tmp_path / "plays")],
-                         capture_output=True, text=True, timeout=120)
+    out = zygote.run(["data", "corpus", "--out", str(tmp_path / "plays")],
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     corpus = load_embedded_corpus()
     assert sorted(p.read_text() for p in (tmp_path / "plays" / "val").iterdir()) == sorted(corpus.val_docs)
     assert len(list((tmp_path / "plays" / "train").iterdir())) == len(corpus.train_docs)
-    again = subprocess.run([sys.executable, "-m", "node", "data", "corpus", "--out", str(tmp_path / "plays")],
-                           capture_output=True, text=True, timeout=120)
+    again = zygote.run(["data", "corpus", "--out", str(tmp_path / "plays")],
+                           timeout=120)
     assert again.returncode == 2 and again.stderr.strip().startswith("error: ") and len(again.stderr.strip().splitlines()) == 1
 
 
@@ -113,10 +112,10 @@ def test_mismatches_are_one_line_errors(shards: Path, tmp_path: Path) -> None:
 def test_a_llama_node_trains_on_shards_resumes_evaluates_and_exports(shards: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     ckpt, info = tmp_path / "ck", tmp_path / "info.json"
-    args = [sys.executable, "-m", "node", "join", "--model", "llama-tiny", "--data", str(shards), "--inner-steps", "10",
+    args = ["join", "--model", "llama-tiny", "--data", str(shards), "--inner-steps", "10",
             "--batch-size", "4", "--context", "64", "--eval-batches", "2", "--threads", "1",
             "--listen", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(ckpt), "--info-file", str(info)]
-    run = subprocess.run(args + ["--max-steps", "20"], capture_output=True, text=True, timeout=300, env=env)
+    run = zygote.run(args + ["--max-steps", "20"], timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     first = json.loads(info.read_text())
     assert first["steps"] == 20 and first["val_bits_per_byte"] is not None
@@ -126,7 +125,7 @@ def test_a_llama_node_trains_on_shards_resumes_evaluates_and_exports(shards: Pat
     position = state["data_order"]
 
     # resumed: the data order goes on where it stopped, not from its start
-    run = subprocess.run(args + ["--max-steps", "30"], capture_output=True, text=True, timeout=300, env=env)
+    run = zygote.run(args + ["--max-steps", "30"], timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     resumed = json.loads(info.read_text())
     assert resumed["resumed_from"]["round"] == 2 and resumed["steps"] == 30
@@ -137,8 +136,8 @@ def test_a_llama_node_trains_on_shards_resumes_evaluates_and_exports(shards: Pat
     _documents(tmp_path / "extra", count=1, words=600)
     text.write_text((tmp_path / "extra" / "doc00.txt").read_text())
     for data in ([], ["--data", str(text)]):  # the shards' validation split (the default), and text
-        out = subprocess.run([sys.executable, "-m", "node", "eval", "--checkpoint", str(ckpt / "checkpoint.pt"), "--json",
-                              "--batch-size", "4", "--batches", "2", *data], capture_output=True, text=True, timeout=120, env=env)
+        out = zygote.run(["eval", "--checkpoint", str(ckpt / "checkpoint.pt"), "--json",
+                              "--batch-size", "4", "--batches", "2", *data], timeout=120, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         result = json.loads(out.stdout)
         assert result["unit"] == "token" and result["bytes"] > result["tokens"] > 0
@@ -146,8 +145,8 @@ def test_a_llama_node_trains_on_shards_resumes_evaluates_and_exports(shards: Pat
 
     # the export opens in transformers with the same logits
     transformers = pytest.importorskip("transformers")
-    out = subprocess.run([sys.executable, "-m", "node", "export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"),
-                          "--weights", "theta"], capture_output=True, text=True, timeout=120, env=env)
+    out = zygote.run(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"),
+                          "--weights", "theta"], timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     from swarm.models.presets import build_model, config_from_dict
 
@@ -178,16 +177,16 @@ def test_a_byte_level_llama_round_trips_through_export_and_init_from(tmp_path: P
 
     def join(name: str, *extra: str) -> dict:
         info = tmp_path / f"{name}.json"
-        run = subprocess.run([sys.executable, "-m", "node", "join", "--data", str(text), "--inner-steps", "10", "--batch-size", "4",
+        run = zygote.run(["join", "--data", str(text), "--inner-steps", "10", "--batch-size", "4",
                               "--eval-batches", "2", "--threads", "1", "--max-steps", "20", "--seed", "0", "--init-seed", "0",
                               "--listen", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(tmp_path / name), "--info-file", str(info), *extra],
-                             capture_output=True, text=True, timeout=300, env=env)
+                             timeout=300, env=env)
         assert run.returncode == 0, run.stderr[-2000:]
         return json.loads(info.read_text())
 
     def export(name: str) -> Path:
-        out = subprocess.run([sys.executable, "-m", "node", "export", "--checkpoint", str(tmp_path / name), "--out", str(tmp_path / f"{name}-hf"),
-                              "--weights", "theta"], capture_output=True, text=True, timeout=120, env=env)
+        out = zygote.run(["export", "--checkpoint", str(tmp_path / name), "--out", str(tmp_path / f"{name}-hf"),
+                              "--weights", "theta"], timeout=120, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         return tmp_path / f"{name}-hf"
 

@@ -5,6 +5,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from swarm.checkfree import rebuild_stage, restore_from_replica
 from swarm.models.llama import Llama, LlamaConfig, hf_names, rope_cos_sin
@@ -85,8 +87,31 @@ def test_tied_and_untied_parameter_counts():
                                              ("llama-150m", 135e6, 165e6), ("llama-1b", 1.1e9, 1.2e9)])
 def test_preset_sizes(name, low, high):
     cfg = preset(name)
-    assert isinstance(cfg, LlamaConfig) and low <= num_params(cfg) <= high  # counted on the meta device
+    assert isinstance(cfg, LlamaConfig) and low <= num_params(cfg) <= high
     assert model_flops_per_token(cfg) > 6 * num_params(cfg) * 0.9
+
+
+def _built_count(cfg) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(cfg).parameters())
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_the_counted_parameters_of_every_preset_are_those_of_the_built_model(name):
+    assert num_params(preset(name)) == _built_count(preset(name))
+
+
+@settings(max_examples=25, deadline=None)
+@given(layers=st.integers(1, 3), heads=st.sampled_from([1, 2, 4]), kv=st.sampled_from([1, 2]), width=st.sampled_from([8, 16, 24]),
+       vocab=st.integers(1, 300), ff=st.integers(1, 64), tied=st.booleans(), context=st.integers(1, 64))
+def test_the_counted_parameters_follow_any_config(layers, heads, kv, width, vocab, ff, tied, context):
+    d = width * heads
+    gpt = GPTConfig(vocab_size=vocab, context=context, n_layer=layers, n_head=heads, d_model=d)
+    assert num_params(gpt) == _built_count(gpt)
+    if heads % kv == 0 and (d // heads) % 2 == 0:
+        llama = LlamaConfig(vocab_size=vocab, context=context, n_layer=layers, n_head=heads, n_kv_head=kv, d_model=d, d_ff=ff,
+                            tie_embeddings=tied)
+        assert num_params(llama) == _built_count(llama)
 
 
 def test_flops_per_token_formula():
