@@ -225,10 +225,17 @@ class RoundExchange:
         wire = require(msg.body, "codec", str)
         if run_id != self.run_id:
             raise SchemaError(f"this node trains run {self.run_id!r}, not {run_id!r}")
+        reduced = msg.kind == "fetch_reduced"
+        published = self._reduced if reduced else self._contributions
+        if wire != self.wire_of(round_no) and round_no not in published and round_no > max(self._contributions, default=-1):
+            # a grouped round's tag is set just before this node publishes the round: a member that found
+            # its group first may ask before that (seen under load), so judge the wire once it is published
+            await self._await_round(round_no, self._reduced_ready if reduced else self._ready,
+                                    "reduced parts" if reduced else "contribution")
         if wire != self.wire_of(round_no):
             raise SchemaError(f"wire mismatch: this run averages round {round_no} with {self.wire_of(round_no)!r}, request asked for {wire!r}")
         selection = self._selection(msg.body, round_no)
-        if msg.kind == "fetch_reduced":
+        if reduced:
             await self._serve_reduced(stream, round_no, selection)
             return
         latest = max(self._contributions, default=-1)

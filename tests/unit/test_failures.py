@@ -4,8 +4,9 @@ import asyncio
 import logging
 
 import pytest
+import torch
 
-from gossip.exchange import RoundExchange
+from gossip.exchange import Contribution, RoundExchange
 from gossip.failures import failure_reason
 from protocol.errors import SchemaError
 from tests.helpers.memory_transport import MemoryTransport
@@ -66,3 +67,36 @@ def test_requests_for_rounds_never_published_leave_no_bookkeeping_behind() -> No
     assert sum("too many rounds awaited" in a for a in answers) == 100 - 16
     assert sum("no contribution for round" in a for a in answers) == 16
     assert exchange._ready == {} and exchange._waiting == {}
+
+
+def test_a_grouped_request_that_arrives_before_this_member_grouped_is_served_once_it_has() -> None:
+    """A member that found its group first asks with the group's wire tag before this one set it: the request
+    is judged once this member publishes the round (under load it was refused, and the asker averaged without
+    it), while a wire that still differs then is refused."""
+    from protocol.errors import SchemaError
+    from protocol.frames import encode_frame, encode_message
+    from tests.helpers.memory_transport import canned_stream
+
+    exchange = RoundExchange(MemoryTransport(reply=b""), "run", "none", [(4,)], serve_timeout=5.0)  # type: ignore[arg-type]
+
+    async def ask(wire: str) -> str:
+        stream, _ = canned_stream(encode_frame(encode_message("fetch", {"run_id": "run", "round": 0, "codec": wire})))
+        try:
+            await exchange._handle(stream)
+        except SchemaError as e:
+            return str(e)
+        return "served"
+
+    async def group_then_publish() -> None:
+        await asyncio.sleep(0.2)
+        exchange.regroup(0, exchange.layout(0), "g0of2")
+        blobs, _ = exchange.encode(0, [torch.zeros(4)])
+        exchange.publish(Contribution(0, 1, "fp", exchange.wire_of(0), blobs))
+
+    async def race() -> list[str]:
+        *answers, _ = await asyncio.gather(ask("none|g0of2"), ask("q8|g0of2"), group_then_publish())
+        return answers
+
+    served, refused = asyncio.run(race())
+    assert served == "served"
+    assert "wire mismatch" in refused
