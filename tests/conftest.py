@@ -2,16 +2,23 @@
 the test's outcome; under pytest-xdist (``make test``) the longest live tests are handed out first."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.swarm_utils import kill_group
 
-# Seconds each live test took in a serial run (pytest --junitxml): only the order depends on it, so a
+# Seconds each live test took in a `make test` run (pytest --junitxml): only the order depends on it, so a
 # stale or missing entry costs wall time, never a result. Tests not listed count as DEFAULT_SECONDS.
 DURATIONS = json.loads((Path(__file__).parent / "durations.json").read_text())
 DEFAULT_SECONDS = 3.0
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # several workers share the cores: one intra-op thread each (two spinning OpenMP threads per worker
+    # on a busy machine slowed a 15 s step to minutes); tests that need more set it themselves
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -27,7 +27,7 @@ import torch
 from node.config import load_config
 from node.ops.memory import architecture
 from node.runtime.local_training import LocalTrainer
-torch.set_num_threads(2)  # the machine's two cores: the memory of a step does not depend on it
+torch.set_num_threads(1)  # the memory of a step does not depend on it; 2 spinning threads on a busy machine took 300 s
 cfg = load_config(json.loads(sys.argv[1]), None)
 model_cfg = architecture(cfg)
 x = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, model_cfg.context))
