@@ -31,6 +31,7 @@ import torch
 
 ATTACKS = ("samples", "scale", "sign", "noise", "alie", "ipm", "stale", "concentrate")
 DEFAULT_PARAM = {"scale": 50.0, "alie": 1.0, "ipm": 0.5, "stale": 5.0}
+MAX_STALE_LAG = 15  # the attacker keeps its last 16 updates: a longer lag silently became "sign"
 LYING_SAMPLES = 10**9
 
 
@@ -49,6 +50,8 @@ def parse_attacks(spec: str) -> list[tuple[str, float | None]]:
             raise ValueError(f"attack {part!r}: {value!r} is not a number") from None
         if param is not None and not math.isfinite(param):
             raise ValueError(f"attack {part!r}: the parameter must be finite")
+        if name == "stale" and (param != int(param) or not 1 <= param <= MAX_STALE_LAG):  # type: ignore[operator]
+            raise ValueError(f"attack {part!r}: the lag must be a whole number of rounds from 1 to {MAX_STALE_LAG}")
         out.append((name, param))
     if not out:
         raise ValueError("no attack given; e.g. scale:50 or sign,samples")
@@ -69,7 +72,7 @@ class Attacker:
 
     attacks: list[tuple[str, float | None]]
     seed: int = 0
-    history: deque = field(default_factory=lambda: deque(maxlen=16))
+    history: deque = field(default_factory=lambda: deque(maxlen=MAX_STALE_LAG + 1))
 
     def __post_init__(self) -> None:
         self._gen = torch.Generator().manual_seed(self.seed)

@@ -22,7 +22,7 @@ from gossip.deadline import AdaptiveDeadline
 from gossip.exchange import RoundExchange
 from gossip.partition import Partition
 from gossip.scores import ContributionScorer
-from protocol.ratelimit import RateLimits, mbit_to_bytes_per_s
+from protocol.ratelimit import RateLimits, announced_seconds
 from protocol.records import RoundEntry
 
 
@@ -84,10 +84,11 @@ class GroupAverager:
     def transfer_slack(self, payload: int, group: Sequence[RoundEntry]) -> float:
         """Seconds a round moving ``payload`` bytes per member takes at least under the caps in play: this
         member sends its payload to, and receives one about as large from, each other member at its own
-        caps; each capped member sends its payload to every other member at the cap it announced. Fetch
-        timeouts and the next rendezvous deadline add it (0 when nobody is capped)."""
+        caps; each capped member sends its payload to every other member at the cap it announced (a claim,
+        bounded by ``protocol.ratelimit.announced_seconds``). Fetch timeouts and the next rendezvous deadline
+        add it (0 when nobody is capped)."""
         moved = payload * max(0, len(group) - 1)
-        theirs = [moved / mbit_to_bytes_per_s(e.up_mbit) for e in group if e.peer_id != self.peer_id and e.up_mbit > 0]
+        theirs = [announced_seconds(moved, e.up_mbit, self.deadline.ceiling) for e in group if e.peer_id != self.peer_id]
         self.deadline.slack = max([self.limits.seconds_for(moved, moved), *theirs])
         return self.deadline.slack
 

@@ -31,16 +31,19 @@ from protocol.version import OLD_VERSION, note_incompatible
 
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 HELLO_MAX_FRAME = 4096  # a stream's first frame (the hello), read before the peer has proved it holds a private swarm's key
-# Arrays and maps one envelope may hold: each costs a byte on the wire but ~56 bytes and a little time
-# as a Python object, so 16 MiB of nested empty arrays would be a memory bomb decoded on the event
-# loop. Envelopes carry tensors as bin fields and hold a few hundred containers at most.
-MAX_CONTAINERS = 1 << 16
+# Python objects one envelope may decode to: arrays, maps and their elements. Each costs a byte or two on
+# the wire but ~50 bytes and a little time as a Python object, so 16 MiB of nested empty arrays (or 5
+# arrays of a million 2-byte strings: ~274 MiB) would be a memory bomb decoded on the event loop.
+# Envelopes carry tensors as bin fields and hold a few thousand objects at most. The count is checked as
+# each container completes, and no array or map may be longer than the cap, so decoding stops within
+# about twice the cap (~25 MiB of objects).
+MAX_DECODED_OBJECTS = 1 << 18
 _LENGTH = struct.Struct(">I")
 ERROR_KIND = "error"
 
 
-class _TooManyContainers(Exception):
-    """Raised from inside msgpack's hooks to stop decoding at the container cap."""
+class _TooManyObjects(Exception):
+    """Raised from inside msgpack's hooks to stop decoding at the object cap."""
 
 
 @dataclass(frozen=True)
@@ -66,13 +69,13 @@ def decode_message(data: bytes, max_size: int = DEFAULT_MAX_FRAME, major: int = 
     """Decode and validate one envelope; raises a :class:`ProtocolError` subclass on anything off."""
     if len(data) > max_size:
         raise FrameTooLarge(f"message of {len(data)} bytes exceeds the cap of {max_size} bytes")
-    containers = 0
+    objects = 0
 
     def counted(container: Any) -> Any:
-        nonlocal containers
-        containers += 1
-        if containers > MAX_CONTAINERS:
-            raise _TooManyContainers
+        nonlocal objects
+        objects += 1 + len(container) * (2 if isinstance(container, dict) else 1)
+        if objects > MAX_DECODED_OBJECTS:
+            raise _TooManyObjects
         return container
 
     try:
@@ -85,12 +88,12 @@ def decode_message(data: bytes, max_size: int = DEFAULT_MAX_FRAME, major: int = 
             object_hook=counted,
             max_bin_len=max_size,
             max_str_len=1 << 20,
-            max_array_len=1 << 20,
+            max_array_len=MAX_DECODED_OBJECTS,
             max_map_len=1 << 16,
             max_ext_len=0,
         )
-    except _TooManyContainers:
-        raise MalformedFrame(f"envelope holds more than {MAX_CONTAINERS} arrays and maps") from None
+    except _TooManyObjects:
+        raise MalformedFrame(f"envelope decodes to more than {MAX_DECODED_OBJECTS} arrays, maps and elements") from None
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as e:
         raise MalformedFrame(f"not a msgpack envelope ({type(e).__name__}: {e})") from None
     if not isinstance(obj, dict) or set(obj) != {"v", "k", "b"}:

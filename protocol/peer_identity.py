@@ -44,8 +44,8 @@ logger = logging.getLogger(__name__)
 MAX_RECORD_TTL_S = 1200.0  # the longest any locomesh record lives (a round entry: 4 × a 300 s gather)
 CLOCK_SKEW_S = 30.0  # how far ahead of ours a writer's clock may run
 MAX_SUBKEYS = 1024  # owned subkeys one key may hold (members of a run, entries of a round, claims of a stage)
-_OWNED = re.compile(rb"^([1-9A-HJ-NP-Za-km-z]{20,64})\[owner:(.+)\]$", re.S)
-_SWARM_PROOF = re.compile(rb"\[swarm:([0-9a-f]{64})\]$")
+_OWNED = re.compile(rb"\A([1-9A-HJ-NP-Za-km-z]{20,64})\[owner:(.+)\]\Z", re.S)  # \Z: "$" also matches before a final newline
+_SWARM_PROOF = re.compile(rb"\[swarm:([0-9a-f]{64})\]\Z")
 
 
 class IdentityError(ValueError):

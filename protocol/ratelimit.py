@@ -24,9 +24,23 @@ BURST_SECONDS = 0.25  # the bucket holds a quarter second of traffic at most
 MIN_CHUNK, MAX_CHUNK = 1 << 10, 1 << 16
 
 
+# A peer's announced upload cap is its own claim: it may stretch this node's waits, never without bound.
+MIN_ANNOUNCED_MBIT = 1.0  # a lower announced cap counts as this (1e-300 once asked for a 10^302 s wait)
+ANNOUNCED_WAIT_FACTOR = 4.0  # the waits it adds stay below this many times the wait they extend
+
+
 def mbit_to_bytes_per_s(mbit: float) -> float:
     """``mbit`` megabits (10^6 bits) per second in bytes per second."""
     return mbit * 1e6 / 8
+
+
+def announced_seconds(nbytes: float, mbit: float, base_wait_s: float) -> float:
+    """Seconds a peer that announced an upload cap of ``mbit`` (0: none) takes to send ``nbytes``, as this
+    node allows for it: the cap is floored at :data:`MIN_ANNOUNCED_MBIT` and the result capped at
+    :data:`ANNOUNCED_WAIT_FACTOR` × ``base_wait_s`` (the timeout it is added to)."""
+    if mbit <= 0:
+        return 0.0
+    return min(ANNOUNCED_WAIT_FACTOR * base_wait_s, nbytes / mbit_to_bytes_per_s(max(mbit, MIN_ANNOUNCED_MBIT)))
 
 
 class TokenBucket:

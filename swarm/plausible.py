@@ -19,8 +19,11 @@ A bounded but misdirected tensor passes: that is the per-stage clip's and the st
 contain. The scale of a whole stage can change for good (a stage rebuilt from its neighbours, weights
 replaced by a round): after ``warmup`` refusals in a row with nothing accepted between them, the check
 starts over from the tensors that follow, so a trainer is never locked out of a stage that changed. A
-single liar cannot use that to get through: its first refused answer bans it, and any honest answer
-between its tries ends the streak.
+single liar cannot use that to get through. The reset needs refusals from at least half of the
+sources (authenticated peers) whose tensors fill the recent window, and a liar's refused tensors never
+entered it. On a stage server, where all clients share one check, one client alone cannot switch it
+off. On a trainer, a lying server's first refused answer bans it. Any accepted tensor between tries
+ends the streak.
 """
 
 from __future__ import annotations
@@ -48,9 +51,11 @@ class ScaleCheck:
             raise ValueError(f"a scale check needs ratio > 1, window ≥ 1 and warmup ≥ 1; got {ratio}, {window}, {warmup}")
         self.what, self.ratio, self.warmup = what, ratio, warmup
         self.recent: deque[float] = deque(maxlen=window)
+        self.sources: deque[str] = deque(maxlen=window)  # who sent each of ``recent``
         self.refused = 0
         self.clipped = 0
         self.streak = 0  # refusals since the last accepted tensor
+        self.streak_sources: set[str] = set()  # who sent them
 
     def limit(self) -> float | None:
         """The largest RMS accepted now (None until ``warmup`` tensors are known, or while their median is 0)."""
@@ -59,30 +64,44 @@ class ScaleCheck:
         median = statistics.median(self.recent)
         return self.ratio * median if median > 0 else None
 
-    def check(self, t: torch.Tensor) -> str | None:
-        """None when ``t`` is within the bound (then it joins the recent ones), else why it is refused."""
+    def check(self, t: torch.Tensor, source: str = "") -> str | None:
+        """None when ``t`` is within the bound (then it joins the recent ones), else why it is refused.
+        ``source``: who sent it (the authenticated peer), which decides whether a streak of refusals resets."""
         scale, limit = rms(t), self.limit()
         if limit is not None and scale > limit:
             self.refused += 1
             self.streak += 1
+            self.streak_sources.add(source)
             why = (f"{self.what} has RMS {scale:.3g}, {scale * self.ratio / limit:.0f}× the median of the last "
                    f"{len(self.recent)} (refused beyond {self.ratio:g}×)")
-            if self.streak >= self.warmup:  # nothing but refusals: the scale itself changed; learn it anew
+            if self.streak >= self.warmup and self._shared_streak():  # the scale itself changed: learn it anew
                 self.recent.clear()
+                self.sources.clear()
                 self.streak = 0
+                self.streak_sources = set()
             return why
-        self.streak = 0
-        self.recent.append(scale)
+        self._remember(scale, source)
         return None
 
-    def clip(self, t: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def _shared_streak(self) -> bool:
+        """Whether the refusals in a row came from at least half of those whose tensors fill the window."""
+        known = set(self.sources)
+        return 2 * len(self.streak_sources & known) >= len(known)
+
+    def _remember(self, scale: float, source: str) -> None:
+        self.streak = 0
+        self.streak_sources = set()
+        self.recent.append(scale)
+        self.sources.append(source)
+
+    def clip(self, t: torch.Tensor, source: str = "") -> tuple[torch.Tensor, float]:
         """``t`` scaled down to the bound when above it, and the factor applied (1.0: unchanged); the scale
         remembered is the one passed on."""
         scale, limit = rms(t), self.limit()
         if limit is None or scale <= limit:
-            self.recent.append(scale)
+            self._remember(scale, source)
             return t, 1.0
         self.clipped += 1
-        self.recent.append(limit)
+        self._remember(limit, source)
         factor = limit / scale
         return t * factor, factor

@@ -139,9 +139,9 @@ class StageService:
             extra = decode_activation(msg.body.get("grad"), self.codec, out_shape, max_numel)
         if msg.kind in ("backward", "loss"):  # each one is an optimizer step of this stage: bound what it steps on
             if not embed:
-                self._plausible(f"stage {stage}'s input activations", x)
+                self._plausible(f"stage {stage}'s input activations", x, stream.peer)
             if msg.kind == "backward":
-                extra = self._bounded_gradient(f"stage {stage}'s output gradient", extra)  # type: ignore[arg-type]
+                extra = self._bounded_gradient(f"stage {stage}'s output gradient", extra, stream.peer)  # type: ignore[arg-type]
         assert self.queue is not None
         job = _Job(msg.kind, x, extra, asyncio.get_running_loop().create_future(), embed)
         try:
@@ -161,15 +161,15 @@ class StageService:
         else:
             await stream.send("loss", {"loss": result})
 
-    def _plausible(self, what: str, t: torch.Tensor) -> None:
-        why = self.scales.setdefault(what, ScaleCheck(what)).check(t)
+    def _plausible(self, what: str, t: torch.Tensor, source: str) -> None:
+        why = self.scales.setdefault(what, ScaleCheck(what)).check(t, source)
         if why is not None:
             self.refused_implausible += 1
             logger.info("refused a training request: %s", why)
             raise SchemaError(f"{why}; this stage does not step on it")
 
-    def _bounded_gradient(self, what: str, t: torch.Tensor) -> torch.Tensor:
-        bounded, factor = self.scales.setdefault(what, ScaleCheck(what)).clip(t)
+    def _bounded_gradient(self, what: str, t: torch.Tensor, source: str) -> torch.Tensor:
+        bounded, factor = self.scales.setdefault(what, ScaleCheck(what)).clip(t, source)
         if factor < 1.0:
             self.clipped_gradients += 1
             logger.info("scaled a request's %s by %.3g (over %g× its recent median)", what, factor, self.scales[what].ratio)

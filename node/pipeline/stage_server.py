@@ -20,6 +20,7 @@ import copy
 import logging
 import math
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,6 +49,11 @@ from swarm.models.presets import ModelConfig
 from swarm.service import StageService
 from swarm.stage_worker import StageWorker
 from swarm.stages import Stage, model_seed, stage_flops_per_token, stage_run
+
+# A stage replica's sample count is its own claim (a liar's 1e18 owned every mean): it weighs at most
+# CLAIM_FACTOR times the most this replica stepped in one of its last CLAIM_WINDOW rounds (the router may
+# spread microbatches unevenly, within its 8x measured-rate bound).
+CLAIM_FACTOR, CLAIM_WINDOW = 8, 8
 
 logger = logging.getLogger("locomesh.pipeline")
 
@@ -84,6 +90,7 @@ class StageServer:
         self.counted = 0  # the worker's steps already in the summary
         self.schedule_step = 0  # where the next worker's lr schedule starts (the stage's, downloaded with its state)
         self.pending: tuple[concurrent.futures.Future, StageWorker] | None = None  # the round in flight
+        self.own_samples: deque[int] = deque(maxlen=CLAIM_WINDOW)  # samples this replica stepped in its recent rounds
         self.placement = OuterPlacement.choose(device, cfg.outer_device)  # where φ and the outer momentum live
         self.feedback: list[ErrorFeedback] | None = None  # error feedback of each wire part (lossy codecs)
         self.flops_per_token, self.peak_flops = 0.0, peak_flops(device, cfg.peak_tflops)
@@ -333,10 +340,17 @@ class StageServer:
             # no step since the last round: nothing to average, and an outer step on Δ = 0 would still move
             # φ by the momentum (up to μ/(1 − μ) = 9 more steps while the trainers are gone)
             if worker.samples:
-                theta = worker.snapshot(self.placement.device)
-                samples, worker.samples = worker.samples, 0
-                self.pending = (self.net.submit(self.averager.run_round(epoch, self.phi, theta, samples, feedback=self.feedback)), worker)
+                self._start_round(epoch, worker)
         return self.pending is not None
+
+    def _start_round(self, epoch: int, worker: StageWorker) -> None:
+        """Average this epoch's steps with the stage's other replicas. A replica's sample count is its
+        claim: it weighs at most ``CLAIM_FACTOR`` × the most this replica stepped in its recent rounds."""
+        theta = worker.snapshot(self.placement.device)
+        samples, worker.samples = worker.samples, 0
+        self.own_samples.append(samples)
+        self.averager.max_samples = CLAIM_FACTOR * max(self.own_samples)
+        self.pending = (self.net.submit(self.averager.run_round(epoch, self.phi, theta, samples, feedback=self.feedback)), worker)
 
     def _record_throughput(self, tokens_per_s: float) -> None:
         """The stage's tokens per second, its MFU (``node.runtime.mfu``, with the stage's own FLOPs per token) and peak memory."""

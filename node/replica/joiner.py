@@ -26,7 +26,7 @@ from node.runtime.metrics import NodeMetrics
 from node.runtime.network import NetworkThread
 from node.runtime.settings import settings_mismatch
 from protocol.errors import RemoteError
-from protocol.ratelimit import RateLimits, mbit_to_bytes_per_s
+from protocol.ratelimit import RateLimits, announced_seconds
 
 from node.errors import JoinRefused
 
@@ -206,11 +206,12 @@ class Joiner:
 
     def _capped_seconds(self, layout: Layout, sources: list[str]) -> float:
         """How long receiving a whole state of ``layout`` from ``sources`` (an even share each) takes at
-        least under this node's ``--max-download-mbit`` and the upload caps the sources announced."""
+        least under this node's ``--max-download-mbit`` and the upload caps the sources announced (claims,
+        bounded by ``protocol.ratelimit.announced_seconds``)."""
         limits = getattr(self.net.transport, "limits", None) or RateLimits()
         size = sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for tensors in layout.values() for shape, dtype in tensors)
         share = size / max(1, len(sources))
-        theirs = [share / mbit_to_bytes_per_s(self.up_caps[p]) for p in sources if self.up_caps.get(p, 0) > 0]
+        theirs = [announced_seconds(share, self.up_caps.get(p, 0.0), STATE_TIMEOUT_S) for p in sources]
         return max([limits.seconds_for(0, size), *theirs])
 
     def resync(self, peer: str | None, failed_round: int, members: Sequence[str] = ()) -> None:

@@ -142,7 +142,8 @@ def test_stale_replays_an_old_update() -> None:
 
 
 @pytest.mark.parametrize("spec, message", [("krum", "unknown attack"), ("sign:2", "takes no parameter"),
-                                           ("scale:x", "not a number"), ("", "no attack"), ("scale:inf", "finite")])
+                                           ("scale:x", "not a number"), ("", "no attack"), ("scale:inf", "finite"),
+                                           ("stale:16", "from 1 to 15"), ("stale:0", "from 1 to 15"), ("stale:2.5", "whole number")])
 def test_attack_specs_are_checked(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_attacks(spec)

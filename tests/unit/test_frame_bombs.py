@@ -1,4 +1,4 @@
-"""Frames a stranger sends cannot exhaust a node: containers are counted while decoding, and a private
+"""Frames a stranger sends cannot exhaust a node: decoded objects are counted while decoding, and a private
 swarm reads nothing bigger than a hello before the key is proved."""
 
 import asyncio
@@ -8,20 +8,42 @@ import pytest
 
 from protocol.auth import hello_body, server_hello
 from protocol.errors import AuthError, FrameTooLarge, MalformedFrame
-from protocol.frames import HELLO_MAX_FRAME, MAX_CONTAINERS, decode_message, encode_frame, encode_message
+from protocol.frames import HELLO_MAX_FRAME, MAX_DECODED_OBJECTS, decode_message, encode_frame, encode_message
 from tests.helpers.memory_transport import canned_stream
 
 
-def test_an_envelope_of_a_million_empty_arrays_is_refused_at_the_container_cap() -> None:
+def test_an_envelope_of_a_million_empty_arrays_is_refused() -> None:
     data = msgpack.packb({"v": [1, 0], "k": "fetch", "b": {"x": [[] for _ in range(1 << 20)]}})
     assert len(data) < 1 << 21  # about a byte per array: under the 16 MiB frame cap
-    with pytest.raises(MalformedFrame, match=f"more than {MAX_CONTAINERS} arrays and maps"):
+    with pytest.raises(MalformedFrame, match="array|more than"):
         decode_message(data)
+    nested = msgpack.packb({"v": [1, 0], "k": "fetch", "b": {"x": [[[] for _ in range(1 << 17)] for _ in range(8)]}})
+    with pytest.raises(MalformedFrame, match=f"more than {MAX_DECODED_OBJECTS} arrays, maps and elements"):
+        decode_message(nested)
+
+
+@pytest.mark.parametrize("arrays, length", [(5, 1 << 20), (5, 200_000)])
+def test_elements_count_toward_the_cap_not_only_containers(arrays: int, length: int) -> None:
+    """5 flat arrays of a million 2-byte strings fit a 15 MiB frame and passed a cap that counted only
+    containers, decoding to ~274 MiB of objects on the event loop; now each array's length and all the
+    elements together are capped, and decoding stops early."""
+    import tracemalloc
+
+    data = msgpack.packb({"v": [1, 0], "k": "fetch", "b": {f"x{i}": ["ab"] * length for i in range(arrays)}})
+    assert len(data) < 16 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(MalformedFrame, match="array|more than"):
+            decode_message(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"decoding peaked at {peak / 2**20:.0f} MiB before it was refused"
 
 
 def test_honest_envelopes_with_many_fields_still_decode() -> None:
-    body = {"parts": [[i, i + 1] for i in range(MAX_CONTAINERS // 4)], "blob": b"\0" * (1 << 20)}
-    assert decode_message(encode_message("contribution", body)).body["parts"][-1][0] == MAX_CONTAINERS // 4 - 1
+    body = {"parts": [[i, i + 1] for i in range(1 << 14)], "blob": b"\0" * (1 << 20)}
+    assert decode_message(encode_message("contribution", body)).body["parts"][-1][0] == (1 << 14) - 1
 
 
 def _hello_server(frame: bytes) -> None:

@@ -116,6 +116,8 @@ def test_a_private_swarm_stores_and_reads_only_records_sealed_with_its_key():
     assert MSGPackSerializer.loads(reader.strip_value(sealed)) == {"round": 1}
     # a keyless stranger's record is owned and signed, but carries no proof of the key
     stranger = OwnedRecordValidator()
+    trailing = dataclasses.replace(sealed, value=sealed.value + b"\n")  # "$" matched before it; "\Z" does not
+    assert "swarm key" in reader.refusal(trailing)
     unsealed = _signed(stranger, stranger.owned_subkey())
     assert "swarm key" in reader.refusal(unsealed)
     # another swarm's key, or a proof copied onto another value or expiration, is refused too

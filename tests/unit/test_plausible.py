@@ -38,15 +38,31 @@ def test_nothing_is_refused_before_the_warmup_and_slow_drift_always_passes():
 
 def test_a_scale_that_changed_for_good_is_learnt_anew_but_one_honest_answer_ends_a_streak():
     check = ScaleCheck("stage 1's activations")
-    for _ in range(WARMUP):
-        check.check(torch.ones(4))
-    for _ in range(WARMUP - 1):
-        assert check.check(torch.full((4,), 1e4)) is not None
-    assert check.check(torch.ones(4)) is None, "an honest answer in between"
-    for _ in range(WARMUP - 1):
-        assert check.check(torch.full((4,), 1e4)) is not None, "the streak started over"
-    assert check.check(torch.full((4,), 1e4)) is not None and not check.recent, "the eighth refusal in a row resets"
-    assert check.check(torch.full((4,), 1e4)) is None, "the new scale is learnt"
+    for i in range(WARMUP):
+        check.check(torch.ones(4), "ab"[i % 2])
+    for i in range(WARMUP - 1):
+        assert check.check(torch.full((4,), 1e4), "ab"[i % 2]) is not None
+    assert check.check(torch.ones(4), "a") is None, "an honest answer in between"
+    for i in range(WARMUP - 1):
+        assert check.check(torch.full((4,), 1e4), "ab"[i % 2]) is not None, "the streak started over"
+    assert check.check(torch.full((4,), 1e4), "b") is not None and not check.recent, "the eighth refusal in a row resets"
+    assert check.check(torch.full((4,), 1e4), "a") is None, "the new scale is learnt"
+
+
+def test_one_client_alone_cannot_switch_a_shared_check_off():
+    """A stage server's check is shared by every client: refusals of one liar, however many in a row, never
+    reset it (they used to after 8, and the liar's next 8 tensors set the new median)."""
+    check = ScaleCheck("stage 1's input activations")
+    for i in range(WARMUP):
+        check.check(torch.ones(4), "ab"[i % 2])
+    for _ in range(10 * WARMUP):
+        assert check.check(torch.full((4,), 1e4), "liar") is not None
+    assert check.limit() == pytest.approx(RATIO), "the honest clients' scale still bounds"
+    # a liar that first played honest is one source of three: still not enough
+    check.check(torch.ones(4), "liar")
+    for _ in range(10 * WARMUP):
+        assert check.check(torch.full((4,), 1e4), "liar") is not None
+    assert check.limit() == pytest.approx(RATIO)
 
 
 def test_a_gradient_over_the_bound_is_scaled_down_to_it_and_the_bound_remembered():

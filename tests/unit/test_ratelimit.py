@@ -187,6 +187,11 @@ def test_a_round_allows_the_time_its_transfers_take_at_the_caps_in_play() -> Non
     assert free.up_mbit == 0.0 and free.transfer_slack(1_000_000, group) == 0.0
     slow_peer = [*group[:2], RoundEntry("b", 1, "fp16", up_mbit=1.0)]  # b announced its cap: the others wait for it
     assert free.transfer_slack(1_000_000, slow_peer) == pytest.approx(16.0)
+    # a cap is a claim: one far below any real link waits as the floor would, and never past 4 × the ceiling
+    liar = [*group[:2], RoundEntry("b", 1, "fp16", up_mbit=1e-300)]
+    assert free.transfer_slack(1_000_000, liar) == pytest.approx(16.0)
+    assert free.transfer_slack(10**12, liar) == pytest.approx(4 * 30.0)
+    assert free.deadline.value == pytest.approx(30.0 + 4 * 30.0)
     assert RoundEntry.from_value(slow_peer[2].to_value()).up_mbit == 1.0
     assert RoundEntry.from_value({"peer_id": "old", "samples": 1, "codec": "fp16"}).up_mbit == 0.0  # older peers announce none
     with pytest.raises(Exception, match="up_mbit"):
@@ -257,5 +262,8 @@ def test_a_state_download_allows_for_the_joiners_and_the_sources_caps() -> None:
     free.up_caps = {"a": 2.0, "b": 0.0}  # a announced a 2 Mbit/s upload cap in its record
     assert free._capped_seconds(layout, ["a"]) == pytest.approx(8.0)
     assert free._capped_seconds(layout, ["a", "b"]) == pytest.approx(4.0)  # a sends half the state
+    free.up_caps["a"] = 1e-300  # a claim no link makes: the floor's 16 s, and never past 4 × the state timeout
+    assert free._capped_seconds(layout, ["a"]) == pytest.approx(16.0)
+    assert free._capped_seconds({"params": [((10**9, 250), torch.float32)]}, ["a"]) == pytest.approx(4 * 120.0)
     assert PeerRecord.from_value(PeerRecord("a", up_mbit=2.0).to_value()).up_mbit == 2.0
     assert PeerRecord.from_value({"peer_id": "old"}).up_mbit == 0.0
