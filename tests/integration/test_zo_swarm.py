@@ -18,7 +18,11 @@ def test_two_zo_replicas_from_a_diloco_checkpoint_stay_identical_on_one_byte_per
 
     a = start_node(tmp_path, "a", [*ZO, "--init-from", checkpoint, "--seed", "0"])
     nodes.append(a)
-    b = start_node(tmp_path, "b", [*ZO, "--init-from", checkpoint, "--seed", "1"], [a.multiaddr()])
+    boot = a.multiaddr()
+    # b joins by the log after a few rounds of a alone, whatever b's start-up costs (bytes per step count
+    # a's whole run: forked test daemons start in ~1 s, and a's per-round overhead then had fewer steps)
+    a.wait(lambda i: len(i.get("rounds", [])) >= 3, 120, "three rounds alone")
+    b = start_node(tmp_path, "b", [*ZO, "--init-from", checkpoint, "--seed", "1"], [boot])
     nodes.append(b)
     for node in (a, b):
         node.wait(lambda i: sum(r["contributors"] == 2 for r in i.get("rounds", [])) >= 4, 180, "four rounds of two")
