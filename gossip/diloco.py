@@ -175,6 +175,9 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
             await self._apply_reduce_scatter(rnd, contributions, result)
         else:
             await self._apply_aggregate(rnd, contributions, result)
+        # tenure (whose votes count) is earned by work this round used: not by a member out of sync, dropped
+        # by the aggregation or screened out (three rounds of garbage used to make a voter)
+        self.tenure.observe(result.contributors, rnd.number)
         result.duration_s = time.monotonic() - rnd.started
         return result
 
@@ -227,7 +230,6 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         majority = self.peer_id
         if rnd.grouping is None:
             _, majority = vote({p: c.fingerprint for p, c in contributions.items()}, rnd.number, self.peer_id, self.tenure)
-        self.tenure.observe(contributions, rnd.number)
         majority_fp = contributions[majority].fingerprint
         used = sorted(p for p, c in contributions.items() if rnd.grouping is not None or c.fingerprint == majority_fp)
         failures.update({p: "out_of_sync" for p in contributions if p not in used and p != self.peer_id})

@@ -24,7 +24,9 @@ counts it (``poisoned``). A peer at another round is only behind or ahead, and i
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -63,18 +65,26 @@ class SourcePlan:
         return fresh
 
 
+_DRAW_KEY = secrets.token_bytes(16)  # no peer can predict where its id falls in this node's draws
+
+
+def _draw(peer: str) -> bytes:
+    return hashlib.blake2b(peer.encode(), key=_DRAW_KEY, digest_size=8).digest()
+
+
 def rank_candidates(rounds: dict[str, int], prefer: str | None = None,
                     established: Callable[[str], bool] = lambda peer: False) -> tuple[list[str], list[str]]:
     """The candidates to ask, best first, and those announcing a round more than one ahead of the round
     most of them announce (ties: the later round). ``prefer`` (a peer the caller has reason to trust, e.g.
     the vote's) leads when it is near, then established peers, then the nearest that round, the later
-    round, the peer id."""
+    round, then a draw keyed by a secret of this process (a tie broken by peer id let the lowest ids,
+    which are free to grind, form a fresh joiner's "majority")."""
     if not rounds:
         return [], []
     counts = Counter(rounds.values())
     swarm_round = max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
     near = sorted((p for p, r in rounds.items() if r <= swarm_round + 1),
-                  key=lambda p: (p != prefer, not established(p), abs(rounds[p] - swarm_round), -rounds[p], p))
+                  key=lambda p: (p != prefer, not established(p), abs(rounds[p] - swarm_round), -rounds[p], _draw(p)))
     return near, sorted(p for p, r in rounds.items() if r > swarm_round + 1)
 
 

@@ -58,6 +58,16 @@ CLAIM_FACTOR, CLAIM_WINDOW = 8, 8
 logger = logging.getLogger("locomesh.pipeline")
 
 
+def meta_int(meta: dict[str, Any], key: str, low: int, high: int, default: int) -> int:
+    """``meta[key]`` when it is an int in [low, high], else ``default`` (logged): a downloaded state's
+    metadata is its source's claim."""
+    value = meta.get(key, default)
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+        return value
+    logger.warning("a downloaded state's %s is %.40r, not a whole number in [%d, %d]: using %d", key, value, low, high, default)
+    return default
+
+
 def stage_init_seed(cfg: NodeConfig) -> int:
     """The seed every replica of every stage initialises from: ``--init-seed``, else one derived from the
     run id (not ``--seed``, which differs from node to node)."""
@@ -276,8 +286,10 @@ class StageServer:
             except Exception as e:
                 logger.warning("could not download %s from %s: %s", sub, source, e)
                 continue
-            theirs = got.snapshot.meta.get("stage_steps", 0)
-            if ahead_of is not None and not (isinstance(theirs, int) and theirs > ahead_of):
+            # the metadata is the source's word (digests cover tensors only): a value of the wrong type or out
+            # of range is replaced, never raised out of this loop
+            theirs = meta_int(got.snapshot.meta, "stage_steps", 0, 2**62, 0)
+            if ahead_of is not None and not theirs > ahead_of:
                 logger.info("replica %s of %s holds %s stage steps, this node's checkpoint %d: keeping the checkpoint",
                             source, sub, theirs, ahead_of)
                 continue
@@ -289,11 +301,11 @@ class StageServer:
                         p.copy_(t)
             if adopt:
                 self.outer.load_state_tensors(got.snapshot.tensors["outer_momentum"])
-                self.outer.first_round = int(got.snapshot.meta.get("first_round", 0))  # the replicas' warm-up, not a new one
+                # the replicas' warm-up, not a new one (it began no later than the round they hold)
+                self.outer.first_round = meta_int(got.snapshot.meta, "first_round", 0, got.snapshot.round, 0)
                 self.round = got.snapshot.round
                 self.schedule_step = schedule_position(got.snapshot.meta, 0, self.schedule_step)
-                if isinstance(theirs, int):
-                    self.stage_steps = max(self.stage_steps, theirs)
+                self.stage_steps = max(self.stage_steps, theirs)
             self.metrics.state_downloads.labels("ok").inc()
             return source
         return None

@@ -55,6 +55,18 @@ def _run_round(members, monkeypatch):
     return asyncio.run(run_round_together(members))
 
 
+def test_a_member_out_of_sync_earns_no_tenure(monkeypatch):
+    """Tenure (whose fingerprint votes count) follows the contributions a round used: a member whose φ is
+    not the majority's takes part but earns nothing (it used to: three rounds of garbage made a voter)."""
+    network = Network()
+    _, members = diloco_members(3, network, SHAPES, "none", PART_NUMEL)
+    members[2]["phi"] = [p + 1 for p in members[2]["phi"]]
+    results = _run_round(members, monkeypatch)
+    assert [r.in_sync for r in results] == [True, True, False]
+    tenure = members[0]["averager"].tenure
+    assert tenure.rounds("peer01") == 1 and tenure.rounds("peer02") == 0
+
+
 @pytest.mark.parametrize("n", [3, 4, 8])
 def test_members_end_bit_identical_at_the_weighted_mean_sending_about_twice_the_payload(n, monkeypatch):
     network = Network()

@@ -1,6 +1,6 @@
-"""A pipeline stage replica's sample count is a claim: the stage server caps what any replica of its stage
-may weigh at a multiple of what it stepped itself in its recent rounds (issue: one replica claiming 10^18
-samples owned every ``mean`` and pulled ``centered-clip`` toward itself)."""
+"""What a pipeline stage server takes from the other replicas of its stage is bounded: a replica's sample
+count is a claim, capped at a multiple of what this replica stepped itself in its recent rounds (one
+replica claiming 10^18 samples owned every ``mean``), and a downloaded state's metadata is checked."""
 
 from collections import deque
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from gossip.aggregate import aggregate
-from node.pipeline.stage_server import CLAIM_FACTOR, CLAIM_WINDOW, StageServer
+from node.pipeline.stage_server import CLAIM_FACTOR, CLAIM_WINDOW, StageServer, meta_int
 
 
 def _server() -> tuple[StageServer, list]:
@@ -44,3 +44,13 @@ def test_a_claim_of_1e18_samples_weighs_no_more_than_the_cap() -> None:
     result = aggregate(["me", "liar"], [honest, liar], [64, 10**18], "mean", max_samples=server.averager.max_samples)
     assert result.capped == {"liar": 10**18}
     assert torch.allclose(result.update[0], torch.full((4,), CLAIM_FACTOR / (CLAIM_FACTOR + 1)))
+
+
+def test_downloaded_metadata_of_the_wrong_type_or_range_is_replaced_not_raised() -> None:
+    """A stage download's ``first_round`` and ``stage_steps`` come from its source, outside the digests: a
+    non-integer ``first_round`` used to raise out of the download loop."""
+    meta = {"first_round": "x", "stage_steps": -5, "ok": 7, "flag": True}
+    assert meta_int(meta, "first_round", 0, 10, 0) == 0
+    assert meta_int(meta, "stage_steps", 0, 2**62, 0) == 0
+    assert meta_int(meta, "ok", 0, 10, 0) == 7 and meta_int(meta, "ok", 0, 5, 1) == 1
+    assert meta_int(meta, "flag", 0, 10, 3) == 3 and meta_int(meta, "missing", 0, 10, 4) == 4

@@ -54,4 +54,5 @@ def test_the_join_is_refused_when_every_trainer_disagrees() -> None:
 
 def test_a_peer_announcing_a_round_far_ahead_is_never_synced_with() -> None:
     joiner, tried = _joiner([_rec("liar", round_no=10**9), _rec("a"), _rec("b")], refusing=set())
-    assert joiner.join() == ("a", "log") and tried == ["a"]
+    source, how = joiner.join()
+    assert source in ("a", "b") and how == "log" and tried == [source]
