@@ -359,3 +359,13 @@ async def download_state(
 
 __all__ = ["DownloadedState", "PoisonedState", "StateServer", "StateSnapshot", "chunk_plan", "download_state", "majority_state",
            "state_header", "state_headers", "stripe_of"]
+
+
+def meta_int(meta: dict[str, Any], key: str, low: int, high: int, default: int) -> int:
+    """``meta[key]`` when it is an int in [low, high], else ``default`` (logged): a downloaded state's
+    metadata is its source's claim."""
+    value = meta.get(key, default)
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+        return value
+    logger.warning("a downloaded state's %s is %.40r, not a whole number in [%d, %d]: using %d", key, value, low, high, default)
+    return default

@@ -35,7 +35,7 @@ from gossip.outer import NesterovOuter
 from gossip.placement import OuterPlacement
 from gossip.rendezvous import list_peers
 from gossip.state_sources import SourcePlan, plan_sources, rank_candidates
-from gossip.state_transfer import StateServer, StateSnapshot, download_state
+from gossip.state_transfer import StateServer, StateSnapshot, download_state, meta_int
 from node.config import NodeConfig
 from node.pipeline.checkpoint import stage_cut
 from node.runtime.metrics import NodeMetrics
@@ -56,16 +56,6 @@ from swarm.stages import Stage, model_seed, stage_flops_per_token, stage_run
 CLAIM_FACTOR, CLAIM_WINDOW = 8, 8
 
 logger = logging.getLogger("locomesh.pipeline")
-
-
-def meta_int(meta: dict[str, Any], key: str, low: int, high: int, default: int) -> int:
-    """``meta[key]`` when it is an int in [low, high], else ``default`` (logged): a downloaded state's
-    metadata is its source's claim."""
-    value = meta.get(key, default)
-    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
-        return value
-    logger.warning("a downloaded state's %s is %.40r, not a whole number in [%d, %d]: using %d", key, value, low, high, default)
-    return default
 
 
 def stage_init_seed(cfg: NodeConfig) -> int:

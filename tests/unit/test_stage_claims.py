@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import torch
 
 from gossip.aggregate import aggregate
-from node.pipeline.stage_server import CLAIM_FACTOR, CLAIM_WINDOW, StageServer, meta_int
+from gossip.state_transfer import meta_int
+from node.pipeline.stage_server import CLAIM_FACTOR, CLAIM_WINDOW, StageServer
 
 
 def _server() -> tuple[StageServer, list]:
