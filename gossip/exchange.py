@@ -226,8 +226,7 @@ class RoundExchange:
         if run_id != self.run_id:
             raise SchemaError(f"this node trains run {self.run_id!r}, not {run_id!r}")
         reduced = msg.kind == "fetch_reduced"
-        published = self._reduced if reduced else self._contributions
-        if wire != self.wire_of(round_no) and round_no not in published and round_no > max(self._contributions, default=-1):
+        if wire != self.wire_of(round_no) and round_no > max(self._contributions, default=-1):  # not yet published
             # a grouped round's tag is set just before this node publishes the round: a member that found
             # its group first may ask before that (seen under load), so judge the wire once it is published
             await self._await_round(round_no, self._reduced_ready if reduced else self._ready,
