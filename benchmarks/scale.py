@@ -49,7 +49,7 @@ from gossip.reduce_scatter import wire_partition
 from gossip.rendezvous import publish_peer
 from protocol.hivemind_transport import Transport
 from protocol.peer_identity import bind, identified_p2p
-from protocol.records import PeerRecord
+from protocol.records import PEER_RECORD_TTL_S, PeerRecord
 
 RUN = "scale-bench"
 
@@ -147,7 +147,7 @@ async def run_size(n: int, params: int, codec: str, rounds: int, timeout: float,
         g = torch.Generator().manual_seed(0)
         per_round: list[dict] = []
         for r in range(rounds):
-            await asyncio.gather(*(publish_peer(p.dht, p.validator, RUN, PeerRecord(peer_id=p.peer_id, round=r), 60) for p in peers))
+            await asyncio.gather(*(publish_peer(p.dht, p.validator, RUN, PeerRecord(peer_id=p.peer_id, round=r), PEER_RECORD_TTL_S) for p in peers))
             marks = [dict(p.counts) for p in peers]
             deltas = [[torch.randn(s, generator=g) * 0.01 for s in shapes] for _ in peers]
 
