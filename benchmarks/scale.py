@@ -82,7 +82,9 @@ def count_dht_requests(dht: DHTNode, counts: dict[str, int]) -> None:
         setattr(protocol, name, counted)
 
 
-async def make_peer(initial: list[str], shapes: list[tuple[int, ...]], codec: str, timeout: float, max_group_size: int) -> Peer:
+async def make_peer(initial: list[str], shapes: list[tuple[int, ...]], codec: str, timeout: float, max_group_size: int,
+                    data_channel: bool = False) -> Peer:
+    """A lightweight peer on loopback (``data_channel``: bulk streams over ``protocol.datachannel``)."""
     p2p, validator = await identified_p2p(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     dht = await DHTNode.create(p2p=p2p, initial_peers=initial, record_validator=validator)
     bind(dht, validator)
@@ -91,7 +93,9 @@ async def make_peer(initial: list[str], shapes: list[tuple[int, ...]], codec: st
     def on_bytes(protocol: str, direction: str, nbytes: int, path: str = "direct") -> None:
         counts[direction] += nbytes
 
-    transport = Transport(p2p, on_bytes=on_bytes)
+    transport = Transport(p2p, on_bytes=on_bytes, identity=validator.identity)
+    if data_channel:
+        await transport.enable_data_channel("127.0.0.1")
     partition = wire_partition(codec, shapes)
     exchange = RoundExchange(transport, RUN, codec, partition.shapes(shapes), serve_timeout=2 * timeout)
     await exchange.start()

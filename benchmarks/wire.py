@@ -8,10 +8,12 @@ In one invocation and one results file, for each size (fp32 parameters) and peer
   sockets (an all-gather's bytes: (N − 1) × payload out and in per process) and time it.
 - ``hivemind``: hivemind's ``DecentralizedAverager`` (its own p2pd, DHT matchmaking and butterfly
   all-reduce) averaging one tensor of the same size, one step per round, N processes.
+- ``locomesh-libp2p``: the same with every stream through p2pd (as peers that cannot reach each
+  other's data channel, ``protocol.datachannel``, exchange).
 - ``locomesh``: a locomesh DiLoCo round (``gossip.diloco.DiLoCoAverager``: DHT rendezvous, the
   exchange, reduce-scatter from three peers, aggregation, the outer step) with a synthetic
   pseudo-gradient, one process per peer, each with its own p2pd and DHT node, codec ``none`` (fp32)
-  or ``bf16``.
+  or ``bf16``; bulk streams over the data channel.
 
 Per row: the round time (median over peers and steady rounds; the first round is left out), the
 payload's MB/s (bytes a peer sent and received in the round ÷ round time), whether every steady round
@@ -171,11 +173,17 @@ def _hivemind_peer(rank: int, n: int, numel: int, dtype: str, addrs: Any, barrie
 
 # --- locomesh's round ----------------------------------------------------------------------------
 
-def _locomesh_peer(rank: int, n: int, numel: int, dtype: str, addrs: Any, barrier: Any, out: Any, rounds: int) -> None:
-    asyncio.run(_locomesh_rounds(rank, n, numel, dtype, addrs, barrier, out, rounds))
+def _locomesh_peer(rank: int, n: int, numel: int, dtype: str, addrs: Any, barrier: Any, out: Any, rounds: int,
+                   data_channel: bool = True) -> None:
+    asyncio.run(_locomesh_rounds(rank, n, numel, dtype, addrs, barrier, out, rounds, data_channel))
 
 
-async def _locomesh_rounds(rank: int, n: int, numel: int, dtype: str, addrs: Any, barrier: Any, out: Any, rounds: int) -> None:
+def _locomesh_libp2p_peer(rank: int, n: int, numel: int, dtype: str, addrs: Any, barrier: Any, out: Any, rounds: int) -> None:
+    asyncio.run(_locomesh_rounds(rank, n, numel, dtype, addrs, barrier, out, rounds, False))
+
+
+async def _locomesh_rounds(rank: int, n: int, numel: int, dtype: str, addrs: Any, barrier: Any, out: Any, rounds: int,
+                           data_channel: bool) -> None:
     import torch
 
     from benchmarks.scale import RUN as LOCOMESH_RUN
@@ -186,7 +194,7 @@ async def _locomesh_rounds(rank: int, n: int, numel: int, dtype: str, addrs: Any
 
     shapes = synthetic_shapes(numel)
     initial = list(addrs[0]) if rank else []
-    peer = await make_peer(initial, shapes, CODECS[dtype], 120.0, 32)
+    peer = await make_peer(initial, shapes, CODECS[dtype], 120.0, 32, data_channel=data_channel)
     if rank == 0:
         addrs[0] = [str(a) for a in await peer.p2p.get_visible_maddrs()]
     wait = lambda: asyncio.to_thread(barrier.wait)  # noqa: E731
@@ -231,7 +239,7 @@ def run_system(system: str, n: int, numel: int, dtype: str, rounds: int, timeout
     if system == "tcp":
         target, args = _tcp_peer, (numel * (4 if dtype == "fp32" else 2), shared, barrier, out, rounds)
     else:
-        target = _hivemind_peer if system == "hivemind" else _locomesh_peer
+        target = {"hivemind": _hivemind_peer, "locomesh": _locomesh_peer, "locomesh-libp2p": _locomesh_libp2p_peer}[system]
         args = (numel, dtype, shared, barrier, out, rounds)
     procs = []
     rows: list[dict] = []
@@ -295,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", default="25e6,100e6", help="comma-separated parameter counts")
     ap.add_argument("--peers", default="2,4", help="comma-separated peer counts")
     ap.add_argument("--dtypes", default="fp32", help="fp32 and/or bf16 (locomesh's codec; hivemind's fp16 compression)")
-    ap.add_argument("--systems", default="tcp,hivemind,locomesh")
+    ap.add_argument("--systems", default="tcp,hivemind,locomesh-libp2p,locomesh")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)

@@ -82,6 +82,16 @@ class Codec(ABC):
             )
         return self._decode(payload)
 
+    def decode_view(self, payload: Payload) -> torch.Tensor:
+        """:meth:`decode`, except that the result may be a read-only view into the payload's buffer (a
+        lossless float32 payload costs no copy): callers must not write into it."""
+        if payload.codec != self.spec or payload.version != self.version:
+            return self.decode(payload)  # raises with decode's message
+        return self._decode_view(payload)
+
+    def _decode_view(self, payload: Payload) -> torch.Tensor:
+        return self._decode(payload)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
 
@@ -113,6 +123,15 @@ def finite_range(x: torch.Tensor, what: str = "input") -> tuple[float, float]:
     if not (math.isfinite(low) and math.isfinite(high)):
         raise ValueError(f"{what} contains NaN or Inf values; refusing to encode it")
     return low, high
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` is finite: one pass, no temporary (``torch.isfinite(x).all()``
+    allocates a bool per element and is ~20x slower on 100 MB)."""
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 def check_finite(x: torch.Tensor, what: str = "input") -> None:

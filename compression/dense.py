@@ -39,6 +39,9 @@ class NoCompression(Codec):
         out = memory.empty(payload.shape, torch.float32)
         return out.copy_(read_tensor(payload.fields, "x", payload.shape, torch.float32, self.spec))
 
+    def _decode_view(self, payload: Payload) -> torch.Tensor:
+        return read_tensor(payload.fields, "x", payload.shape, torch.float32, self.spec)
+
 
 class CastCompression(Codec):
     """``fp16`` / ``bf16``: round each value to a 16-bit float. Field ``x``.

@@ -46,7 +46,7 @@ from typing import Sequence
 
 import torch
 
-from gossip.outer import weighted_mean
+from gossip.outer import l2_norm, weighted_mean
 
 METHODS = ("mean", "sparse-mean", "centered-clip", "sparse-clip", "median-clip", "trimmed-mean")
 ROBUST = ("centered-clip", "sparse-clip", "median-clip", "trimmed-mean")  # bounded influence of any one update
@@ -66,7 +66,7 @@ class Aggregate:
 
 
 def _norm(update: Sequence[torch.Tensor]) -> float:
-    return math.sqrt(sum(float(t.float().pow(2).sum()) for t in update))
+    return l2_norm(update)
 
 
 def _lower_median(values: Sequence[float]) -> float:
@@ -161,7 +161,7 @@ def _centered_clip(updates: Sequence[Sequence[torch.Tensor]], weights: Sequence[
     total = float(sum(weights))
 
     def distances(v: list[torch.Tensor]) -> list[float]:
-        return [math.sqrt(sum(float((t.to(torch.float32) - c).pow(2).sum()) for t, c in zip(u, v))) for u in updates]
+        return [math.sqrt(sum(float(torch.linalg.vector_norm(t.to(torch.float32) - c)) ** 2 for t, c in zip(u, v))) for u in updates]
 
     tau = _lower_median(distances(center))
     factors = [1.0] * n

@@ -49,7 +49,7 @@ from gossip.fingerprint import fingerprint
 from gossip.group_round import GroupAverager, RoundResult
 from gossip.group_rendezvous import GroupedRendezvous
 from gossip.groups import group_tag
-from gossip.outer import NesterovOuter, pseudo_gradient
+from gossip.outer import NesterovOuter, l2_norm, pseudo_gradient
 from gossip.partition import Partition
 from gossip.placement import to_host
 from gossip.reduce_scatter import assign_owners, implausible_share, is_dense, use_reduce_scatter
@@ -163,7 +163,7 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         :param feedback: error-feedback buffers of the round's wire parts, if the codec is lossy
         """
         rnd = _Round(round_no, phi, samples, indices, time.monotonic(), [tuple(p.shape) for p in phi], fingerprint(phi))
-        delta = to_host(pseudo_gradient(phi, theta))  # codecs and the wire work on the CPU
+        delta = await asyncio.to_thread(lambda: to_host(pseudo_gradient(phi, theta)))  # codecs and the wire work on the CPU
         await self._choose_group(rnd)
         await self._publish(rnd, delta, feedback)
         if before_gather is not None:
@@ -252,7 +252,7 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         """Step φ with the round's averaged update, joined back into the parameters' shapes: the outer
         optimizer's step or, in a grouped round, φ becomes the group's mean weights."""
         apply = self.outer.step if rnd.grouping is None else _assign
-        await asyncio.to_thread(apply, rnd.phi, self.partition.join(update, rnd.shapes), rnd.indices, rnd.number)
+        await asyncio.to_thread(lambda: apply(rnd.phi, self.partition.join(update, rnd.shapes), rnd.indices, rnd.number))
 
     async def _apply_reduce_scatter(self, rnd: _Round, contributions: dict[str, Contribution], result: RoundResult) -> None:
         """A reduce-scattering round's end: when in sync, reduce and serve this member's parts, collect
@@ -265,7 +265,7 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
                                             result.contributors, rnd.fingerprint, result,
                                             self._weights_method(rnd, len(result.contributors)), rnd.fetch_timeout)  # in sync: my φ is the majority's
         result.exchange_s = time.monotonic() - rnd.gathered
-        result.update_norm = sum(float(t.pow(2).sum()) for t in update) ** 0.5
+        result.update_norm = await asyncio.to_thread(l2_norm, update)
         await self._apply(rnd, update)
 
     def _weights_method(self, rnd: _Round, members: int) -> str | None:
@@ -293,7 +293,7 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         result.failures.update(agg.dropped)
         result.contributors, result.norms, result.clipped, result.capped = agg.used, agg.norms, agg.clipped, agg.capped
         result.samples = sum(self.claimed(contributions[p].samples) for p in agg.used)
-        result.update_norm = sum(float(t.pow(2).sum()) for t in agg.update) ** 0.5
+        result.update_norm = l2_norm(agg.update)
         others = [p for p in agg.used if p != self.peer_id]
         if self.keep_others and others and rnd.grouping is None:
             weights = {p: self.claimed(contributions[p].samples) for p in others}

@@ -32,6 +32,7 @@ import torch
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
 from compression import CodecError, ErrorFeedback, Payload, get_codec
+from compression.base import all_finite
 from compression.seeds import payload_seed
 from gossip.failures import failure_reason
 from protocol import ids
@@ -85,6 +86,21 @@ class ReducedShare:
     fingerprint: str
     parts: dict[int, bytes]
     decoded: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _decode_part(blob: bytes, i: int, spec: PartSpec, max_bytes: int) -> torch.Tensor:
+    """Part ``i`` of a round decoded from its blob, checked against its spec (codec, shape, finite values);
+    a read-only view into ``blob`` where the codec is lossless."""
+    codec = get_codec(spec.codec)
+    payload = Payload.from_bytes(blob, max_bytes=max_bytes, expected_shape=spec.shape)
+    if payload.codec != codec.spec:
+        raise SchemaError(f"part {i} is encoded with {payload.codec!r}, expected {codec.spec!r}")
+    value = codec.decode_view(payload)
+    if tuple(value.shape) != spec.shape:
+        raise SchemaError(f"part {i} has shape {list(value.shape)}, expected {list(spec.shape)}")
+    if not all_finite(value):
+        raise SchemaError(f"part {i} holds NaN or Inf")
+    return value
 
 
 class ExchangeError(Exception):
@@ -203,7 +219,7 @@ class RoundExchange:
             seed = payload_seed(self.run_id, round_no, self.transport.peer_id, i)
             payload = codec.encode(part, state=feedback[j] if feedback else None, seed=seed)
             blobs.append(payload.to_bytes())
-            decoded.append(codec.decode(payload))
+            decoded.append(codec.decode_view(payload))  # a view into the blob where lossless: read only
         return blobs, decoded
 
     def _selection(self, body: dict, round_no: int) -> list[int] | None:
@@ -273,21 +289,13 @@ class RoundExchange:
         specs = self.specs(round_no)
         parts, decoded = [], []
         for i in chosen:
-            shape, part_codec = specs[i].shape, get_codec(specs[i].codec)
             msg = await stream.recv(expect="part")
             if require(msg.body, "i", int) != i:
                 raise SchemaError(f"part {msg.body.get('i')} arrived where part {i} was expected")
             blob = require(msg.body, "payload", bytes)
-            payload = Payload.from_bytes(blob, max_bytes=stream.max_frame, expected_shape=shape)
-            if payload.codec != part_codec.spec:
-                raise SchemaError(f"part {i} is encoded with {payload.codec!r}, expected {part_codec.spec!r}")
-            value = await asyncio.to_thread(part_codec.decode, payload)  # off the loop: it serves others meanwhile
-            if tuple(value.shape) != shape:
-                raise SchemaError(f"part {i} has shape {list(value.shape)}, expected {list(shape)}")
-            if not torch.isfinite(value).all():
-                raise SchemaError(f"part {i} holds NaN or Inf")
+            # off the loop: it serves others and reads the next part meanwhile
+            decoded.append(await asyncio.to_thread(_decode_part, blob, i, specs[i], stream.max_frame))
             parts.append(blob)
-            decoded.append(value)
         return parts, decoded
 
     async def fetch_reduced(self, owner: str, round_no: int, parts: Sequence[int]) -> ReducedShare:

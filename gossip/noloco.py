@@ -35,7 +35,7 @@ from gossip.byzantine import Attacker
 from gossip.group_round import GroupAverager, RoundResult
 from gossip.exchange import Contribution, RoundExchange
 from gossip.fingerprint import fingerprint
-from gossip.outer import NoLoCoOuter, pseudo_gradient
+from gossip.outer import NoLoCoOuter, l2_norm, pseudo_gradient
 from gossip.partition import Partition
 from gossip.placement import to_host
 from gossip.rendezvous import read_round_entries, register_round, round_members
@@ -191,7 +191,7 @@ class NoLoCoAverager(GroupAverager):
         clipped = dict(agg.clipped)
         if self.aggregation in ROBUST and self.peer_id in phi_of:  # partners' φ bounded around ours (see bounded_mean_weights)
             partners = [p for p in used if p != self.peer_id]
-            radius = PHI_RADIUS * sum(float(t.pow(2).sum()) for t in own) ** 0.5
+            radius = PHI_RADIUS * l2_norm(own)
             mean_phi, factors = bounded_mean_weights(phi_of[self.peer_id], [phi_of[p] for p in partners], radius)
             clipped.update({f"{p}:phi": f for p, f in zip(partners, factors) if f < 1.0})
         else:
@@ -213,5 +213,5 @@ class NoLoCoAverager(GroupAverager):
             norms=agg.norms,
             clipped=clipped,
             capped=agg.capped,
-            update_norm=sum(float(t.pow(2).sum()) for t in agg.update) ** 0.5,
+            update_norm=l2_norm(agg.update),
         )

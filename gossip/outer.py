@@ -20,6 +20,7 @@ Pure tensor math with explicit state: callers own the tensors, tests can drive i
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -166,6 +167,11 @@ def weighted_mean(updates: Sequence[Sequence[torch.Tensor]], weights: Sequence[f
         for acc, t in zip(out, update):
             acc.add_(t.to(torch.float32), alpha=w / total)
     return out
+
+
+def l2_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """‖(t₁, t₂, …)‖₂ in one pass per tensor, without the temporary that ``t.pow(2).sum()`` allocates."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t if t.dtype == torch.float32 else t.float())) ** 2 for t in tensors))
 
 
 def pseudo_gradient(phi: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]) -> list[torch.Tensor]:

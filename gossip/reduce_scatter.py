@@ -26,6 +26,7 @@ import torch
 from compression import get_codec
 from compression.topk import TopKCompression
 from gossip.exchange import ReducedShare
+from gossip.outer import l2_norm
 from gossip.partition import DEFAULT_PART_NUMEL, Partition
 
 # codecs whose reduced result keeps its form (a mean of dense updates is dense); sparse and
@@ -119,8 +120,8 @@ OWNER_NORM_BOUND = 4.0
 def implausible_share(share: ReducedShare, parts: Sequence[int], own: Sequence[torch.Tensor]) -> str | None:
     """Why an owner's reduced ``parts`` cannot be an aggregate of the round's updates (their norm is over
     ``OWNER_NORM_BOUND`` times this member's own update on those parts), or None when they can be."""
-    theirs = sum(float(share.decoded[i].double().pow(2).sum()) for i in parts) ** 0.5
-    mine = sum(float(own[i].double().pow(2).sum()) for i in parts) ** 0.5
+    theirs = l2_norm([share.decoded[i] for i in parts])
+    mine = l2_norm([own[i] for i in parts])
     if theirs > OWNER_NORM_BOUND * mine:
         return f"norm {theirs:.4g} against this member's own {mine:.4g} on the same parts (bound: {OWNER_NORM_BOUND:g}x)"
     return None

@@ -45,13 +45,15 @@ _CONTEXT = b"locomesh-circuit/1"
 
 class FrameCipher:
     """Seals the frames one side sends and opens the frames it receives, each direction with its own
-    key and a counter nonce (so frames must arrive complete, unaltered and in order)."""
+    key and a counter nonce (so frames must arrive complete, unaltered and in order). ``aead``: the
+    cipher (ChaCha20-Poly1305; the data channel's bulk frames use AES-256-GCM, ~3x faster with AES-NI)."""
 
     overhead = TAG_BYTES
 
-    def __init__(self, send_key: bytes, receive_key: bytes) -> None:
-        self._send, self._receive = ChaCha20Poly1305(send_key), ChaCha20Poly1305(receive_key)
+    def __init__(self, send_key: bytes, receive_key: bytes, aead: type = ChaCha20Poly1305, what: str = "relayed") -> None:
+        self._send, self._receive = aead(send_key), aead(receive_key)
         self._sent = self._received = 0
+        self.what = what
 
     def seal(self, payload: bytes) -> bytes:
         nonce = self._sent.to_bytes(12, "big")
@@ -62,26 +64,27 @@ class FrameCipher:
         nonce = self._received.to_bytes(12, "big")
         self._received += 1
         try:
-            return self._receive.decrypt(nonce, bytes(data), None)
+            return self._receive.decrypt(nonce, data, None)
         except InvalidTag:
-            raise AuthError(f"a frame relayed from {peer} failed its end-to-end check: the relay altered, "
-                            "reordered or injected it") from None
+            raise AuthError(f"a frame {self.what} from {peer} failed its end-to-end check: it was altered, "
+                            "reordered, replayed or injected on the way") from None
 
 
-def _transcript(protocol: str, client: str, target: str, keys: tuple[bytes, bytes], ephemerals: tuple[bytes, bytes]) -> bytes:
-    digest = hashlib.sha256(_CONTEXT)
+def _transcript(protocol: str, client: str, target: str, keys: tuple[bytes, bytes], ephemerals: tuple[bytes, bytes],
+                context: bytes = _CONTEXT) -> bytes:
+    digest = hashlib.sha256(context)
     for part in (protocol.encode(), client.encode(), target.encode(), *keys, *ephemerals):
         digest.update(len(part).to_bytes(4, "big") + part)
     return digest.digest()
 
 
-def _keys(own: X25519PrivateKey, theirs: bytes, transcript: bytes) -> tuple[bytes, bytes]:
+def _keys(own: X25519PrivateKey, theirs: bytes, transcript: bytes, context: bytes = _CONTEXT) -> tuple[bytes, bytes]:
     """(client → target key, target → client key)."""
     try:
         shared = own.exchange(X25519PublicKey.from_public_bytes(theirs))
     except ValueError:
         raise AuthError("the relayed peer sent an invalid ephemeral key") from None
-    both = HKDF(algorithm=hashes.SHA256(), length=64, salt=transcript, info=_CONTEXT + b" keys").derive(shared)
+    both = HKDF(algorithm=hashes.SHA256(), length=64, salt=transcript, info=context + b" keys").derive(shared)
     return both[:32], both[32:]
 
 
@@ -98,36 +101,39 @@ def _check_key(body: dict[str, Any], expected_peer: str, who: str) -> bytes:
     except Exception:
         raise SchemaError(f"the {who}'s circuit key is not an RSA public key") from None
     if derived != expected_peer:
-        raise AuthError(f"the {who} of this relayed stream holds the key of {derived}, not of {expected_peer}")
+        raise AuthError(f"the {who} of this sealed stream holds the key of {derived}, not of {expected_peer}")
     return key
 
 
 def _check_signature(key: bytes, role: bytes, transcript: bytes, body: dict[str, Any], who: str) -> None:
     signature = require(body, "sig", bytes)
     if not RSAPublicKey.from_bytes(key).verify(role + transcript, signature):
-        raise AuthError(f"the {who} of this relayed stream did not sign the circuit handshake")
+        raise AuthError(f"the {who} of this sealed stream did not sign the circuit handshake")
 
 
 def _public(identity: RSAPrivateKey) -> bytes:
     return identity.get_public_key().to_bytes()
 
 
-async def client_handshake(stream: FramedStream, identity: RSAPrivateKey, protocol: str, client: str, target: str) -> None:
-    """Client side, right after the relay said ``relay_ok``: authenticate ``target`` and seal ``stream``."""
+async def client_handshake(stream: FramedStream, identity: RSAPrivateKey, protocol: str, client: str, target: str,
+                           context: bytes = _CONTEXT, aead: type = ChaCha20Poly1305) -> None:
+    """Client side, right after the relay said ``relay_ok``: authenticate ``target`` and seal ``stream``.
+    ``context`` and ``aead``: another use of the handshake (``protocol.datachannel``) and its cipher."""
     ephemeral, eph_c = _ephemeral()
     key_c = _public(identity)
     await stream.send("circuit_hello", {"key": key_c, "eph": eph_c})
     reply = (await stream.recv(expect="circuit_ok", max_size=HELLO_MAX_FRAME)).body
     key_t = _check_key(reply, target, "target")
     eph_t = require(reply, "eph", bytes)
-    transcript = _transcript(protocol, client, target, (key_c, key_t), (eph_c, eph_t))
+    transcript = _transcript(protocol, client, target, (key_c, key_t), (eph_c, eph_t), context)
     _check_signature(key_t, b"target", transcript, reply, "target")
     await stream.send("circuit_auth", {"sig": identity.sign(b"client" + transcript)})
-    to_target, to_client = _keys(ephemeral, eph_t, transcript)
-    stream.cipher = FrameCipher(send_key=to_target, receive_key=to_client)
+    to_target, to_client = _keys(ephemeral, eph_t, transcript, context)
+    stream.cipher = FrameCipher(send_key=to_target, receive_key=to_client, aead=aead, what=_what(context))
 
 
-async def target_handshake(stream: FramedStream, identity: RSAPrivateKey, protocol: str, client: str, target: str) -> None:
+async def target_handshake(stream: FramedStream, identity: RSAPrivateKey, protocol: str, client: str, target: str,
+                           context: bytes = _CONTEXT, aead: type = ChaCha20Poly1305) -> None:
     """Target side, after answering the relay's ``relayed``: check that ``client`` (the origin the relay
     named) is at the other end, and seal ``stream``."""
     hello = (await stream.recv(expect="circuit_hello", max_size=HELLO_MAX_FRAME)).body
@@ -135,9 +141,13 @@ async def target_handshake(stream: FramedStream, identity: RSAPrivateKey, protoc
     eph_c = require(hello, "eph", bytes)
     ephemeral, eph_t = _ephemeral()
     key_t = _public(identity)
-    transcript = _transcript(protocol, client, target, (key_c, key_t), (eph_c, eph_t))
+    transcript = _transcript(protocol, client, target, (key_c, key_t), (eph_c, eph_t), context)
     await stream.send("circuit_ok", {"key": key_t, "eph": eph_t, "sig": identity.sign(b"target" + transcript)})
     auth = (await stream.recv(expect="circuit_auth", max_size=HELLO_MAX_FRAME)).body
     _check_signature(key_c, b"client", transcript, auth, "client")
-    to_target, to_client = _keys(ephemeral, eph_c, transcript)
-    stream.cipher = FrameCipher(send_key=to_client, receive_key=to_target)
+    to_target, to_client = _keys(ephemeral, eph_c, transcript, context)
+    stream.cipher = FrameCipher(send_key=to_client, receive_key=to_target, aead=aead, what=_what(context))
+
+
+def _what(context: bytes) -> str:
+    return "relayed" if context == _CONTEXT else "sent over the data channel"

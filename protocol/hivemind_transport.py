@@ -19,6 +19,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from protocol import ids, relay
 from protocol.auth import client_hello, server_hello
+from protocol.datachannel import DATA_PROTOCOLS, DataChannel
 from protocol.errors import IncompatiblePeer, ProtocolError
 from protocol.frames import DEFAULT_MAX_FRAME, FramedStream
 from protocol.ratelimit import RateLimits
@@ -85,6 +86,7 @@ class Transport:
         self.handlers: dict[str, Handler] = {}
         self.routes: dict[str, list[str]] = {}  # {peer behind NAT: relays it announced}, kept fresh by the node
         self.relay_limits: relay.RelayLimits | None = None  # set when this node relays for others
+        self.data_channel: DataChannel | None = None  # set by enable_data_channel
         self._relay_failed: dict[str, float] = {}
         self._direct_cache: tuple[float, set[str]] = (0.0, set())
         self._active: dict[tuple[str, str], int] = {}  # (protocol, client) → streams being served
@@ -184,15 +186,38 @@ class Transport:
             self.relay_limits = relay.RelayLimits()
             await self.serve(ids.RELAY, lambda stream: relay.serve_hop(self, stream))
 
+    async def enable_data_channel(self, host: str = "0.0.0.0", port: int = 0) -> DataChannel:
+        """Serve the bulk protocols over a direct, sealed TCP channel too (:mod:`protocol.datachannel`),
+        and use peers' channels for them where they can be reached."""
+        self.data_channel = DataChannel(self, host, port)
+        await self.data_channel.start()
+        return self.data_channel
+
     async def open(self, peer_id: str, protocol: str) -> FramedStream:
-        """Open a stream to ``peer_id`` speaking ``protocol``.
+        """Open a stream to ``peer_id`` speaking ``protocol``: a bulk protocol over the peer's data
+        channel when both have one and the peer is reached directly, else a libp2p stream
+        (:meth:`open_libp2p`)."""
+        if self.data_channel is not None and protocol in DATA_PROTOCOLS and not await self._relays_for(peer_id):
+            stream = await self.data_channel.open(peer_id, protocol)
+            if stream is not None:
+                return stream
+        return await self.open_libp2p(peer_id, protocol)
+
+    async def _relays_for(self, peer_id: str) -> list[str]:
+        """The relays that reach ``peer_id`` (behind NAT, announced relays) when it has no direct
+        connection to us; [] when it is reached directly."""
+        relays = [r for r in self.routes.get(peer_id, []) if self.identity is not None
+                  and r != self.peer_id and self._relay_failed.get(r, 0) < time.monotonic() - RELAY_RETRY_S]
+        return relays if relays and not await self._connected_directly(peer_id) else []
+
+    async def open_libp2p(self, peer_id: str, protocol: str) -> FramedStream:
+        """Open a libp2p stream to ``peer_id`` speaking ``protocol``.
 
         A peer that announced relays (it is behind NAT) and has no direct connection to us is reached
         through one of them (:mod:`protocol.relay`), the next one when a relay fails; a direct stream
         is the last resort."""
-        relays = [r for r in self.routes.get(peer_id, []) if self.identity is not None
-                  and r != self.peer_id and self._relay_failed.get(r, 0) < time.monotonic() - RELAY_RETRY_S]
-        if relays and not await self._connected_directly(peer_id):
+        relays = await self._relays_for(peer_id)
+        if relays:
             for hop in relays:
                 try:
                     return await asyncio.wait_for(relay.open_via(self, hop, peer_id, protocol), 30)
