@@ -44,10 +44,10 @@ logger = logging.getLogger(__name__)
 DATA = ids.protocol_id("data")  # where a peer's data channel listens
 DATA_PROTOCOLS = (ids.AVERAGE, ids.STATE)  # the protocols that move payloads large enough to pay for a connection
 CONTEXT = b"locomesh-data/1"  # the handshake's label: a data-channel transcript is no relay circuit's
-RETRY_S = 60.0  # a peer whose channel could not be used is reached over libp2p this long
+RETRY_S = 600.0  # a peer whose channel could not be used is reached over libp2p this long
 ADDRESS_TTL_S = 300.0  # how long a peer's answer to data_where is kept
 HANDSHAKE_TIMEOUT_S = 10.0
-CONNECT_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 3.0
 MAX_PENDING = 32  # connections not yet authenticated, at once
 SOCKET_BUFFER = 4 << 20  # bytes the kernel may buffer per direction (a part of a dense round is 4 MB)
 
@@ -83,6 +83,16 @@ def dial_host(remote_addr: str) -> str | None:
     if "p2p-circuit" in parts or len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
         return None
     return parts[2]
+
+
+def listen_host(listen: list[str]) -> str:
+    """The address the data channel listens on: the host of the first TCP multiaddr p2pd listens on
+    (``0.0.0.0``, every interface, when none names one)."""
+    for maddr in listen:
+        host = dial_host(maddr)
+        if host is not None:
+            return host
+    return "0.0.0.0"
 
 
 class DataChannel:
@@ -140,6 +150,8 @@ class DataChannel:
         except (ProtocolError, ConnectionError, EOFError, OSError, TimeoutError) as e:
             logger.info("refused a data channel connection from %s: %s: %s", peername, type(e).__name__, e)
             self.transport.on_error(DATA, getattr(e, "code", "connection"), str(peername))
+            if isinstance(e, ProtocolError):
+                await stream.send_error(e)  # why, in the clear: nothing was agreed to seal it with
             await stream.close()
             return
         finally:

@@ -126,13 +126,15 @@ class NetworkThread:
         reachability: str = "auto",
         relay_service: bool = True,
         limits: RateLimits | None = None,
+        data_channel: tuple[str, int] | None = None,
     ) -> None:
         """Start p2pd and join the DHT (bootstrapping from ``initial_peers`` when given).
 
         ``reachability`` ``auto`` asks an initial peer to dial this node back (:mod:`node.runtime.reachability`)
         and restarts p2pd as a private, relayed peer when it could not; ``public``/``private`` skip the
         check. ``relay_service`` lets a public node relay circuits for private peers. ``limits``: the node's
-        upload/download caps, shared by every stream (``protocol.ratelimit``).
+        upload/download caps, shared by every stream (``protocol.ratelimit``). ``data_channel``: (host, port) of
+        the direct channel for bulk streams (``protocol.datachannel``); None: every stream through p2pd.
 
         A bootstrap peer may be restarting: failed attempts are retried with backoff (a log line each,
         naming every peer and why it failed) for ``join_timeout`` seconds, then :class:`UserError`
@@ -162,6 +164,8 @@ class NetworkThread:
                                        idle_timeout=stream_timeout, limits=limits, identity=key)
             await self.transport.serve(ids.DIALBACK, reach.serve_dialback)
             await self.transport.enable_relays(serve_relay=relay_service and mode != "private")
+            if data_channel is not None:
+                await self.transport.enable_data_channel(*data_channel)
 
         async def _start() -> None:
             await _p2p("private" if reachability == "private" else "public")
@@ -230,6 +234,8 @@ class NetworkThread:
 
     async def _discard_partial_start(self) -> None:
         """Undo a start-up that failed half-way (p2pd may be running without a DHT)."""
+        if self.transport is not None and self.transport.data_channel is not None:
+            await self.transport.data_channel.close()
         if self.dht is not None:
             await self.dht.shutdown()
         if self.p2p is not None:
@@ -314,6 +320,8 @@ class NetworkThread:
                     await asyncio.wait_for(self.dht.shutdown(), timeout=10)
                 except Exception as e:  # p2pd must still be stopped below
                     logger.warning("DHT shutdown: %s", e)
+            if self.transport is not None and self.transport.data_channel is not None:
+                await self.transport.data_channel.close()
             if self.p2p is not None:
                 await self.p2p.shutdown()
             others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]

@@ -19,6 +19,7 @@ from node.config import read_swarm_key
 from node.errors import UserError
 from node.runtime.reachability import dialable_addresses
 from node.runtime.status_service import fetch_status
+from protocol.datachannel import listen_host
 from protocol.ratelimit import RateLimits
 from protocol.records import PEER_RECORD_TTL_S, PeerRecord
 from protocol.version import package_version, protocol_version
@@ -76,6 +77,7 @@ class NetworkPresence:
                 join_timeout=cfg.join_timeout, stop=self.stop, reachability=cfg.reachability,
                 relay_service=cfg.relay == "on",
                 limits=RateLimits.from_mbit(cfg.max_upload_mbit, cfg.max_download_mbit),
+                data_channel=(listen_host(cfg.listen), cfg.data_port) if cfg.data_channel == "on" else None,
             )
         except UserError:
             self.net.shutdown()

@@ -4,7 +4,9 @@ Four p2pd: a target T (behind a "NAT": nobody but its relays knows its address),
 hostile relay E and a client C that reaches T only through a relay. Through R the request is served and
 the answer arrives intact. E runs its own relay code: when it names another origin, T refuses before any
 handler runs; when it flips one byte of T's answer, C refuses the answer. Without protocol.circuit the
-first would be served as the other peer and the second would be read as valid data.
+first would be served as the other peer and the second would be read as valid data. Both ends run a data
+channel (protocol.datachannel) for the bulk protocol asked, and C still goes through the relay: a peer
+reached through a relay is never dialled directly.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ async def _peer(initial: list[str], relay: bool | None, hidden: bool = False) ->
     transport = Transport(p2p, identity=signer.identity, idle_timeout=10)
     if relay is not None:
         await transport.enable_relays(serve_relay=relay)
+    if relay is False:  # the target and the client: both could take a direct data channel for STATE, were it not for the relay
+        await transport.enable_data_channel("127.0.0.1")
     return p2p, transport
 
 
@@ -92,6 +96,7 @@ def test_a_relay_can_neither_name_another_origin_nor_change_the_answer() -> None
                 stream = await asyncio.wait_for(client.open(target.peer_id, ids.STATE), 30)
                 try:
                     assert stream.relay == via.peer_id  # not a direct stream: C does not know T's address
+                    assert client.data_channel is not None and client.data_channel.opened == 0  # nor T's data channel
                     await stream.send("get_state", {"run_id": "r"})
                     return (await asyncio.wait_for(stream.recv(expect="state"), 30)).body["blob"]
                 finally:
