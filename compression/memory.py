@@ -1,4 +1,4 @@
-"""Output buffers allocated through numpy.
+"""Output buffers allocated through numpy, and how the process keeps freed buffers (``keep_freed_buffers``).
 
 numpy asks the kernel for transparent huge pages on large arrays (``madvise``); torch's CPU allocator
 does not, so a fresh 100 MB torch tensor costs tens of milliseconds of page faults before any math
@@ -7,6 +7,8 @@ runs. Codecs allocate their large outputs here and wrap them as ordinary torch t
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from typing import Sequence
 
 import numpy as np
@@ -38,3 +40,25 @@ def zeros(shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
     out = empty(shape, dtype)
     out.zero_()
     return out
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks up to 32 MiB (a round's wire parts) come from the heap
+
+
+def keep_freed_buffers() -> bool:
+    """Let glibc keep the memory a round frees for the next round instead of giving it back to the kernel.
+
+    Every dense round allocates and frees the same buffers (wire parts of ~4 MB, decoded updates). By
+    default glibc maps each block over 128 KiB-32 MiB fresh from the kernel and unmaps it on free, so every
+    round pays a page fault per 4 KiB of its transient memory again (~60 ms per 100 MB here, as much as
+    the copies themselves). With the mmap threshold at its largest and trimming off, those blocks come
+    from the heap and are reused; the resident size stays at the round's peak between rounds (which
+    ``node join --dry-run`` counts anyway). Returns False where the C library is not glibc (nothing changes)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))

@@ -162,8 +162,9 @@ def weighted_mean(updates: Sequence[Sequence[torch.Tensor]], weights: Sequence[f
     total = float(sum(weights))
     if total <= 0:
         raise ValueError(f"weights must sum to a positive number, got {list(weights)}")
-    out = [torch.zeros_like(t, dtype=torch.float32) for t in updates[0]]
-    for update, w in zip(updates, weights):
+    # the first term is w·t (one pass, exactly 0 + w·t), then the others are added in order
+    out = [torch.mul(t.to(torch.float32), weights[0] / total) for t in updates[0]]
+    for update, w in zip(updates[1:], weights[1:]):
         for acc, t in zip(out, update):
             acc.add_(t.to(torch.float32), alpha=w / total)
     return out

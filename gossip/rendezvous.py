@@ -340,6 +340,7 @@ class Reachable:
         return out
 
 
+FIRST_POLLS = (0.02, 0.04, 0.08)  # seconds before the rendezvous's 2nd, 3rd and 4th reads (a few extra DHT reads a round)
 ELSEWHERE_CHECK_S = 1.0  # how often a rendezvous looks for its awaited peers in the round's other groupings
 
 
@@ -359,6 +360,9 @@ async def gather_group(
     (sorted by peer id, self included) and whether it is complete.
 
     Returns once every peer in ``expected()`` has registered (complete), or after ``timeout`` seconds.
+    The first polls come quickly (``FIRST_POLLS``: members of a round usually register within a
+    fraction of a second of each other, and a whole ``poll_interval`` of waiting would be most of a
+    dense round on a fast link), then every ``poll_interval``.
     ``elsewhere(awaited)``, asked every ``ELSEWHERE_CHECK_S`` while peers are awaited, names those of
     them that registered in another rendezvous of the round (another grouping): they are not waited for.
     """
@@ -366,6 +370,7 @@ async def gather_group(
     deadline = time.monotonic() + timeout
     entries: dict[str, RoundEntry] = {entry.peer_id: entry}
     moved: set[str] = set()
+    polls = 0
     next_check = time.monotonic() + ELSEWHERE_CHECK_S
     while True:
         entries.update({peer: e for peer, (e, _) in (await read_round_entries(dht, run_id, round_no, group)).items()})
@@ -381,4 +386,5 @@ async def gather_group(
             if waiting_for:
                 logger.info("round %d: gave up waiting for %s", round_no, sorted(waiting_for))
             return [entries[p] for p in sorted(entries)], not waiting_for
-        await asyncio.sleep(poll_interval)
+        polls += 1
+        await asyncio.sleep(FIRST_POLLS[polls - 1] if polls <= len(FIRST_POLLS) else poll_interval)
