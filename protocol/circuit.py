@@ -31,7 +31,8 @@ from typing import Any
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
@@ -52,6 +53,7 @@ class FrameCipher:
 
     def __init__(self, send_key: bytes, receive_key: bytes, aead: type = ChaCha20Poly1305, what: str = "relayed") -> None:
         self._send, self._receive = aead(send_key), aead(receive_key)
+        self._send_key, self._streaming = send_key, aead is AESGCM
         self._sent = self._received = 0
         self.what = what
 
@@ -59,6 +61,19 @@ class FrameCipher:
         nonce = self._sent.to_bytes(12, "big")
         self._sent += 1
         return self._send.encrypt(nonce, payload, None)
+
+    def seal_pieces(self, pieces: list) -> list:
+        """:meth:`seal` of the pieces' concatenation, as pieces: AES-GCM encrypts them one by one (no copy
+        of a bulk piece to join it first); the receiver opens the whole frame as one."""
+        if not self._streaming:
+            return [self.seal(b"".join(pieces))]
+        nonce = self._sent.to_bytes(12, "big")
+        self._sent += 1
+        encryptor = Cipher(algorithms.AES(self._send_key), modes.GCM(nonce)).encryptor()
+        out = [encryptor.update(piece) for piece in pieces]
+        out.append(encryptor.finalize())
+        out.append(encryptor.tag)
+        return out
 
     def open(self, data: bytes, peer: str) -> bytes:
         nonce = self._received.to_bytes(12, "big")

@@ -38,6 +38,7 @@ from protocol.auth import client_hello
 from protocol.errors import ProtocolError, SchemaError
 from protocol.frames import HELLO_MAX_FRAME, FramedStream, require
 from protocol.ratelimit import RateLimits
+from protocol.socket_stream import socket_pair
 
 logger = logging.getLogger(__name__)
 
@@ -107,42 +108,57 @@ class DataChannel:
         if transport.identity is None:
             raise ValueError("the data channel is authenticated with the node's identity key: the transport needs identity=")
         self.transport, self.host, self.port = transport, host, port
-        self._server: asyncio.base_events.Server | None = None
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task] = set()
         self._addresses: dict[str, tuple[float, tuple[str, int] | None]] = {}  # peer → (until, (host, port) or None)
         self._pending = 0
         self.opened = self.fallbacks = 0  # client streams over the channel, and those that fell back to libp2p
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, self.host, self.port, limit=SOCKET_BUFFER)
-        self.port = self._server.sockets[0].getsockname()[1]
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self._listener = socket.create_server((self.host, self.port), family=family, backlog=128)
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self._spawn(self._accept_loop())
         await self.transport.serve(DATA, self._serve_where)
 
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._listener is not None:
+            try:
+                sock, peername = await loop.sock_accept(self._listener)
+            except OSError as e:  # out of file descriptors, say: the listener stays
+                logger.warning("data channel: accept failed: %s", e)
+                await asyncio.sleep(0.5)
+                continue
+            self._spawn(self._accept(sock, peername))
+
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        listener, self._listener = self._listener, None
+        for task in list(self._tasks):
+            task.cancel()
+        if listener is not None:
+            listener.close()
 
     async def _serve_where(self, stream: FramedStream) -> None:
         await stream.recv(expect="data_where")
         await stream.send("data_here", {"port": self.port})
 
-    def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> FramedStream:
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        writer.transport.set_write_buffer_limits(high=SOCKET_BUFFER)
-        reader, writer = self.transport.limits.pace(reader, writer)
+    def _stream(self, sock: socket.socket, peer: str) -> FramedStream:
+        reader, writer = self.transport.limits.pace(*socket_pair(sock, SOCKET_BUFFER))
         return FramedStream(reader, writer, peer=peer, max_frame=self.transport.max_frame,
                             idle_timeout=self.transport.idle_timeout)
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peername = writer.get_extra_info("peername")
+    async def _accept(self, sock: socket.socket, peername: Any) -> None:
         if self._pending >= MAX_PENDING:
-            writer.close()
+            sock.close()
             return
-        stream = self._stream(reader, writer, f"data channel client at {peername}")
+        stream = self._stream(sock, f"data channel client at {peername}")
         self._pending += 1
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
@@ -209,9 +225,11 @@ class DataChannel:
         if address is None:
             return None
         stream = None
+        sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(*address, limit=SOCKET_BUFFER), CONNECT_TIMEOUT_S)
-            stream = self._stream(reader, writer, peer)
+            sock.setblocking(False)
+            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, address), CONNECT_TIMEOUT_S)
+            stream = self._stream(sock, peer)
             stream.remote_addr = f"/{'ip6' if ':' in address[0] else 'ip4'}/{address[0]}/tcp/{address[1]}"
             async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
                 await stream.send("data_open", {"from": self.transport.peer_id, "to": peer, "protocol": protocol})
@@ -224,6 +242,7 @@ class DataChannel:
             self.fallbacks += 1
             if stream is not None:
                 await stream.close()
+            sock.close()
             return None
         stream.stall_timeout, stream.idle_timeout = self.transport.stall_timeout, None
         await client_hello(stream, self.transport.swarm_key, protocol, self.transport.peer_id, peer)

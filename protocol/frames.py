@@ -60,6 +60,28 @@ def encode_message(kind: str, body: dict[str, Any], version: tuple[int, int] = (
     return msgpack.packb({"v": list(version), "k": kind, "b": body}, use_bin_type=True)
 
 
+BULK_BYTES = 1 << 16  # a body value this large travels by reference in :func:`encode_pieces`, never copied into the envelope
+
+
+def encode_pieces(kind: str, body: dict[str, Any], version: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)) -> list[Any]:
+    """The envelope's msgpack bytes as pieces: the same bytes as :func:`encode_message`, except that a
+    top-level ``bytes`` value of ``BULK_BYTES`` or more is a piece of its own, by reference (a part of a
+    round, a state blob: 4 MB or more that packing would copy once more)."""
+    bulky = [k for k, v in body.items() if isinstance(v, bytes) and len(v) >= BULK_BYTES]
+    if not bulky:
+        return [encode_message(kind, body, version)]
+    packer = msgpack.Packer(use_bin_type=True)
+    pieces: list[Any] = [packer.pack_map_header(3), packer.pack("v"), packer.pack(list(version)), packer.pack("k"),
+                         packer.pack(kind), packer.pack("b"), packer.pack_map_header(len(body))]
+    for key, value in body.items():
+        pieces.append(packer.pack(key))
+        if key in bulky:
+            pieces += [b"\xc6" + _LENGTH.pack(len(value)), value]  # bin 32 header, then the bytes themselves
+        else:
+            pieces.append(packer.pack(value))
+    return pieces
+
+
 def encode_frame(payload: bytes) -> bytes:
     """Prefix ``payload`` with its length."""
     return _LENGTH.pack(len(payload)) + payload
@@ -115,7 +137,7 @@ def decode_message(data: bytes, max_size: int = DEFAULT_MAX_FRAME, major: int = 
 
 
 async def read_frame(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_FRAME,
-                     stall_timeout: float | None = None) -> bytes:
+                     stall_timeout: float | None = None) -> bytes | bytearray:
     """Read one frame's bytes; the length is checked against ``max_size`` before the body is read.
     ``stall_timeout``: once the header has arrived, the longest wait for the body's next bytes (a peer
     that sends part of a frame and stops is refused with :class:`StreamTimeout`, however slow its link)."""
@@ -133,19 +155,26 @@ async def read_frame(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_F
             return await reader.readexactly(length)
         except asyncio.IncompleteReadError as e:
             raise TruncatedFrame(f"stream ended after {len(e.partial)} of {length} frame bytes") from None
-    body = bytearray()
+    body = bytearray(length)  # filled in place: one copy from the reader's buffer (none from a socket's), and no final one
+    view, got = memoryview(body), 0
+    readinto = getattr(reader, "readinto", None)  # protocol.socket_stream: straight from the socket into the frame
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(stall_timeout) as deadline:  # pushed back at every chunk: cheaper than a wait_for each
-            while len(body) < length:
-                chunk = await reader.read(min(length - len(body), 1 << 20))
-                if not chunk:
-                    raise TruncatedFrame(f"stream ended after {len(body)} of {length} frame bytes")
-                body += chunk
+            while got < length:
+                if readinto is not None:
+                    k = await readinto(view[got:])
+                else:
+                    chunk = await reader.read(min(length - got, 1 << 22))
+                    k = len(chunk)
+                    view[got:got + k] = chunk
+                if not k:
+                    raise TruncatedFrame(f"stream ended after {got} of {length} frame bytes")
+                got += k
                 deadline.reschedule(loop.time() + stall_timeout)
     except TimeoutError:
-        raise StreamTimeout(f"a frame stopped after {len(body)} of {length} bytes for {stall_timeout:.0f}s") from None
-    return bytes(body)
+        raise StreamTimeout(f"a frame stopped after {got} of {length} bytes for {stall_timeout:.0f}s") from None
+    return body
 
 
 class FramedStream:
@@ -182,18 +211,25 @@ class FramedStream:
         When the write fails because the peer already refused us and went away (a private swarm's
         wrong key, say), the refusal it sent first is read and raised as :class:`RemoteError`, so the
         caller learns why instead of seeing a bare broken stream."""
-        payload = encode_message(kind, body)
-        data = encode_frame(payload if self.cipher is None else self.cipher.seal(payload))
+        pieces = encode_pieces(kind, body)
+        if self.cipher is not None:
+            pieces = self.cipher.seal_pieces(pieces)
+        size = sum(len(p) for p in pieces)
+        header = _LENGTH.pack(size)
+        if len(pieces[0]) < BULK_BYTES:  # small frames (most of them) in one write
+            header, pieces = header + pieces[0], pieces[1:]
         try:
-            self.writer.write(data)
+            self.writer.write(header)
+            for piece in pieces:
+                self.writer.write(piece)
             await self.writer.drain()
         except (ConnectionError, OSError) as e:
             refusal = await self._pending_refusal()
             if refusal is not None:
                 raise refusal from None
             raise ConnectionResetError(f"stream to {self.peer} broken while sending {kind!r}: {e}") from None
-        self.bytes_sent += len(data)
-        return len(data)
+        self.bytes_sent += size + _LENGTH.size
+        return size + _LENGTH.size
 
     async def _pending_refusal(self, timeout: float = 2.0) -> RemoteError | None:
         """The error frame the peer sent before closing, if one is waiting to be read (else None)."""

@@ -42,6 +42,8 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "reachability": ("public", ("applied", [(PRESENCE, "reachability=cfg.reachability")])),
     "relay": ("off", ("applied", [(PRESENCE, "relay_service=cfg.relay")])),
     "stream_timeout": (5.0, ("applied", [(PRESENCE, "stream_timeout=cfg.stream_timeout")])),
+    "data_channel": ("off", ("applied", [(PRESENCE, 'cfg.data_channel == "on"')])),
+    "data_port": (4100, ("applied", [(PRESENCE, "cfg.data_port")])),
     "max_upload_mbit": (2.0, ("applied", [(PRESENCE, "RateLimits.from_mbit(cfg.max_upload_mbit, cfg.max_download_mbit)")])),
     "max_download_mbit": (2.0, ("applied", [(PRESENCE, "RateLimits.from_mbit(cfg.max_upload_mbit, cfg.max_download_mbit)")])),
     "join_timeout": (5.0, ("applied", [(PRESENCE, "join_timeout=cfg.join_timeout"), (TRAINER, "self.cfg.join_timeout")])),
