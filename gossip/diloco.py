@@ -216,7 +216,9 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         owners = rnd.owners or {}
         others = [e.peer_id for e in group if e.peer_id != self.peer_id]
         rnd.fetch_timeout = self.fetch_timeout + self.transfer_slack(sum(len(b) for b in rnd.blobs), group)
-        got, failures = await self.exchange.gather(others, rnd.number, rnd.fetch_timeout, parts=owners.get(self.peer_id))
+        fetched = owners.get(self.peer_id, range(len(specs)))
+        got, failures = await self.exchange.gather(others, rnd.number, rnd.fetch_timeout, parts=owners.get(self.peer_id),
+                                                   expected=sum(len(rnd.blobs[i]) for i in fetched))
         rnd.exchanged = time.monotonic()
         mine = owners.get(self.peer_id, range(len(specs)))
         contributions = {self.peer_id: Contribution(rnd.number, rnd.samples, rnd.fingerprint, "", [rnd.blobs[i] for i in mine],
@@ -263,7 +265,8 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
             return
         update = await self._reduce_scatter(rnd.number, rnd.owners, contributions, rnd.decoded,  # type: ignore[arg-type]
                                             result.contributors, rnd.fingerprint, result,
-                                            self._weights_method(rnd, len(result.contributors)), rnd.fetch_timeout)  # in sync: my φ is the majority's
+                                            self._weights_method(rnd, len(result.contributors)), rnd.fetch_timeout,
+                                            [len(b) for b in rnd.blobs])  # in sync: my φ is the majority's
         result.exchange_s = time.monotonic() - rnd.gathered
         result.update_norm = await asyncio.to_thread(l2_norm, update)
         await self._apply(rnd, update)
@@ -314,11 +317,12 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
 
     async def _reduce_scatter(self, round_no: int, owners: dict[str, list[int]], contributions: dict[str, Contribution],
                               my_decoded: list[torch.Tensor], used: list[str], majority_fp: str, result: RoundResult,
-                              method: str | None = None, fetch_timeout: float | None = None) -> list[torch.Tensor]:
+                              method: str | None = None, fetch_timeout: float | None = None,
+                              part_bytes: Sequence[int] | None = None) -> list[torch.Tensor]:
         """Reduce this member's parts, serve them, and collect every other owner's: the round's whole
         averaged update, part by part (bit-identical on every member that got each part from its owner).
         ``method``: the aggregation, if not the run's (``_weights_method``); ``fetch_timeout``: the round's
-        (the run's, stretched by bandwidth caps)."""
+        (the run's, stretched by bandwidth caps); ``part_bytes``: each wire part's size (fetch deadlines grow with it)."""
         fetch_timeout = fetch_timeout or self.fetch_timeout
         specs = self.exchange.layout(round_no)
         mine = owners[self.peer_id]
@@ -338,8 +342,10 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         sources = {o: parts for o, parts in owners.items() if o != self.peer_id and parts}
         # an owner waits for every member's parts before it serves, so its answer may take a whole fetch
         # timeout; an owner that cannot be reached is not waited for: its parts are fetched directly
+        size = (lambda parts: sum(part_bytes[i] for i in parts)) if part_bytes is not None else (lambda parts: 0)
         shares, failed = await self.exchange.gather(list(sources), round_no, 2 * fetch_timeout, reduced=sources,
-                                                    retry_for=min(5.0, self.fetch_timeout / 4))
+                                                    retry_for=min(5.0, self.fetch_timeout / 4),
+                                                    expected={o: size(parts) for o, parts in sources.items()})
         for owner, got in shares.items():
             assert isinstance(got, ReducedShare)
             if (reason := implausible_share(got, sources[owner], my_decoded)) is not None:
@@ -354,7 +360,7 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
                 result.failures.setdefault(owner, f"reduce_{reason}")
             parts = sorted(i for owner in failed for i in sources[owner])
             members = [p for p in used if p != self.peer_id]  # a failed owner may still serve its own update
-            got_parts, _ = await self.exchange.gather(members, round_no, fetch_timeout, parts=parts)
+            got_parts, _ = await self.exchange.gather(members, round_no, fetch_timeout, parts=parts, expected=size(parts))
             direct = {self.peer_id: [my_decoded[i] for i in parts],
                       **{p: c.decoded for p, c in got_parts.items() if isinstance(c, Contribution)}}
             senders = sorted(direct)

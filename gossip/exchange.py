@@ -35,6 +35,7 @@ from compression import CodecError, ErrorFeedback, Payload, get_codec
 from compression.base import all_finite
 from compression.seeds import payload_seed
 from gossip.failures import failure_reason
+from gossip.transfer_rates import TransferRates
 from protocol import ids
 from protocol.errors import ProtocolError, SchemaError, TruncatedFrame
 from protocol.frames import FramedStream, require, require_token
@@ -135,6 +136,7 @@ class RoundExchange:
         self._reduced: dict[int, ReducedShare | None] = {}
         self._reduced_ready: dict[int, asyncio.Event] = {}
         self._regrouped: dict[int, tuple[list[PartSpec], str]] = {}
+        self.rates = TransferRates()  # how fast each peer's answers arrived (fetch deadlines grow with payload ÷ rate)
 
     def regroup(self, round_no: int, specs: Sequence[PartSpec], tag: str) -> None:
         """Round ``round_no`` averages in a bounded group (``gossip.groups``): it sends ``specs`` instead of
@@ -298,6 +300,13 @@ class RoundExchange:
             parts.append(blob)
         return parts, decoded
 
+    async def _timed_parts(self, stream: FramedStream, peer: str, round_no: int, chosen: Sequence[int]) -> tuple[list[bytes], list[torch.Tensor]]:
+        """:meth:`_receive_parts`, recording how fast they arrived (``rates``)."""
+        started, before = time.monotonic(), stream.bytes_received
+        got = await self._receive_parts(stream, round_no, chosen)
+        self.rates.observe(peer, stream.bytes_received - before, time.monotonic() - started)
+        return got
+
     async def fetch_reduced(self, owner: str, round_no: int, parts: Sequence[int]) -> ReducedShare:
         """Download an owner's reduced ``parts`` of ``round_no``; raises on anything invalid."""
         stream = await self.transport.open(owner, ids.AVERAGE)
@@ -312,7 +321,7 @@ class RoundExchange:
             contributors = require(head.body, "contributors", list)
             if samples <= 0 or not contributors or not all(isinstance(c, str) for c in contributors):
                 raise SchemaError("a reduced share must name its contributors and carry a positive sample count")
-            blobs, decoded = await self._receive_parts(stream, round_no, parts)
+            blobs, decoded = await self._timed_parts(stream, owner, round_no, parts)
             return ReducedShare(round_no, samples, contributors, require_token(head.body, "fingerprint"),
                                 dict(zip(parts, blobs)), dict(zip(parts, decoded)))
         finally:
@@ -343,7 +352,7 @@ class RoundExchange:
                 raise SchemaError(f"peer sent {n_parts} parts, asked for {len(chosen)} of round {round_no}")
             if samples <= 0:
                 raise SchemaError(f"a contribution must carry a positive sample count, got {samples}")
-            blobs, decoded = await self._receive_parts(stream, round_no, chosen)
+            blobs, decoded = await self._timed_parts(stream, peer, round_no, chosen)
             return Contribution(round_no, samples, fp, codec, blobs, peer=peer, decoded=decoded)
         finally:
             self.transport.account(ids.AVERAGE, stream)
@@ -351,10 +360,13 @@ class RoundExchange:
 
     async def gather(self, peers: Sequence[str], round_no: int, timeout: float, parts: Sequence[int] | None = None,
                      reduced: dict[str, list[int]] | None = None,
-                     retry_for: float | None = None) -> tuple[dict[str, Contribution | ReducedShare], dict[str, str]]:
+                     retry_for: float | None = None,
+                     expected: int | dict[str, int] = 0) -> tuple[dict[str, Contribution | ReducedShare], dict[str, str]]:
         """Fetch from every peer concurrently (its contribution, only ``parts`` of it when given, or
         with ``reduced`` the parts it reduced); returns (results, failures by peer with the reason).
-        A broken connection is retried for ``retry_for`` seconds (default: the whole timeout)."""
+        A broken connection is retried for ``retry_for`` seconds (default: the whole timeout).
+        ``expected``: the bytes each answer holds (one number for all, or by peer): a fetch's timeout
+        grows by the time they need at the rate measured from that peer (``gossip.transfer_rates``)."""
 
         def request(peer: str):
             if reduced is not None:
@@ -364,7 +376,8 @@ class RoundExchange:
         async def one(peer: str) -> Contribution | ReducedShare:
             # a broken connection (a relay that went away, a reset circuit) is retried while the deadline
             # allows: the transport takes another path (the next relay, or a direct stream)
-            deadline = time.monotonic() + timeout
+            nbytes = expected.get(peer, 0) if isinstance(expected, dict) else expected
+            deadline = time.monotonic() + timeout + self.rates.slack(peer, nbytes, timeout)
             retry_until = deadline if retry_for is None else time.monotonic() + retry_for
             while True:
                 try:

@@ -22,6 +22,7 @@ from gossip.deadline import AdaptiveDeadline
 from gossip.exchange import RoundExchange
 from gossip.partition import Partition
 from gossip.scores import ContributionScorer
+from gossip.transfer_rates import MAX_SLACK_FACTOR
 from protocol.ratelimit import RateLimits, announced_seconds
 from protocol.records import RoundEntry
 
@@ -85,12 +86,18 @@ class GroupAverager:
         """Seconds a round moving ``payload`` bytes per member takes at least under the caps in play: this
         member sends its payload to, and receives one about as large from, each other member at its own
         caps; each capped member sends its payload to every other member at the cap it announced (a claim,
-        bounded by ``protocol.ratelimit.announced_seconds``). Fetch timeouts and the next rendezvous deadline
-        add it (0 when nobody is capped)."""
+        bounded by ``protocol.ratelimit.announced_seconds``). Fetch timeouts add it (0 when nobody is capped;
+        the exchange adds the time each peer's answer needs at the rate measured from it). The next
+        rendezvous deadline adds the larger of it and the time this round's payload takes at the slowest
+        rate measured from a member (``gossip.transfer_rates``): members reach the next round that much later."""
         moved = payload * max(0, len(group) - 1)
         theirs = [announced_seconds(moved, e.up_mbit, self.deadline.ceiling) for e in group if e.peer_id != self.peer_id]
-        self.deadline.slack = max([self.limits.seconds_for(moved, moved), *theirs])
-        return self.deadline.slack
+        capped = max([self.limits.seconds_for(moved, moved), *theirs])
+        rates = getattr(self.exchange, "rates", None)
+        measured = [min(payload / rates.rates[e.peer_id], MAX_SLACK_FACTOR * self.deadline.ceiling)
+                    for e in group if rates is not None and e.peer_id in rates.rates]
+        self.deadline.slack = max([capped, *measured])
+        return capped
 
     def claimed(self, samples: int) -> int:
         """A member's sample count as it may weigh: its claim, capped at what a round of the run can hold."""

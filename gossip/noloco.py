@@ -178,7 +178,7 @@ class NoLoCoAverager(GroupAverager):
         others = [p for p in group if p != self.peer_id]
         members_entries = [self.entries.get(p, RoundEntry(p, 0, "")) for p in group]
         slack = self.transfer_slack(sum(len(b) for b in blobs), members_entries)
-        got, failures = await self.exchange.gather(others, round_no, self.fetch_timeout + slack)
+        got, failures = await self.exchange.gather(others, round_no, self.fetch_timeout + slack, expected=sum(len(b) for b in blobs))
         exchanged = time.monotonic()
 
         contributions = {self.peer_id: mine, **got}
