@@ -1,6 +1,7 @@
 """The wire at model sizes: one dense round between real peers, against the floors it runs on.
 
     python -m benchmarks.wire --params 25e6,100e6 --peers 2,4 [--dtypes fp32,bf16] [--rounds 4] --out PATH.json
+    python -m benchmarks.wire --plan '25e6:2,4,8 100e6:2,4 250e6:2' --out benchmarks/results/wire.json
 
 In one invocation and one results file, for each size (fp32 parameters) and peer count:
 
@@ -21,7 +22,10 @@ had every peer (``complete``), CPU seconds per peer per round (the Python proces
 ``transient_mb``: the peak resident memory of a peer during a round beyond what it held before (its
 model state: φ and θ), its p2pd included. Peaks are reset before each round (``/proc/PID/clear_refs``).
 Peers are processes, so the numbers include everything a daemon pays, on a machine where the
-peers share its cores: on a 2-core machine the N peers and their p2pd compete for CPU.
+peers share its cores: on a 2-core machine the N peers and their p2pd compete for CPU (and for memory
+bandwidth), so from 4 peers on the round time is mostly the sum of the peers' CPU seconds over the
+cores. Each peer's torch gets cores ÷ N threads (``OMP_NUM_THREADS``, ``threads_per_peer``), as a
+daemon alone on its machine gets all of them.
 """
 
 from __future__ import annotations
@@ -246,6 +250,9 @@ def run_system(system: str, n: int, numel: int, dtype: str, rounds: int, timeout
     procs = []
     rows: list[dict] = []
     started = time.monotonic()
+    threads = max(1, (os.cpu_count() or 1) // n)
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the peers share the cores: spinning OpenMP threads of one would starve the others
     try:
         for rank in range(n):
             procs.append(ctx.Process(target=target, args=(rank, n, *args), daemon=False))
@@ -266,7 +273,11 @@ def run_system(system: str, n: int, numel: int, dtype: str, rounds: int, timeout
             if p.is_alive():
                 p.kill()
         manager.shutdown()
-    return summarize(system, n, numel, dtype, rounds, rows)
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return {**summarize(system, n, numel, dtype, rounds, rows), "threads_per_peer": threads}
 
 
 def summarize(system: str, n: int, numel: int, dtype: str, rounds: int, rows: list[dict]) -> dict[str, Any]:
@@ -306,13 +317,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", default="2,4", help="comma-separated peer counts")
     ap.add_argument("--dtypes", default="fp32", help="fp32 and/or bf16 (locomesh's codec; hivemind's fp16 compression)")
     ap.add_argument("--systems", default="tcp,hivemind,locomesh-libp2p,locomesh")
+    ap.add_argument("--plan", help="sizes and their peer counts instead of --params x --peers, e.g. "
+                    "'25e6:2,4,8 100e6:2,4 250e6:2' (the largest sizes at fewer peers: every peer holds the model)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.wire", *argv])
     runs: list[dict] = []
-    for numel in [int(float(x)) for x in args.params.split(",")]:
-        for n in [int(x) for x in args.peers.split(",")]:
+    if args.plan:
+        plan = [(int(float(size)), [int(x) for x in counts.split(",")]) for size, counts in (p.split(":") for p in args.plan.split())]
+    else:
+        plan = [(int(float(x)), [int(n) for n in args.peers.split(",")]) for x in args.params.split(",")]
+    for numel, counts in plan:
+        for n in counts:
             for dtype in args.dtypes.split(","):
                 for system in args.systems.split(","):
                     t = time.monotonic()
