@@ -317,20 +317,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", default="2,4", help="comma-separated peer counts")
     ap.add_argument("--dtypes", default="fp32", help="fp32 and/or bf16 (locomesh's codec; hivemind's fp16 compression)")
     ap.add_argument("--systems", default="tcp,hivemind,locomesh-libp2p,locomesh")
-    ap.add_argument("--plan", help="sizes and their peer counts instead of --params x --peers, e.g. "
-                    "'25e6:2,4,8 100e6:2,4 250e6:2' (the largest sizes at fewer peers: every peer holds the model)")
+    ap.add_argument("--plan", help="sizes, their peer counts and (optionally) dtypes instead of --params x --peers x --dtypes, "
+                    "e.g. '25e6:2,4,8:fp32,bf16 100e6:2,4 250e6:2' (the largest sizes at fewer peers: every peer holds the model)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.wire", *argv])
     runs: list[dict] = []
+    plan = [(int(float(x)), [int(n) for n in args.peers.split(",")], args.dtypes.split(",")) for x in args.params.split(",")]
     if args.plan:
-        plan = [(int(float(size)), [int(x) for x in counts.split(",")]) for size, counts in (p.split(":") for p in args.plan.split())]
-    else:
-        plan = [(int(float(x)), [int(n) for n in args.peers.split(",")]) for x in args.params.split(",")]
-    for numel, counts in plan:
+        entries = [(p.split(":") + [args.dtypes])[:3] for p in args.plan.split()]
+        plan = [(int(float(size)), [int(x) for x in counts.split(",")], dtypes.split(",")) for size, counts, dtypes in entries]
+    for numel, counts, dtypes in plan:
         for n in counts:
-            for dtype in args.dtypes.split(","):
+            for dtype in dtypes:
                 for system in args.systems.split(","):
                     t = time.monotonic()
                     row = run_system(system, n, numel, dtype, args.rounds)
