@@ -194,10 +194,10 @@ async def _locomesh_rounds(rank: int, n: int, numel: int, dtype: str, addrs: Any
     from benchmarks.scale import make_peer
     from benchmarks.scale_model import synthetic_shapes
     from gossip.rendezvous import publish_peer
-    from compression.memory import keep_freed_buffers
+    from compression.memory import tune_allocator
     from protocol.records import PEER_RECORD_TTL_S, PeerRecord
 
-    keep_freed_buffers()  # as node join does
+    tune_allocator()  # as node join does
     shapes = synthetic_shapes(numel)
     initial = list(addrs[0]) if rank else []
     peer = await make_peer(initial, shapes, CODECS[dtype], 120.0, 32, data_channel=data_channel)

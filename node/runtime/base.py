@@ -332,16 +332,15 @@ class NodeBase(NetworkPresence):
 
         import torch
 
+        from compression.memory import tune_allocator
         from node.runtime.local_training import pick_device
         from node.runtime.workload import load_workload
         from swarm.models.presets import num_params
 
-        from compression.memory import keep_freed_buffers
-
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        keep_freed_buffers()
+        tune_allocator()
         random.seed(cfg.seed)
         self.device = pick_device(cfg.device)
         self.workload = load_workload(cfg)  # the vocabulary of token shards sizes the embeddings and head
