@@ -45,6 +45,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "thin5_race": partial(net.race, name="thin5_race.json"),
     "thin_nat": net.thin_nat,
     "scale": net.scale,
+    "wire": net.wire,
     "scale_simulated": net.scale_simulated,
     "bandwidth_cap": net.bandwidth_cap,
     "churn": net.churn,
