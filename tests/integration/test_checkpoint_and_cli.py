@@ -85,10 +85,10 @@ def test_swarm_command_runs_to_its_duration_trains_and_writes_the_report(tmp_pat
         # (node 1 joins with node 0's trained weights: its first loss is already lower)
         assert node["val_loss"] < node["train_loss_first"] and node["val_loss"] < data["nodes"][0]["train_loss_first"] - 1.5, node
         assert Path(node["checkpoint"]).is_file()
-        # the node 0 relays for peers behind NAT; every node answers dial-backs and relayed streams
+        # the node 0 relays for peers behind NAT; every node answers dial-backs and relayed streams, and says where its data channel is
         assert set(node["protocols"]) - {"/locomesh/relay/1.0"} == {
             "/locomesh/average/1.0", "/locomesh/state/1.0", "/locomesh/status/1.0", "/locomesh/dialback/1.0",
-            "/locomesh/relayed/1.0"}
+            "/locomesh/relayed/1.0", "/locomesh/data/1.0"}
         assert node["multiaddrs"] and node["multiaddrs"][0].startswith("/ip4/127.0.0.1/tcp/")
     assert [node["seed"] for node in data["nodes"]] == [0, 1], "each node draws its own data order"
     kinds = {e["event"] for e in data["events"]}

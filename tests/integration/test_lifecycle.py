@@ -75,7 +75,7 @@ def test_swarm_sigterm_stops_every_node_and_writes_the_report(tmp_path):
             assert keys <= set(node) and node["role"] == "trainer" and node["multiaddrs"][0].startswith("/ip4/127.0.0.1/tcp/")
             assert set(node["protocols"]) - {"/locomesh/relay/1.0"} == {
                 "/locomesh/average/1.0", "/locomesh/state/1.0", "/locomesh/status/1.0", "/locomesh/dialback/1.0",
-                "/locomesh/relayed/1.0"}
+                "/locomesh/relayed/1.0", "/locomesh/data/1.0"}
         assert [node["seed"] for node in data["nodes"]] == [0, 1], "each node draws its own data order"
         assert {"node_started", "bootstrap_ready", "node_exited", "joined"} <= {e["event"] for e in data["events"]}
         assert "swarm of 2 nodes" in output
