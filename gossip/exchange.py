@@ -286,10 +286,13 @@ class RoundExchange:
         for i in chosen:
             await stream.send("part", {"i": i, "payload": share.parts[i]})
 
-    async def _receive_parts(self, stream: FramedStream, round_no: int, chosen: Sequence[int]) -> tuple[list[bytes], list[torch.Tensor]]:
-        """The ``part`` frames of ``chosen`` (in that order), each checked and decoded."""
+    async def _receive_parts(self, stream: FramedStream, peer: str, round_no: int,
+                             chosen: Sequence[int]) -> tuple[list[bytes], list[torch.Tensor]]:
+        """The ``part`` frames of ``chosen`` (in that order), each checked and decoded; how fast they
+        arrived from ``peer`` is recorded (``rates``)."""
         specs = self.specs(round_no)
         parts, decoded = [], []
+        started, before = time.monotonic(), stream.bytes_received
         for i in chosen:
             msg = await stream.recv(expect="part")
             if require(msg.body, "i", int) != i:
@@ -298,14 +301,8 @@ class RoundExchange:
             # off the loop: it serves others and reads the next part meanwhile
             decoded.append(await asyncio.to_thread(_decode_part, blob, i, specs[i], stream.max_frame))
             parts.append(blob)
-        return parts, decoded
-
-    async def _timed_parts(self, stream: FramedStream, peer: str, round_no: int, chosen: Sequence[int]) -> tuple[list[bytes], list[torch.Tensor]]:
-        """:meth:`_receive_parts`, recording how fast they arrived (``rates``)."""
-        started, before = time.monotonic(), stream.bytes_received
-        got = await self._receive_parts(stream, round_no, chosen)
         self.rates.observe(peer, stream.bytes_received - before, time.monotonic() - started)
-        return got
+        return parts, decoded
 
     async def fetch_reduced(self, owner: str, round_no: int, parts: Sequence[int]) -> ReducedShare:
         """Download an owner's reduced ``parts`` of ``round_no``; raises on anything invalid."""
@@ -321,7 +318,7 @@ class RoundExchange:
             contributors = require(head.body, "contributors", list)
             if samples <= 0 or not contributors or not all(isinstance(c, str) for c in contributors):
                 raise SchemaError("a reduced share must name its contributors and carry a positive sample count")
-            blobs, decoded = await self._timed_parts(stream, owner, round_no, parts)
+            blobs, decoded = await self._receive_parts(stream, owner, round_no, parts)
             return ReducedShare(round_no, samples, contributors, require_token(head.body, "fingerprint"),
                                 dict(zip(parts, blobs)), dict(zip(parts, decoded)))
         finally:
@@ -352,7 +349,7 @@ class RoundExchange:
                 raise SchemaError(f"peer sent {n_parts} parts, asked for {len(chosen)} of round {round_no}")
             if samples <= 0:
                 raise SchemaError(f"a contribution must carry a positive sample count, got {samples}")
-            blobs, decoded = await self._timed_parts(stream, peer, round_no, chosen)
+            blobs, decoded = await self._receive_parts(stream, peer, round_no, chosen)
             return Contribution(round_no, samples, fp, codec, blobs, peer=peer, decoded=decoded)
         finally:
             self.transport.account(ids.AVERAGE, stream)
