@@ -1,8 +1,8 @@
 """Training throughput, MFU and peak memory: a bare training loop against a real ``node join`` daemon.
 
     python -m benchmarks.throughput --model tiny,small [--device auto] [--batch-size 16] [--steps 30]
-        [--warmup 5] [--micro-batch-size M] [--activation-checkpointing] [--compile] [--threads T]
-        --out PATH.json
+        [--warmup 5] [--micro-batch-size M] [--activation-checkpointing] [--compile auto|on|off] [--threads T]
+        [--bare-only] [--profile] --out PATH.json
 
 For every model (comma separated; ``all`` = every preset of ``swarm.models.presets.PRESETS`` that fits this
 machine's memory and ``--budget-s``), at the same batch, data and trainer options:
@@ -17,6 +17,10 @@ machine's memory and ``--budget-s``), at the same batch, data and trainer option
   the last one before the final step, i.e. the rate between outer rounds with everything a daemon
   runs beside training (network thread, heartbeats, metrics). The node's own summary
   (``--info-file``: inner steps' tokens/s over the whole run, MFU, peak memory) is reported too.
+
+``--bare-only`` skips the daemon; ``--profile`` adds the bare loop's 15 busiest device kernels over 3 more
+steps (torch.profiler) to each run. ``warmup_s`` is the warm-up steps' wall time (with compilation, the
+compile time).
 
 ``daemon_over_bare`` = daemon tokens/s ÷ bare tokens/s (target ≥ 0.95); with ``--repeats R`` the two run
 back to back R times and the medians (of the rates, and of the pairs' ratios) are reported. On a
@@ -50,15 +54,17 @@ import torch
 from benchmarks import results_io
 
 
-def _options(args: argparse.Namespace) -> list[str]:
-    """The trainer options, as ``node join`` flags (the bare loop gets the same)."""
+def _options(args: argparse.Namespace, bare: bool = False) -> list[str]:
+    """The trainer options, as ``node join`` flags (the bare loop gets the same, as this module's flags)."""
     out = ["--device", args.device, "--batch-size", str(args.batch_size)]
     if args.micro_batch_size:
         out += ["--micro-batch-size", str(args.micro_batch_size)]
     if args.activation_checkpointing:
         out.append("--activation-checkpointing")
-    if args.compile:
-        out.append("--compile")
+    if bare:
+        out += ["--compile", args.compile]
+    elif args.compile != "auto":
+        out.append("--compile" if args.compile == "on" else "--no-compile")
     if args.threads:
         out += ["--threads", str(args.threads)]
     if args.peak_tflops:
@@ -80,26 +86,45 @@ def bare(args: argparse.Namespace) -> dict[str, Any]:
     corpus = load_corpus(None, context=cfg.context)
     batches = ByteBatches(data=corpus.train, batch_size=args.batch_size, context=cfg.context, seed=0)
     trainer = LocalTrainer(cfg=cfg, device=device, lr=1e-3, micro_batch_size=args.micro_batch_size,
-                           activation_checkpointing=args.activation_checkpointing, compile=args.compile)
+                           activation_checkpointing=args.activation_checkpointing,
+                           compile={"auto": None, "on": True, "off": False}[args.compile])
+    warmup_started = time.perf_counter()
     for _ in range(args.warmup):
         trainer.step(*batches.next())
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    warmup_s = time.perf_counter() - warmup_started
     started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         trainer.step(*batches.next())  # returns loss.item(): the device has finished the step
     elapsed, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
     tokens = args.steps * args.batch_size * cfg.context
     rate = tokens / elapsed
-    return {"params": sum(p.numel() for p in trainer.parameters()), "context": cfg.context, "tokens_per_s": rate,
+    extra = {"profile": profile_steps(trainer, batches, device)} if args.profile else {}
+    return extra | {"params": sum(p.numel() for p in trainer.parameters()), "context": cfg.context, "tokens_per_s": rate,
+            "compiled": trainer.train_model is not trainer.model, "warmup_s": round(warmup_s, 2),
             "tokens_per_cpu_s": tokens / cpu_s if cpu_s > 0 else None,
             "mfu": mfu(flops_per_token(cfg), rate, peak_flops(device, args.peak_tflops)),
             "peak_mem_mb": round(peak_memory_mb(device), 1), "flops_per_token": flops_per_token(cfg)}
 
 
+def profile_steps(trainer: Any, batches: Any, device: torch.device, steps: int = 3) -> list[dict[str, Any]]:
+    """The 15 kernels (or CPU ops) with the most self time over ``steps`` more steps, in ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            trainer.step(*batches.next())
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)[:15]
+    return [{"name": e.key[:120], "ms_per_step": round(getattr(e, key, 0.0) / 1000 / steps, 3), "calls": e.count // steps}
+            for e in events]
+
+
 def run_bare(args: argparse.Namespace, model: str) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.throughput", "--bare", "--model", model, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), *_options(args)]
+           "--warmup", str(args.warmup), *_options(args, bare=True), *(["--profile"] if args.profile else [])]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
         raise RuntimeError(f"bare loop failed: {done.stderr.strip()[-2000:]}")
@@ -244,13 +269,15 @@ def measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
     try:
         for _ in range(args.repeats):
             bares.append(run_bare(args, model))
-            daemons.append(run_daemon(args, model, bares[-1]["context"]))
+            if not args.bare_only:
+                daemons.append(run_daemon(args, model, bares[-1]["context"]))
     except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
         run["error"] = str(e)
     if not bares:
         return run
     b = bares[len(bares) // 2]
-    run.update(params=b["params"], context=b["context"])
+    run.update(params=b["params"], context=b["context"], compiled=b["compiled"], warmup_s=b["warmup_s"],
+               **({"profile": b["profile"]} if "profile" in b else {}))
     bare_rate = statistics.median(r["tokens_per_s"] for r in bares)
     pairs = [(r["tokens_per_s"], d["tokens_per_s"]) for r, d in zip(bares, daemons) if d["tokens_per_s"]]
     daemon_rate = statistics.median(d for _, d in pairs) if pairs else None
@@ -299,7 +326,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5; more with --compile)")
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                        help="torch.compile the model: auto = as a daemon does (on with CUDA)")
+    parser.add_argument("--bare-only", action="store_true", help="the bare loop alone (no daemon)")
+    parser.add_argument("--profile", action="store_true", help="each bare loop's busiest kernels over 3 more steps")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads in both runs (default: torch's choice)")
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--repeats", type=int, default=1, help="bare + daemon pairs per model; medians are reported (default: 1)")

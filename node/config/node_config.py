@@ -110,8 +110,10 @@ class NodeConfig(DerivedSettings, BaseModel):
     activation_checkpointing: bool = option(
         False, "Recompute each transformer block's activations in the backward pass instead of storing them: less memory, about "
         "one more forward pass of compute", TRAIN)
-    compile: bool = option(False, "torch.compile the model: faster steps after a slow first one; falls back to eager with a "
-                           "warning if compilation fails", TRAIN)
+    compile: bool | None = option(
+        None, "torch.compile the model: faster steps after a slow first one (compiled kernels are kept in "
+        "~/.cache/locomesh/inductor for the next start); falls back to eager with a warning if compilation fails", TRAIN,
+        default_text="on with CUDA, off on the CPU")
     outer_device: Literal["cpu", "same"] = option(
         "cpu", "Where the agreed weights and outer momentum live and the outer step runs: cpu (pinned host memory, leaves GPU "
         "memory to the model) | same (the model's device)", TRAIN)

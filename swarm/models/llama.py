@@ -3,7 +3,8 @@ Hugging Face's ``LlamaForCausalLM``, so that weights move between the two by ren
 
 Pre-norm blocks with RMSNorm, rotary position embeddings (the Hugging Face convention:
 ``rotate_half`` over the two halves of each head, inv_freq = 1/θ^(2i/head_dim)), grouped-query
-attention through ``scaled_dot_product_attention`` (k/v heads repeated), a SwiGLU MLP and no biases.
+attention through ``scaled_dot_product_attention`` (``enable_gqa``: k/v heads shared, not copied), a SwiGLU MLP
+and no biases.
 The top-level names match :class:`swarm.models.gpt.GPT` (``tok_emb``, ``blocks``, ``ln_f``, ``head``) so
 that pipeline stages cut both the same way; there is no ``pos_emb``: every attention layer rotates
 its own queries and keys, so a block is self-contained. Inside a block the names are Hugging Face's
@@ -110,10 +111,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         cos, sin = rope_cos_sin(T, self.head_dim, self.theta, x.device, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv_head != self.n_head:  # each k/v head serves n_head / n_kv_head consecutive query heads
-            groups = self.n_head // self.n_kv_head
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, nh, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+        # each k/v head serves n_head / n_kv_head consecutive query heads, read in place (no repeated copies)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
