@@ -103,13 +103,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        # cos and sin of every position, in fp32, computed once: per step they would cost ~5 % of a GPU step.
+        # Not persistent: checkpoints and exported weights do not carry them.
+        cos, sin = rope_cos_sin(cfg.context, cfg.head_dim, cfg.rope_theta, torch.get_default_device(), torch.float32)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        cos, sin = rope_cos_sin(T, self.head_dim, self.theta, x.device, q.dtype)
+        cos, sin = self.rope_cos[:T].to(q.dtype), self.rope_sin[:T].to(q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # each k/v head serves n_head / n_kv_head consecutive query heads, read in place (no repeated copies)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)  # (B, nh, T, hd)

@@ -341,10 +341,10 @@ def test_summary_and_metrics_carry_throughput_mfu_and_memory():
 
 def test_a_daemon_trains_with_micro_batches_checkpointing_and_outer_state_on_its_device(tmp_path, nodes):
     """A real ``node join`` with the new flags through one outer round: the summary reports the inner
-    steps' tokens/s, no MFU on the CPU, and the peak memory."""
+    steps' tokens/s, no MFU on the CPU (asked for: on a GPU machine ``auto`` would pick CUDA), and the peak memory."""
     from tests.helpers.swarm_utils import start_node
 
-    node = start_node(tmp_path, "n", ["--model", "nano", "--batch-size", "6", "--micro-batch-size", "4",
+    node = start_node(tmp_path, "n", ["--model", "nano", "--device", "cpu", "--batch-size", "6", "--micro-batch-size", "4",
                                       "--activation-checkpointing", "--outer-device", "same", "--inner-steps", "6",
                                       "--max-steps", "12", "--threads", "1", "--eval-batches", "2", "--averaging-timeout", "10"])
     nodes.append(node)
