@@ -133,7 +133,10 @@ class NodeConfig(DerivedSettings, BaseModel):
         "every round (Moshpit); such rounds average each member's stepped weights", AVG, ge=2, le=4096)
     fragments: int = option(1, "Streaming: split the model into P fragments synchronised in rotation, one every H/P steps", AVG,
                             ge=1, le=64)
-    overlap: bool = option(False, "Keep training while a round's exchange runs", AVG)
+    overlap: bool | None = option(
+        None, "Keep training while a round's exchange runs; the steps taken meanwhile stay on top of the round's result "
+        "(a one-step-delayed outer update)", AVG,
+        default_text="auto: on with CUDA once a round blocks training for more than 5% of its inner steps' time")
     overlap_mode: Literal["asap", "delayed", "eager"] = option(
         "asap", "With --overlap: asap (apply a round's result when it arrives) | delayed (at the next round: one-step delay) | "
         "eager (apply an estimate from this node's Δ and the others' previous Δ at once, correct it when the result arrives)", AVG)

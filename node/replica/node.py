@@ -42,7 +42,7 @@ from gossip.state_transfer import DownloadedState, StateServer, StateSnapshot
 from gossip.byzantine import Attacker, parse_attacks
 from node.config import AUTO_STEPS_MAX_FACTOR, BY_REPLICAS, NodeConfig
 from node.replica.joiner import Joiner
-from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
+from node.replica.rounds import PendingRound, RoundPlan, RoundRunner, keep_progress
 from node.replica.scoring import build_scorer
 from node.runtime.base import NodeBase
 from node.runtime.local_training import LocalTrainer
@@ -53,6 +53,8 @@ from protocol.records import PeerRecord
 from swarm.lr_schedule import SCHEDULE_STEP, schedule_position
 
 logger = logging.getLogger("locomesh.node")
+
+AUTO_OVERLAP_SHARE = 0.05  # --overlap auto: a round blocking longer than this share of its inner steps' time
 
 
 class Daemon(NodeBase):
@@ -70,6 +72,7 @@ class Daemon(NodeBase):
         self.peer_rates: dict[str, float] = {}
         self.last_contributors = 0  # members of the last round in sync (--inner-steps by-replicas)
         self.round_target = 1
+        self.round_compute_from = 0.0  # inner_s when the last round began
 
     # ---- lifecycle (node.runtime.base) ------------------------------------------------------------
     def _prepare(self) -> None:
@@ -83,6 +86,10 @@ class Daemon(NodeBase):
         if work.init_weights is not None:  # a joiner still takes the swarm's state, a resumed node its checkpoint
             self.trainer.load_weights(work.init_weights)
             self.event("init_from", checkpoint=work.init_source)
+        # --overlap: on, off, or None (auto: on with CUDA once rounds cost the GPU more than AUTO_OVERLAP_SHARE)
+        self.overlap = bool(cfg.overlap)
+        self.auto_overlap = cfg.overlap is None and device.type == "cuda"
+        self.metrics.overlap.set(int(self.overlap))
         self.placement = OuterPlacement.choose(device, cfg.outer_device)  # φ, and the outer momentum with it
         self.phi = self.placement.copy_of(self.trainer.parameters())
         self._start_throughput()
@@ -118,13 +125,13 @@ class Daemon(NodeBase):
             self.averager = DiLoCoAverager(
                 net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, partition=self.plan.partition,
                 gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregation,
-                keep_others=cfg.overlap and cfg.overlap_mode == "eager", max_group_size=cfg.max_group_size,
+                keep_others=bool(cfg.overlap) and cfg.overlap_mode == "eager", max_group_size=cfg.max_group_size,
                 weight_codec=self.plan.phi_codec, max_samples=cfg.max_round_samples, attacker=attacker,
             )
             self.averager.reachable = self.reachable
             if cfg.scores_contributions and cfg.fragments == 1:  # a fragment's φ is not a model to score
                 self.averager.scorer = build_scorer(self.model_cfg, self.workload, self.device)
-        self.rounds = RoundRunner(net=net, averager=self.averager, eager=cfg.overlap and cfg.overlap_mode == "eager",
+        self.rounds = RoundRunner(net=net, averager=self.averager, eager=bool(cfg.overlap) and cfg.overlap_mode == "eager",
                                   before_gather=self._heartbeat, stop=self.stop, final_timeout=2 * cfg.averaging_timeout + 30,
                                   placement=self.placement)
         self.joiner = Joiner(net=net, run_id=cfg.run_id, peer_id=peer_id, settings=run_settings(cfg), layout=self._state_layout,
@@ -273,7 +280,9 @@ class Daemon(NodeBase):
             self._count_steps(1, tokens_per_step, loss)
             window_tokens += tokens_per_step
             elapsed = time.monotonic() - window_start
-            self.inner_s += time.monotonic() - fetch_started
+            step_s = time.monotonic() - fetch_started
+            self.inner_s += step_s
+            self.metrics.inner_time.inc(step_s)
             self.inner_tokens += tokens_per_step
             if elapsed >= 2.0:
                 self.tokens_per_s = window_tokens / elapsed
@@ -304,10 +313,25 @@ class Daemon(NodeBase):
         else right away (the training loop waits)."""
         fragment = fragment_of_round(self.round, self.cfg.fragments)
         self.rounds.start(self.round, fragment, self.plan.fragments[fragment], self.phi, self.trainer.parameters(), samples,
-                          self.inner_step, self.plan.feedback[fragment])
+                          self.inner_step, self.plan.feedback[fragment], overlapped=self.overlap)
         self.inner_step = 0
-        if not self.cfg.overlap:
+        compute_s, self.round_compute_from = self.inner_s - self.round_compute_from, self.inner_s
+        if not self.overlap:
+            blocked = time.monotonic()
             self._finish_pending()
+            self._maybe_overlap(time.monotonic() - blocked, compute_s)
+
+    def _maybe_overlap(self, blocked_s: float, compute_s: float) -> None:
+        """``--overlap`` auto: once a round has blocked training for more than ``AUTO_OVERLAP_SHARE`` of the
+        inner steps' time before it, the following rounds run beside training."""
+        if not self.auto_overlap or blocked_s <= AUTO_OVERLAP_SHARE * compute_s:
+            return
+        self.overlap = True
+        self.metrics.overlap.set(1)
+        self.event("overlap_on", blocked_s=round(blocked_s, 3), compute_s=round(compute_s, 3))
+        logger.info("a round blocked training for %.2fs after %.2fs of inner steps (more than %d%%): later rounds run "
+                    "beside training (--overlap auto; --no-overlap keeps them blocking)", blocked_s, compute_s,
+                    round(100 * AUTO_OVERLAP_SHARE))
 
     def _finish_pending(self, final: bool = False) -> None:
         """Wait for the round in flight (counted as communication wait) and apply its result."""
@@ -351,7 +375,10 @@ class Daemon(NodeBase):
             self.summary.outer_rounds += 1
             indices = self.plan.fragments[pending.fragment]
             params = self.trainer.parameters()
-            if pending.eager is not None:
+            if pending.start is not None:
+                keep_progress([params[i].data for i in indices], [self.phi[i] for i in indices], pending.start,
+                              self.cfg.fragment_alpha)
+            elif pending.eager is not None:
                 # keep the steps taken since the estimate, moved by how far the estimate was off
                 with torch.no_grad():
                     for i, guess in zip(indices, pending.eager):

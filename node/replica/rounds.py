@@ -78,6 +78,7 @@ class PendingRound:
     steps: int
     future: concurrent.futures.Future
     eager: list[torch.Tensor] | None = None  # the estimate of the fragment's new φ already applied (eager mode)
+    start: list[torch.Tensor] | None = None  # θ when the round began, kept while training goes on beside it
 
 
 class RoundRunner:
@@ -102,8 +103,10 @@ class RoundRunner:
         self.others_prev: dict[int, tuple[list[torch.Tensor], int]] = {}  # fragment → others' Σ samples·Δ, samples
 
     def start(self, round_no: int, fragment: int, indices: list[int], phi: list[torch.Tensor], params: list[torch.nn.Parameter],
-              samples: int, steps: int, feedback: list | None) -> PendingRound:
-        """Start the round of ``fragment`` (parameters ``indices``); ``phi`` is the node's φ, stepped in place."""
+              samples: int, steps: int, feedback: list | None, overlapped: bool = False) -> PendingRound:
+        """Start the round of ``fragment`` (parameters ``indices``); ``phi`` is the node's φ, stepped in place.
+        ``overlapped``: training goes on while the round runs, so the round keeps θ's snapshot (``start``) for
+        :func:`keep_progress` (the snapshot the round sends from anyway: no extra copy)."""
         theta = self.placement.copy_of([params[i] for i in indices])
         phi_fragment = [phi[i] for i in indices]
         coro = self.averager.run_round(round_no, phi_fragment, theta, samples, before_gather=self.before_gather,
@@ -112,7 +115,8 @@ class RoundRunner:
         if self.eager and fragment in self.others_prev:
             # before the round touches φ and the outer momentum
             estimate = self._apply_eager(round_no, fragment, indices, phi_fragment, theta, params, samples)
-        self.pending = PendingRound(round_no, fragment, steps, self.net.submit(coro), estimate)
+        self.pending = PendingRound(round_no, fragment, steps, self.net.submit(coro), estimate,
+                                    theta if overlapped and estimate is None else None)
         return self.pending
 
     def _apply_eager(self, round_no: int, fragment: int, indices: list[int], phi: list[torch.Tensor], theta: list[torch.Tensor],
@@ -153,3 +157,13 @@ class RoundRunner:
         elif result.groups > 1:  # a bounded group averaged weights: no others' Δ to estimate the next round from
             self.others_prev.pop(pending.fragment, None)
         return result, pending
+
+
+@torch.no_grad()
+def keep_progress(local: list[torch.Tensor], phi: list[torch.Tensor], start: list[torch.Tensor], alpha: float) -> None:
+    """Apply an overlapped round's result without losing the inner steps taken while it ran:
+    θ ← θ + (1 − α)·(φ − θ_start), in place on ``local``. With no step in between (θ = θ_start) this is
+    :func:`gossip.fragments.merge_fragment`'s (1 − α)·φ + α·θ; otherwise the local steps since the round
+    began stay on top of the agreed φ (a one-step-delayed outer update), and they enter the next round's Δ."""
+    for t, p, s in zip(local, phi, start):
+        t.add_((p.float() - s.float()).to(t.device, t.dtype), alpha=1 - alpha)
