@@ -375,7 +375,7 @@ class Daemon(NodeBase):
             self.summary.outer_rounds += 1
             indices = self.plan.fragments[pending.fragment]
             params = self.trainer.parameters()
-            if pending.start is not None:
+            if pending.start is not None and self.inner_step > 0:  # steps were taken beside the round: keep them
                 keep_progress([params[i].data for i in indices], [self.phi[i] for i in indices], pending.start,
                               self.cfg.fragment_alpha)
             elif pending.eager is not None:

@@ -1,0 +1,93 @@
+"""Rounds beside training: the same swarm with blocking rounds and with ``--overlap``, at equal inner steps.
+
+    python -m benchmarks.overlap [--nodes 2] [--model medium] [--max-steps 100] [--seeds 0,1]
+        [--extra "--batch-size 1 --context 32 --inner-steps 5 --threads 1"] --out PATH.json
+
+For each seed and mode (``--no-overlap``, ``--overlap``) one ``node swarm`` of ``--nodes`` real daemons on
+loopback runs until every node has taken ``--max-steps`` inner steps (``--duration`` bounds it), with
+a fresh checkpoint folder. Per run: wall time, each node's share of its training loop spent blocked in
+rounds (``comm_wait_s / train_s``), inner steps per second, and the held-out loss at the end (the same
+steps and seeds in both modes, so the losses compare like with like). The JSON::
+
+    {"runs": [{"mode", "seed", "wall_s", "blocked_share": [..], "val_loss": [..], "steps": [..], ...}],
+     "summary": {"<mode>": {"blocked_share": mean, "val_loss": mean, "steps_per_s": mean}}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import results_io
+
+MODES = {"blocking": ["--no-overlap"], "overlap": ["--overlap"]}
+
+
+def run(args: argparse.Namespace, mode: str, seed: int, folder: Path) -> dict[str, Any]:
+    report = folder / f"{mode}-{seed}.json"
+    cmd = [sys.executable, "-m", "node", "swarm", "--nodes", str(args.nodes), "--model", args.model,
+           "--max-steps", str(args.max_steps), "--duration", str(args.duration), "--seed", str(seed),
+           "--report", str(report), "--checkpoint-dir", str(folder / f"{mode}-{seed}"),
+           *shlex.split(args.extra), *MODES[mode]]
+    started = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration + 300)
+    wall = time.monotonic() - started
+    if not report.exists():
+        return {"mode": mode, "seed": seed, "error": done.stderr[-2000:] or done.stdout[-2000:]}
+    nodes = json.loads(report.read_text())["nodes"]
+    return {
+        "mode": mode, "seed": seed, "wall_s": round(wall, 1), "exit_codes": [n["exit_code"] for n in nodes],
+        "steps": [n["steps"] for n in nodes], "outer_rounds": [n["outer_rounds"] for n in nodes],
+        "train_s": [round(n["train_s"], 2) for n in nodes], "comm_wait_s": [round(n["comm_wait_s"], 2) for n in nodes],
+        "blocked_share": [round(n["comm_wait_s"] / n["train_s"], 4) if n["train_s"] else None for n in nodes],
+        "steps_per_s": [round(n["steps"] / n["train_s"], 3) if n["train_s"] else None for n in nodes],
+        "val_loss": [n["val_loss"] for n in nodes],
+        "round_exchange_s": [statistics.median(r["exchange_s"] for r in n["rounds"]) if n["rounds"] else None for n in nodes],
+    }
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        done = [r for r in runs if r["mode"] == mode and "error" not in r]
+        if not done:
+            continue
+        values = {key: [v for r in done for v in r[key] if v is not None] for key in ("blocked_share", "val_loss", "steps_per_s")}
+        out[mode] = {key: round(statistics.mean(v), 4) for key, v in values.items() if v}
+    if "blocking" in out and "overlap" in out:
+        out["val_loss_overlap_over_blocking"] = round(out["overlap"]["val_loss"] / out["blocking"]["val_loss"], 4)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--model", default="medium")
+    parser.add_argument("--max-steps", type=int, default=100, help="inner steps of every node (default: 100)")
+    parser.add_argument("--duration", type=float, default=600, help="longest run in seconds (default: 600)")
+    parser.add_argument("--seeds", default="0", help="comma separated (default: 0)")
+    parser.add_argument("--extra", default="--batch-size 1 --context 32 --inner-steps 5 --threads 1",
+                        help="more node join options for every node")
+    parser.add_argument("--modes", default="blocking,overlap")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.overlap", *argv])
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="overlap-") as tmp:
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for mode in args.modes.split(","):
+                runs.append(run(args, mode, seed, Path(tmp)))
+                print(json.dumps(runs[-1]), flush=True)
+    results_io.write(args.out, {"options": vars(args) | {"out": str(args.out)}, "runs": runs, "summary": summarise(runs)}, meta)
+
+
+if __name__ == "__main__":
+    main()
