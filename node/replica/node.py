@@ -87,7 +87,7 @@ class Daemon(NodeBase):
             self.trainer.load_weights(work.init_weights)
             self.event("init_from", checkpoint=work.init_source)
         # --overlap: on, off, or None (auto: on with CUDA once rounds cost the GPU more than AUTO_OVERLAP_SHARE)
-        self.overlap = bool(cfg.overlap)
+        self.overlap = self.summary.overlap = bool(cfg.overlap)
         self.auto_overlap = cfg.overlap is None and device.type == "cuda"
         self.metrics.overlap.set(int(self.overlap))
         self.placement = OuterPlacement.choose(device, cfg.outer_device)  # φ, and the outer momentum with it
@@ -161,8 +161,17 @@ class Daemon(NodeBase):
     def _status_fields(self) -> dict[str, Any]:
         cfg = self.cfg
         return {"inner_step": self.inner_step, "tokens_per_s": self.tokens_per_s, "algorithm": cfg.algorithm, "compression": cfg.codec,
-                "fragments": cfg.fragments, "round_steps": self.round_target,
+                "fragments": cfg.fragments, "round_steps": self.round_target, "overlap": self.overlap,
+                **self._time_shares(),
                 "peer_scores": self.averager.scorer.peers.snapshot() if self.averager.scorer else {}}
+
+    def _time_shares(self) -> dict[str, float | None]:
+        """Shares of the training loop's wall time: inner steps, and standing still for outer rounds."""
+        if self.train_started is None:
+            return {"training_share": None, "blocked_share": None}
+        loop_s = max(time.monotonic() - self.train_started, 1e-9)
+        return {"training_share": round(min(self.inner_s / loop_s, 1.0), 4),
+                "blocked_share": round(min(self.summary.comm_wait_s / loop_s, 1.0), 4)}
 
     def _checkpoint_state(self) -> dict[str, Any]:
         return {"inner_steps_total": self.trainer.steps, "phi": [t.to("cpu", copy=True) for t in self.phi],
@@ -283,6 +292,7 @@ class Daemon(NodeBase):
             step_s = time.monotonic() - fetch_started
             self.inner_s += step_s
             self.metrics.inner_time.inc(step_s)
+            self.summary.inner_s = self.inner_s
             self.inner_tokens += tokens_per_step
             if elapsed >= 2.0:
                 self.tokens_per_s = window_tokens / elapsed
@@ -326,7 +336,7 @@ class Daemon(NodeBase):
         inner steps' time before it, the following rounds run beside training."""
         if not self.auto_overlap or blocked_s <= AUTO_OVERLAP_SHARE * compute_s:
             return
-        self.overlap = True
+        self.overlap = self.summary.overlap = True
         self.metrics.overlap.set(1)
         self.event("overlap_on", blocked_s=round(blocked_s, 3), compute_s=round(compute_s, 3))
         logger.info("a round blocked training for %.2fs after %.2fs of inner steps (more than %d%%): later rounds run "

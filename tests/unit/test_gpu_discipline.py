@@ -374,3 +374,24 @@ def test_the_cuda_recipe_runs_on_the_cpu(name: str, optimizer: str) -> None:
     assert fast_losses[-1] == pytest.approx(plain_losses[-1], rel=0.05)
     evaluated = fast.evaluate([(x, y)])
     assert evaluated == pytest.approx(plain.evaluate([(x, y)]), rel=0.05) and math.isfinite(evaluated)
+
+
+def test_compile_defaults_to_the_device_and_caches_kernels_in_a_lasting_folder(monkeypatch, tmp_path):
+    """compile=None (the daemon's --compile default) compiles on CUDA only: on the CPU the model runs eager;
+    Inductor's kernels go to ~/.cache/locomesh/inductor unless TORCHINDUCTOR_CACHE_DIR says otherwise."""
+    from node.runtime.local_training import compile_cache_dir
+
+    trainer = LocalTrainer(cfg=preset("nano"), device=CPU, lr=1e-3, seed=0)
+    assert trainer.train_model is trainer.model
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compile_cache_dir() == tmp_path / "locomesh" / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert compile_cache_dir() == tmp_path / "mine"
+
+
+def test_overlap_is_auto_unless_asked():
+    from node.config import load_config
+
+    assert load_config({}).overlap is None and load_config({}).compile is None
+    assert load_config({"overlap": True}).overlap is True and load_config({"overlap": False}).overlap is False

@@ -218,3 +218,17 @@ def test_gpt_is_unchanged_and_still_built_by_the_registry():
     assert type(build_model(cfg)) is GPT and isinstance(cfg, GPTConfig)
     names = [n for n, _ in GPT(cfg).named_parameters()]
     assert names[:3] == ["tok_emb.weight", "pos_emb.weight", "blocks.0.ln1.weight"] and names[-1] == "ln_f.bias"
+
+
+def test_rotary_tables_are_computed_once_and_never_saved():
+    """cos/sin live in non-persistent buffers: the state dict (checkpoints, exports) is the parameters alone,
+    and a model built on the meta device (names and shapes only) builds them there too."""
+    model = build_model(TINY)
+    attn = model.blocks[0].self_attn
+    assert attn.rope_cos.shape == (TINY.context, TINY.head_dim)
+    assert not any("rope" in name for name in model.state_dict())
+    cos, sin = rope_cos_sin(TINY.context, TINY.head_dim, TINY.rope_theta, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(attn.rope_cos, cos) and torch.testing.assert_close(attn.rope_sin, sin)
+    with torch.device("meta"):
+        meta = build_model(TINY)
+    assert meta.blocks[0].self_attn.rope_cos.is_meta
