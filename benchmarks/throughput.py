@@ -18,8 +18,8 @@ machine's memory and ``--budget-s``), at the same batch, data and trainer option
   runs beside training (network thread, heartbeats, metrics). The node's own summary
   (``--info-file``: inner steps' tokens/s over the whole run, MFU, peak memory) is reported too.
 
-``--bare-only`` skips the daemon; ``--profile`` adds the bare loop's 15 busiest device kernels over 3 more
-steps (torch.profiler) to each run. ``warmup_s`` is the warm-up steps' wall time (with compilation, the
+``--bare-only`` skips the daemon; ``--profile`` adds the bare loop's 30 busiest device kernels over 3 more
+steps (torch.profiler) and their total to each run. ``warmup_s`` is the warm-up steps' wall time (with compilation, the
 compile time).
 
 ``daemon_over_bare`` = daemon tokens/s ÷ bare tokens/s (target ≥ 0.95); with ``--repeats R`` the two run
@@ -62,7 +62,7 @@ def _options(args: argparse.Namespace, bare: bool = False) -> list[str]:
     if args.activation_checkpointing:
         out.append("--activation-checkpointing")
     if bare:
-        out += ["--compile", args.compile]
+        out += ["--compile", args.compile] + (["--compile-mode", args.compile_mode] if args.compile_mode else [])
     elif args.compile != "auto":
         out.append("--compile" if args.compile == "on" else "--no-compile")
     if args.threads:
@@ -87,7 +87,7 @@ def bare(args: argparse.Namespace) -> dict[str, Any]:
     batches = ByteBatches(data=corpus.train, batch_size=args.batch_size, context=cfg.context, seed=0)
     trainer = LocalTrainer(cfg=cfg, device=device, lr=1e-3, micro_batch_size=args.micro_batch_size,
                            activation_checkpointing=args.activation_checkpointing,
-                           compile={"auto": None, "on": True, "off": False}[args.compile])
+                           compile={"auto": None, "on": True, "off": False}[args.compile], compile_mode=args.compile_mode)
     warmup_started = time.perf_counter()
     for _ in range(args.warmup):
         trainer.step(*batches.next())
@@ -109,7 +109,8 @@ def bare(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def profile_steps(trainer: Any, batches: Any, device: torch.device, steps: int = 3) -> list[dict[str, Any]]:
-    """The 15 kernels (or CPU ops) with the most self time over ``steps`` more steps, in ms per step."""
+    """The 30 kernels (CPU ops on the CPU) with the most self time over ``steps`` more steps, in ms per step, after
+    a first row with all of them together (on a GPU: how busy it was; the step's wall time minus that is idle)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -117,9 +118,14 @@ def profile_steps(trainer: Any, batches: Any, device: torch.device, steps: int =
         for _ in range(steps):
             trainer.step(*batches.next())
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)[:15]
-    return [{"name": e.key[:120], "ms_per_step": round(getattr(e, key, 0.0) / 1000 / steps, 3), "calls": e.count // steps}
-            for e in events]
+    averages = list(prof.key_averages())
+    if device.type == "cuda":  # the kernels themselves (an operator's row repeats its kernels' time)
+        averages = [e for e in averages if getattr(getattr(e, "device_type", None), "name", "") == "CUDA"] or averages
+    events = sorted(averages, key=lambda e: getattr(e, key, 0.0), reverse=True)
+    rows = [{"name": e.key[:120], "ms_per_step": round(getattr(e, key, 0.0) / 1000 / steps, 3), "calls": e.count // steps}
+            for e in events[:30]]
+    busy = sum(getattr(e, key, 0.0) for e in events) / 1000 / steps
+    return [{"name": "(all of them: busy ms per step)", "ms_per_step": round(busy, 3), "calls": sum(e.count for e in events) // steps}] + rows
 
 
 def run_bare(args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -328,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                         help="torch.compile the model: auto = as a daemon does (on with CUDA)")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile's mode in the bare loop (e.g. reduce-overhead)")
     parser.add_argument("--bare-only", action="store_true", help="the bare loop alone (no daemon)")
     parser.add_argument("--profile", action="store_true", help="each bare loop's busiest kernels over 3 more steps")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads in both runs (default: torch's choice)")
