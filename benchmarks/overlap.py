@@ -28,7 +28,8 @@ from typing import Any
 
 from benchmarks import results_io
 
-MODES = {"blocking": ["--no-overlap"], "overlap": ["--overlap"]}
+MODES = {"blocking": ["--no-overlap"], "overlap": ["--overlap"], "eager": ["--overlap", "--overlap-mode", "eager"],
+         "delayed": ["--overlap", "--overlap-mode", "delayed"]}
 
 
 def run(args: argparse.Namespace, mode: str, seed: int, folder: Path) -> dict[str, Any]:
@@ -62,8 +63,9 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         values = {key: [v for r in done for v in r[key] if v is not None] for key in ("blocked_share", "val_loss", "steps_per_s")}
         out[mode] = {key: round(statistics.mean(v), 4) for key, v in values.items() if v}
-    if "blocking" in out and "overlap" in out:
-        out["val_loss_overlap_over_blocking"] = round(out["overlap"]["val_loss"] / out["blocking"]["val_loss"], 4)
+    for mode in MODES:
+        if mode != "blocking" and "blocking" in out and mode in out:
+            out[f"val_loss_{mode}_over_blocking"] = round(out[mode]["val_loss"] / out["blocking"]["val_loss"], 4)
     return out
 
 

@@ -56,6 +56,8 @@ def _date(value: Any) -> str | None:
 
 
 def _record(meta: dict[str, Any]) -> tuple[list[str], bool | None, str | None]:
+    if meta.get("code_commit"):  # a run on a borrowed machine from a committed copy whose own .git was stale
+        return [str(meta["code_commit"])[:7]], False, _date(meta.get("started", meta.get("date")))
     commit = meta.get("git_commit") or meta.get("commit") or meta.get("git")
     commits = [str(commit)[:7]] if commit else []
     flag = meta.get("git_dirty", meta.get("dirty"))

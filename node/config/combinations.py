@@ -19,7 +19,8 @@ def check_combinations(cfg: Any) -> None:
     (typed ``Any``: this module sits below ``node_config``, which imports it)."""
     memory_flags = [flag for flag, on in (("--micro-batch-size", cfg.micro_batch_size is not None),
                                           ("--activation-checkpointing", cfg.activation_checkpointing),
-                                          ("--compile", cfg.compile)) if on]
+                                          ("--compile", cfg.compile),
+                                          ("--compile-mode", cfg.compile_mode != "default")) if on]
     if memory_flags and cfg.stages > 1:
         raise ValueError(f"{', '.join(memory_flags)} {'is' if len(memory_flags) == 1 else 'are'} for whole-model replicas (--stages 1), "
                          "not pipelines (a pipeline trainer cuts its batches with --microbatches)")

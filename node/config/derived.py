@@ -42,7 +42,7 @@ class DerivedSettings:
         if self.contribution_scores != "auto":
             return self.contribution_scores == "on"
         whole = (self.algorithm == "sparseloco" or not is_dense(self.codec) or self.aggregation not in PART_WISE
-                 or (bool(self.overlap) and self.overlap_mode == "eager"))
+                 or (self.overlap and self.overlap_mode == "eager"))
         return self.swarm_key is None and whole
 
     @property

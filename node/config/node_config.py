@@ -114,6 +114,9 @@ class NodeConfig(DerivedSettings, BaseModel):
         None, "torch.compile the model: faster steps after a slow first one (compiled kernels are kept in "
         "~/.cache/locomesh/inductor for the next start); falls back to eager with a warning if compilation fails", TRAIN,
         default_text="on with CUDA, off on the CPU")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = option(
+        "default", "torch.compile's mode: reduce-overhead replays each step as CUDA graphs (llama-150m on one H100: 298k "
+        "against 275k tokens/s, ~1 GB more memory; docs/benchmarks.md)", TRAIN)
     outer_device: Literal["cpu", "same"] = option(
         "cpu", "Where the agreed weights and outer momentum live and the outer step runs: cpu (pinned host memory, leaves GPU "
         "memory to the model) | same (the model's device)", TRAIN)
@@ -133,10 +136,9 @@ class NodeConfig(DerivedSettings, BaseModel):
         "every round (Moshpit); such rounds average each member's stepped weights", AVG, ge=2, le=4096)
     fragments: int = option(1, "Streaming: split the model into P fragments synchronised in rotation, one every H/P steps", AVG,
                             ge=1, le=64)
-    overlap: bool | None = option(
-        None, "Keep training while a round's exchange runs; the steps taken meanwhile stay on top of the round's result "
-        "(a one-step-delayed outer update)", AVG,
-        default_text="auto: on with CUDA once a round blocks training for more than 5% of its inner steps' time")
+    overlap: bool = option(
+        False, "Keep training while a round's exchange runs; the steps taken meanwhile stay on top of the round's result "
+        "(a one-step-delayed outer update: it hides the round's time but costs loss per step, docs/benchmarks.md)", AVG)
     overlap_mode: Literal["asap", "delayed", "eager"] = option(
         "asap", "With --overlap: asap (apply a round's result when it arrives) | delayed (at the next round: one-step delay) | "
         "eager (apply an estimate from this node's Δ and the others' previous Δ at once, correct it when the result arrives)", AVG)

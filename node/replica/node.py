@@ -54,8 +54,6 @@ from swarm.lr_schedule import SCHEDULE_STEP, schedule_position
 
 logger = logging.getLogger("locomesh.node")
 
-AUTO_OVERLAP_SHARE = 0.05  # --overlap auto: a round blocking longer than this share of its inner steps' time
-
 
 class Daemon(NodeBase):
     """One volunteer node. ``run()`` blocks until the node stops and returns its exit code."""
@@ -72,7 +70,6 @@ class Daemon(NodeBase):
         self.peer_rates: dict[str, float] = {}
         self.last_contributors = 0  # members of the last round in sync (--inner-steps by-replicas)
         self.round_target = 1
-        self.round_compute_from = 0.0  # inner_s when the last round began
 
     # ---- lifecycle (node.runtime.base) ------------------------------------------------------------
     def _prepare(self) -> None:
@@ -82,14 +79,11 @@ class Daemon(NodeBase):
         self.trainer = LocalTrainer(cfg=model_cfg, device=device, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                     schedule=cfg.schedule(), inner_optimizer=cfg.inner_optimizer, seed=cfg.model_seed,
                                     micro_batch_size=cfg.micro_batch_size,
-                                    activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
+                                    activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+                                    compile_mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
         if work.init_weights is not None:  # a joiner still takes the swarm's state, a resumed node its checkpoint
             self.trainer.load_weights(work.init_weights)
             self.event("init_from", checkpoint=work.init_source)
-        # --overlap: on, off, or None (auto: on with CUDA once rounds cost the GPU more than AUTO_OVERLAP_SHARE)
-        self.overlap = self.summary.overlap = bool(cfg.overlap)
-        self.auto_overlap = cfg.overlap is None and device.type == "cuda"
-        self.metrics.overlap.set(int(self.overlap))
         self.placement = OuterPlacement.choose(device, cfg.outer_device)  # φ, and the outer momentum with it
         self.phi = self.placement.copy_of(self.trainer.parameters())
         self._start_throughput()
@@ -125,13 +119,13 @@ class Daemon(NodeBase):
             self.averager = DiLoCoAverager(
                 net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, partition=self.plan.partition,
                 gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregation,
-                keep_others=bool(cfg.overlap) and cfg.overlap_mode == "eager", max_group_size=cfg.max_group_size,
+                keep_others=cfg.overlap and cfg.overlap_mode == "eager", max_group_size=cfg.max_group_size,
                 weight_codec=self.plan.phi_codec, max_samples=cfg.max_round_samples, attacker=attacker,
             )
             self.averager.reachable = self.reachable
             if cfg.scores_contributions and cfg.fragments == 1:  # a fragment's φ is not a model to score
                 self.averager.scorer = build_scorer(self.model_cfg, self.workload, self.device)
-        self.rounds = RoundRunner(net=net, averager=self.averager, eager=bool(cfg.overlap) and cfg.overlap_mode == "eager",
+        self.rounds = RoundRunner(net=net, averager=self.averager, eager=cfg.overlap and cfg.overlap_mode == "eager",
                                   before_gather=self._heartbeat, stop=self.stop, final_timeout=2 * cfg.averaging_timeout + 30,
                                   placement=self.placement)
         self.joiner = Joiner(net=net, run_id=cfg.run_id, peer_id=peer_id, settings=run_settings(cfg), layout=self._state_layout,
@@ -161,7 +155,7 @@ class Daemon(NodeBase):
     def _status_fields(self) -> dict[str, Any]:
         cfg = self.cfg
         return {"inner_step": self.inner_step, "tokens_per_s": self.tokens_per_s, "algorithm": cfg.algorithm, "compression": cfg.codec,
-                "fragments": cfg.fragments, "round_steps": self.round_target, "overlap": self.overlap,
+                "fragments": cfg.fragments, "round_steps": self.round_target,
                 **self._time_shares(),
                 "peer_scores": self.averager.scorer.peers.snapshot() if self.averager.scorer else {}}
 
@@ -323,25 +317,10 @@ class Daemon(NodeBase):
         else right away (the training loop waits)."""
         fragment = fragment_of_round(self.round, self.cfg.fragments)
         self.rounds.start(self.round, fragment, self.plan.fragments[fragment], self.phi, self.trainer.parameters(), samples,
-                          self.inner_step, self.plan.feedback[fragment], overlapped=self.overlap)
+                          self.inner_step, self.plan.feedback[fragment], overlapped=self.cfg.overlap)
         self.inner_step = 0
-        compute_s, self.round_compute_from = self.inner_s - self.round_compute_from, self.inner_s
-        if not self.overlap:
-            blocked = time.monotonic()
+        if not self.cfg.overlap:
             self._finish_pending()
-            self._maybe_overlap(time.monotonic() - blocked, compute_s)
-
-    def _maybe_overlap(self, blocked_s: float, compute_s: float) -> None:
-        """``--overlap`` auto: once a round has blocked training for more than ``AUTO_OVERLAP_SHARE`` of the
-        inner steps' time before it, the following rounds run beside training."""
-        if not self.auto_overlap or blocked_s <= AUTO_OVERLAP_SHARE * compute_s:
-            return
-        self.overlap = self.summary.overlap = True
-        self.metrics.overlap.set(1)
-        self.event("overlap_on", blocked_s=round(blocked_s, 3), compute_s=round(compute_s, 3))
-        logger.info("a round blocked training for %.2fs after %.2fs of inner steps (more than %d%%): later rounds run "
-                    "beside training (--overlap auto; --no-overlap keeps them blocking)", blocked_s, compute_s,
-                    round(100 * AUTO_OVERLAP_SHARE))
 
     def _finish_pending(self, final: bool = False) -> None:
         """Wait for the round in flight (counted as communication wait) and apply its result."""

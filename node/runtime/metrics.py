@@ -36,7 +36,6 @@ class NodeMetrics:
         self.round_duration = Histogram("locomesh_round_duration_seconds", "Wall time of the averaging part of an outer round", buckets=ROUND_BUCKETS, registry=r)
         self.comm_wait = Counter("locomesh_comm_wait_seconds", "Time the training loop stood still waiting for outer rounds", registry=r)
         self.inner_time = Counter("locomesh_inner_seconds", "Time spent in inner steps (batch and step): divided by wall time, the training share", registry=r)
-        self.overlap = Gauge("locomesh_overlap", "1 while outer rounds run beside training (--overlap, or auto once rounds blocked it), else 0", registry=r)
         self.round_deadline = Gauge("locomesh_round_deadline_seconds", "Adaptive deadline of the last round's rendezvous", registry=r)
         self.round_inner_steps = Gauge("locomesh_round_inner_steps", "Inner steps this node takes in the current round (varies with --inner-steps auto)", registry=r)
         self.stage = Gauge("locomesh_stage", "Pipeline stage this node serves (-1: trainer or whole-model replica)", registry=r)

@@ -55,7 +55,6 @@ class Summary:
     wall_s: float = 0.0  # from start-up (model, corpus, networking, join) to the end of training
     train_s: float = 0.0  # the training loop alone
     inner_s: float = 0.0  # the inner steps (batch and step) within it: inner_s / train_s is the training share
-    overlap: bool = False  # whether outer rounds ran beside training at the end (--overlap, or auto)
     tokens_per_s: float = 0.0  # tokens per second of the inner steps, outer rounds left out
     val_bits_per_byte: float | None = None  # the held-out loss in bits per UTF-8 byte, whatever the tokenizer
     mfu: float | None = None  # model FLOPs utilisation at that rate (node.runtime.mfu); None on CPU or an unknown GPU

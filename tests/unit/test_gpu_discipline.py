@@ -390,8 +390,8 @@ def test_compile_defaults_to_the_device_and_caches_kernels_in_a_lasting_folder(m
     assert compile_cache_dir() == tmp_path / "mine"
 
 
-def test_overlap_is_auto_unless_asked():
+def test_compile_is_auto_unless_asked():
     from node.config import load_config
 
-    assert load_config({}).overlap is None and load_config({}).compile is None
-    assert load_config({"overlap": True}).overlap is True and load_config({"overlap": False}).overlap is False
+    assert load_config({}).compile is None and load_config({}).compile_mode == "default"
+    assert load_config({"compile": False}).compile is False

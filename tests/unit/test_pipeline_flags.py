@@ -70,6 +70,7 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "micro_batch_size": (2, ("refused", "--micro-batch-size is for whole-model replicas")),
     "activation_checkpointing": (True, ("refused", "--activation-checkpointing is for whole-model replicas")),
     "compile": (True, ("refused", "--compile is for whole-model replicas")),
+    "compile_mode": ("reduce-overhead", ("refused", "--compile-mode is for whole-model replicas")),
     "inner_steps": (10, ("refused", "--inner-steps counts a whole-model replica's steps per round; pipeline stages average "
                                     "every --sync-every seconds")),
     "round_steps": (10, ("refused", "--round-steps counts a whole-model replica's steps")),

@@ -174,20 +174,3 @@ def test_an_overlapped_round_keeps_the_steps_taken_beside_it(alpha):
     keep_progress([moved], [phi], [start], alpha)
     torch.testing.assert_close(moved, (1 - alpha) * phi + alpha * start + steps)
 
-
-def test_auto_overlap_turns_on_once_a_round_blocks_more_than_five_percent_of_its_compute():
-    from types import SimpleNamespace
-
-    from node.replica.node import AUTO_OVERLAP_SHARE, Daemon
-    from node.runtime.metrics import NodeMetrics
-
-    events = []
-    node = SimpleNamespace(auto_overlap=True, overlap=False, metrics=NodeMetrics(), summary=SimpleNamespace(overlap=False),
-                           event=lambda kind, **kw: events.append(kind))
-    Daemon._maybe_overlap(node, blocked_s=AUTO_OVERLAP_SHARE * 10.0, compute_s=10.0)  # exactly the share: still pays
-    assert node.overlap is False and node.metrics.registry.get_sample_value("locomesh_overlap") == 0
-    Daemon._maybe_overlap(node, blocked_s=0.6, compute_s=10.0)
-    assert node.overlap is node.summary.overlap is True and events == ["overlap_on"] and node.metrics.registry.get_sample_value("locomesh_overlap") == 1
-    off = SimpleNamespace(auto_overlap=False, overlap=False, metrics=NodeMetrics(), event=lambda kind, **kw: events.append(kind))
-    Daemon._maybe_overlap(off, blocked_s=100.0, compute_s=1.0)  # --no-overlap, or the CPU: never switched
-    assert off.overlap is False
