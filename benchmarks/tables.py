@@ -25,6 +25,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from benchmarks import tables_gpu as gpu
 from benchmarks import tables_network as net
 from benchmarks import tables_training as train
 from benchmarks.table_format import ROOT, Results
@@ -58,6 +59,9 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "convergence": train.convergence,
     "forging": train.forging,
     "quick_suite": net.quick_suite,
+    "gpu_loop": gpu.gpu_loop,
+    "gpu_replicas": gpu.gpu_replicas,
+    "overlap_cpu": gpu.overlap_cpu,
 }
 
 

@@ -1,0 +1,69 @@
+"""Generated tables of docs/benchmarks.md for the GPU path and for rounds beside training."""
+
+from __future__ import annotations
+
+from benchmarks.table_format import Results, loss, table
+
+LOOPS = (("eager", "gpu/loop_eager_h100.json"), ("compiled", "gpu/loop_compiled_h100.json"),
+         ("compiled, rotary tables cached", "gpu/loop_compiled_rope_h100.json"),
+         ("same, --compile-mode reduce-overhead (CUDA graphs)", "gpu/loop_cudagraphs_h100.json"))
+
+
+def gpu_loop(r: Results) -> str:
+    """The bare training loop on one H100 (benchmarks.throughput --bare-only), eager against compiled."""
+    rows = []
+    for label, name in LOOPS:
+        for run in r.load(name)["runs"]:
+            busy = next((p["ms_per_step"] for p in run.get("profile", []) if p["name"].startswith("(all")), None)
+            step_ms = 1000 * run["batch"] * run["context"] / run["tokens_per_s_bare"]
+            rows.append([f"`{run['model']}` ({run['params'] / 1e6:.0f} M)", label, f"{run['tokens_per_s_bare'] / 1e3:.0f} k",
+                         f"{100 * run['mfu']:.1f} %", f"{step_ms:.1f} ms" + (f" ({busy:.1f} busy)" if busy else ""),
+                         f"{run['peak_mem_mb'] / 1024:.1f} GiB", f"{run['warmup_s']:.0f} s"])
+    what = ("Batch 16 × the model's context, bf16 autocast, fused AdamW, byte data (a 32,000-token vocabulary for the "
+            "llama preset all the same); 20 timed steps (40 for the last two rows) after 3 warm-up ones, whose time "
+            "(the compilation with torch.compile) is the last column. Busy: the GPU's kernel time per step "
+            "(torch.profiler over 3 more steps); the rest of the step the GPU waited for the host. One run each: "
+            "the small models' 20 steps last under a second, so their rates are rough.")
+    names = [name for _, name in LOOPS]
+    header = ["model", "loop", "tokens/s", "MFU", "step (GPU busy)", "peak memory", "warm-up"]
+    return r.caption(*names, what=what) + "\n\n" + table(header, rows)
+
+
+def gpu_replicas(r: Results) -> str:
+    """Two llama-150m replicas sharing one H100 (two processes), blocking rounds against --overlap."""
+    rows = []
+    for label, name in (("blocking rounds", "gpu/replicas_llama150m_h100.json"),
+                        ("--overlap (asap; steps meanwhile dropped, as of that build)", "gpu/replicas_llama150m_overlap_h100.json")):
+        for node in r.load(name)["nodes"]:
+            rounds = [x["duration_s"] for x in node["rounds"]]
+            rows.append([label, str(node["index"]), str(node["steps"]), str(node["outer_rounds"]),
+                         f"{node['tokens_per_s'] / 1e3:.0f} k", f"{node['comm_wait_s']:.1f} s / {node['train_s']:.0f} s",
+                         f"{min(rounds):.1f}–{max(rounds):.1f} s" if rounds else "–", loss(node["val_loss"])])
+    what = ("`node swarm --nodes 2 --model llama-150m --device cuda --duration 70` (bytes: vocabulary 256, 126 M "
+            "parameters), H = 50, compiled (the default on CUDA). In the blocking run both processes compiled at "
+            "once for ~50 s of the 70 (an empty kernel cache), so it holds 2 rounds and its rate and "
+            "blocked time include that compilation; the overlap run found the cache warm. Tokens/s: the inner steps' rate per process (the two share the GPU).")
+    header = ["rounds", "node", "steps", "rounds done", "tokens/s", "blocked / training loop", "round", "held-out loss"]
+    return r.caption("gpu/replicas_llama150m_h100.json", "gpu/replicas_llama150m_overlap_h100.json", what=what) + "\n\n" + \
+        table(header, rows)
+
+
+def overlap_cpu(r: Results) -> str:
+    """Blocking rounds against each overlap mode at equal inner steps (benchmarks/overlap.py)."""
+    rows = []
+    for name in ("overlap_medium_cpu.json", "overlap_tiny_cpu.json", "overlap_tiny_modes_cpu.json"):
+        d = r.load(name)
+        o = d["options"]
+        for run in d["runs"]:
+            if "error" in run:
+                continue
+            rows.append([f"`{o['model']}`", run["mode"], str(run["seed"]), str(run["steps"][0]),
+                         " / ".join(f"{100 * b:.1f} %" for b in run["blocked_share"]),
+                         " / ".join(f"{s:.2f}" for s in run["steps_per_s"]), loss(run["val_loss"][0])])
+    what = ("Two daemons on loopback, one 2-core machine, `--inner-steps 5 --threads 1` (`medium`: also `--batch-size 1 "
+            "--context 32`), every node to the same inner steps, a fresh checkpoint folder per run. Blocked: the share "
+            "of each node's training loop spent waiting for rounds. Held-out loss after the last round (both nodes "
+            "agree). Overlap runs use the progress-keeping merge of this build. Too few seeds for more than a direction.")
+    header = ["model", "rounds", "seed", "steps", "blocked (node 0 / 1)", "steps/s", "held-out loss"]
+    return r.caption("overlap_medium_cpu.json", "overlap_tiny_cpu.json", "overlap_tiny_modes_cpu.json", what=what) + "\n\n" + \
+        table(header, rows)
