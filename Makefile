@@ -9,13 +9,19 @@ STAMP := $(VENV)/.installed
 SCALE = quick
 OUT = benchmarks/results
 
+# KEEP_TORCH=1: keep the torch that PYTHON already has (a CUDA build, say) when it is in the tested range
+# (pyproject.toml): the venv sees PYTHON's packages and only torch's pin is left out.
+KEEP_TORCH ?=
+CONSTRAINTS := $(if $(KEEP_TORCH),$(VENV)/constraints-keep-torch.txt,constraints.txt)
+
 setup: $(STAMP)
 
 # Re-installs only when the dependency pins change; an up-to-date venv costs nothing.
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(if $(KEEP_TORCH),--system-site-packages) $(VENV)
+	$(if $(KEEP_TORCH),grep -v '^torch==' constraints.txt > $(CONSTRAINTS))
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,lite]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[dev,lite]'
 	$(PY) -c "import hivemind, torch, node, protocol, compression, gossip, swarm; print('locomesh ready: torch', torch.__version__, 'hivemind', hivemind.__version__)"
 	$(PY) -c "import libp2p, protocol.libp2p_transport; print('light client ready: libp2p', libp2p.__version__)"  # its own process: libp2p and hivemind cannot share one
 	touch $(STAMP)

@@ -1,6 +1,6 @@
 """``node doctor``: check that this machine can run a node, and say how to fix what cannot.
 
-Checks: Python, torch, hivemind and numpy versions; that p2pd starts; that the listen port is free
+Checks: Python, torch (and its CUDA), hivemind and numpy versions against what the project is tested with; that p2pd starts; that the listen port is free
 and reachable on loopback; the training device and memory; free disk for checkpoints; and, given
 ``--initial-peers``, that a peer answers, how far its clock is from ours, and whether peers can dial
 this machine (a peer dials it back: :mod:`node.runtime.reachability`) with what to do about it.
@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import Callable
 
 MIN_FREE_DISK_GB = 1.0
+# What the project is tested with (pyproject.toml says the same): make test runs on each of these Pythons;
+# torch from 2.11 (the oldest run: the unit suite and 2-replica swarms on a CUDA machine) to 2.13 (pinned).
+PYTHONS = ((3, 11), (3, 12))
+TORCH_OLDEST, TORCH_NEWEST = (2, 11), (2, 13)
 MAX_CLOCK_SKEW_S = 5.0
 
 
@@ -30,12 +34,26 @@ class Check:
     fix: str = ""
 
 
+def torch_supported(version: str) -> bool:
+    """Whether a ``torch.__version__`` (``2.13.0+cpu``, ``2.11.0a0+git…``) lies in the tested range."""
+    try:
+        major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return TORCH_OLDEST <= (major, minor) <= TORCH_NEWEST
+
+
 def _versions() -> list[Check]:
-    out = [Check("python", sys.version_info[:2] == (3, 11), sys.version.split()[0], "install Python 3.11 and rerun `make setup`")]
+    pythons = " or ".join(f"{major}.{minor}" for major, minor in PYTHONS)
+    out = [Check("python", sys.version_info[:2] in PYTHONS, sys.version.split()[0],
+                 f"install Python {pythons} and rerun `make setup PYTHON=python{pythons.split(' or ')[-1]}`")]
     try:
         import torch
 
-        out.append(Check("torch", torch.__version__.startswith("2.13"), torch.__version__, "pip install -c constraints.txt torch==2.13.0"))
+        cuda = f", CUDA {torch.version.cuda}" if getattr(torch.version, "cuda", None) else ", CPU build"
+        out.append(Check("torch", torch_supported(torch.__version__), torch.__version__ + cuda,
+                         f"use torch {'.'.join(map(str, TORCH_OLDEST))} to {'.'.join(map(str, TORCH_NEWEST))}: "
+                         "pip install -c constraints.txt torch"))
     except ImportError as e:
         out.append(Check("torch", False, str(e), "run `make setup` (or pip install -c constraints.txt -e .)"))
     try:
