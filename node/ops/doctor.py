@@ -21,7 +21,7 @@ from typing import Callable
 MIN_FREE_DISK_GB = 1.0
 # What the project is tested with (pyproject.toml says the same): make test runs on each of these Pythons;
 # torch from 2.11 (the oldest run: the unit suite and 2-replica swarms on a CUDA machine) to 2.13 (pinned).
-PYTHONS = ((3, 11), (3, 12))
+PYTHONS = ((3, 11), (3, 12), (3, 13))
 TORCH_OLDEST, TORCH_NEWEST = (2, 11), (2, 13)
 MAX_CLOCK_SKEW_S = 5.0
 

@@ -1,6 +1,7 @@
 """Wire format: envelopes, frames and tensor payloads round-trip, and every malformed input is refused."""
 
 import asyncio
+import math
 import struct
 
 import msgpack
@@ -170,8 +171,11 @@ def test_protocol_ids():
 
 
 def test_records_validate():
-    rec = PeerRecord(peer_id="p", round=3, maddrs=["/ip4/1.2.3.4/tcp/1"])
+    rec = PeerRecord(peer_id="p", round=3, maddrs=["/ip4/1.2.3.4/tcp/1"], loss=2.5)
     assert PeerRecord.from_value(rec.to_value()) == rec
+    # no loss yet is NaN, which equals nothing (Python 3.13's dataclass __eq__ compares field by field)
+    unknown = PeerRecord.from_value(PeerRecord(peer_id="p", round=3).to_value())
+    assert math.isnan(unknown.loss) and (unknown.peer_id, unknown.round) == ("p", 3)
     for bad in [None, {"peer_id": 3}, {"peer_id": "p", "round": -1}, {"peer_id": "p", "round": True}, {"peer_id": "p", "maddrs": [1]}]:
         with pytest.raises(SchemaError):
             PeerRecord.from_value(bad)
