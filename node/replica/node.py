@@ -49,6 +49,7 @@ from node.runtime.local_training import LocalTrainer
 from node.runtime.mfu import flops_per_token, peak_flops, record_throughput
 from node.runtime.settings import run_settings
 from node.runtime.status_service import StatusService
+from node.runtime.summary import time_shares
 from protocol.records import PeerRecord
 from swarm.lr_schedule import SCHEDULE_STEP, schedule_position
 
@@ -156,16 +157,8 @@ class Daemon(NodeBase):
         cfg = self.cfg
         return {"inner_step": self.inner_step, "tokens_per_s": self.tokens_per_s, "algorithm": cfg.algorithm, "compression": cfg.codec,
                 "fragments": cfg.fragments, "round_steps": self.round_target,
-                **self._time_shares(),
+                **time_shares(self.summary, self.train_started),
                 "peer_scores": self.averager.scorer.peers.snapshot() if self.averager.scorer else {}}
-
-    def _time_shares(self) -> dict[str, float | None]:
-        """Shares of the training loop's wall time: inner steps, and standing still for outer rounds."""
-        if self.train_started is None:
-            return {"training_share": None, "blocked_share": None}
-        loop_s = max(time.monotonic() - self.train_started, 1e-9)
-        return {"training_share": round(min(self.inner_s / loop_s, 1.0), 4),
-                "blocked_share": round(min(self.summary.comm_wait_s / loop_s, 1.0), 4)}
 
     def _checkpoint_state(self) -> dict[str, Any]:
         return {"inner_steps_total": self.trainer.steps, "phi": [t.to("cpu", copy=True) for t in self.phi],
@@ -265,7 +258,7 @@ class Daemon(NodeBase):
         self.train_started = time.monotonic()
         tokens_per_step = cfg.batch_size * self.trainer.model.cfg.context
         window_start, window_tokens = time.monotonic(), 0
-        self.inner_s, self.inner_tokens = 0.0, 0  # the inner steps' time and tokens, outer rounds left out
+        self.summary.inner_s, self.inner_tokens = 0.0, 0  # the inner steps' time and tokens, outer rounds left out
         samples = 0
         self.round_target = max(self._round_steps(), self.inner_step + 1)
         self.metrics.round_inner_steps.set(self.round_target)
@@ -284,9 +277,8 @@ class Daemon(NodeBase):
             window_tokens += tokens_per_step
             elapsed = time.monotonic() - window_start
             step_s = time.monotonic() - fetch_started
-            self.inner_s += step_s
+            self.summary.inner_s += step_s
             self.metrics.inner_time.inc(step_s)
-            self.summary.inner_s = self.inner_s
             self.inner_tokens += tokens_per_step
             if elapsed >= 2.0:
                 self.tokens_per_s = window_tokens / elapsed
@@ -309,7 +301,7 @@ class Daemon(NodeBase):
 
     def _inner_rate(self) -> float:
         """Tokens per second of the inner steps so far (batch, step and bookkeeping; outer rounds left out)."""
-        inner_s = getattr(self, "inner_s", 0.0)
+        inner_s = self.summary.inner_s
         return self.inner_tokens / inner_s if inner_s > 0 else 0.0
 
     def _start_round(self, samples: int) -> None:

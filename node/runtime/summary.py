@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,3 +109,12 @@ def count_steps(summary: Summary, metrics: NodeMetrics, steps: int, tokens: int 
     summary.train_loss_last = loss
     metrics.train_loss.set(loss)
 
+
+def time_shares(summary: Summary, loop_started: float | None) -> dict[str, float | None]:
+    """Shares of the training loop's wall time so far (``loop_started``: its ``time.monotonic()`` start):
+    inner steps (``training_share``) and standing still for outer rounds (``blocked_share``)."""
+    if loop_started is None:
+        return {"training_share": None, "blocked_share": None}
+    loop_s = max(time.monotonic() - loop_started, 1e-9)
+    return {"training_share": round(min(summary.inner_s / loop_s, 1.0), 4),
+            "blocked_share": round(min(summary.comm_wait_s / loop_s, 1.0), 4)}

@@ -352,6 +352,7 @@ def test_a_daemon_trains_with_micro_batches_checkpointing_and_outer_state_on_its
     info = node.info()
     assert info["steps"] == 12 and info["outer_rounds"] == 2
     assert info["tokens_per_s"] > 0 and info["mfu"] is None and info["peak_mem_mb"] > 10
+    assert 0 < info["inner_s"] <= info["train_s"]  # the training share of its loop
     assert math.isfinite(info["val_loss"])
 
 
@@ -395,3 +396,16 @@ def test_compile_is_auto_unless_asked():
 
     assert load_config({}).compile is None and load_config({}).compile_mode == "default"
     assert load_config({"compile": False}).compile is False
+
+
+def test_time_shares_of_the_training_loop():
+    """A replica's status answer: the share of its loop's wall time in inner steps and blocked in rounds."""
+    import time
+
+    from node.runtime.summary import Summary, time_shares
+
+    summary = Summary()
+    summary.inner_s, summary.comm_wait_s = 6.0, 2.0
+    shares = time_shares(summary, time.monotonic() - 10.0)
+    assert 0.55 < shares["training_share"] <= 0.6 and 0.18 < shares["blocked_share"] <= 0.2, shares
+    assert time_shares(summary, None) == {"training_share": None, "blocked_share": None}  # before the loop starts
