@@ -80,8 +80,7 @@ class Daemon(NodeBase):
         self.trainer = LocalTrainer(cfg=model_cfg, device=device, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                     schedule=cfg.schedule(), inner_optimizer=cfg.inner_optimizer, seed=cfg.model_seed,
                                     micro_batch_size=cfg.micro_batch_size,
-                                    activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
-                                    compile_mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
+                                    activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, compile_mode=cfg.compile_mode)
         if work.init_weights is not None:  # a joiner still takes the swarm's state, a resumed node its checkpoint
             self.trainer.load_weights(work.init_weights)
             self.event("init_from", checkpoint=work.init_source)

@@ -87,8 +87,8 @@ class LocalTrainer:
     :param micro_batch_size: at most this many sequences per forward/backward pass (gradient accumulation;
         the last micro-batch may be smaller); None = the whole batch at once
     :param activation_checkpointing: recompute each block's activations in the backward pass
-    :param compile: ``torch.compile`` the model (``compile_backend``, ``compile_mode``); eager with one warning if
-        that fails; None = on CUDA devices only
+    :param compile: ``torch.compile`` the model (``compile_backend``, ``compile_mode``: None or "default" is torch's
+        default); eager with one warning if that fails; None = on CUDA devices only
     :param accelerated: the CUDA recipe (bf16 autocast, fused optimizer kernels); None = on CUDA devices only.
         True on the CPU runs the same code path there (torch has CPU bf16 autocast and fused AdamW), which is
         how the tests cover it on machines without a GPU
@@ -136,7 +136,8 @@ class LocalTrainer:
             torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast (none in bf16 training)
             torch.backends.cudnn.allow_tf32 = True
         self.train_model: Callable[..., Any] = (
-            torch.compile(self.model, backend=compile_backend, mode=compile_mode) if compile else self.model  # type: ignore[assignment]
+            torch.compile(self.model, backend=compile_backend, mode=None if compile_mode == "default" else compile_mode)
+            if compile else self.model  # type: ignore[assignment]
         )
 
     def parameters(self) -> list[torch.Tensor]:

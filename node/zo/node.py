@@ -81,8 +81,7 @@ class ZONode(NodeBase):
         cfg = self.cfg
         self._prepare_local()
         work = self.workload
-        self.trainer = LocalTrainer(cfg=self.model_cfg, device=self.device, lr=cfg.lr, seed=cfg.model_seed, compile=cfg.compile,
-                                    compile_mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
+        self.trainer = LocalTrainer(cfg=self.model_cfg, device=self.device, lr=cfg.lr, seed=cfg.model_seed, compile=cfg.compile, compile_mode=cfg.compile_mode)
         self.trainer.model.eval()  # never trained by backprop: no gradients, no optimizer state
         self.params = self.rep.params = self.trainer.parameters()
         self.batches = work.train_batches(cfg.batch_size, cfg.seed)
