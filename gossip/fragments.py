@@ -45,11 +45,21 @@ def sync_interval(inner_steps: int, fragments: int) -> int:
 
 
 @torch.no_grad()
-def merge_fragment(local: Sequence[torch.Tensor], synced: Sequence[torch.Tensor], alpha: float) -> None:
+def merge_fragment(local: Sequence[torch.Tensor], synced: Sequence[torch.Tensor], alpha: float,
+                   start: Sequence[torch.Tensor] | None = None) -> None:
     """θ_f ← (1 − α)·φ_f + α·θ_f in place on ``local``. Copies from (pinned) host memory to a CUDA model
-    are issued without blocking and waited for once, so ``synced`` may be stepped again afterwards."""
+    are issued without blocking and waited for once, so ``synced`` may be stepped again afterwards.
+
+    ``start``: θ_f when the round began, for a round that ran beside training (``--overlap``). Then
+    θ_f ← θ_f + (1 − α)·(φ_f − θ_f,start): the inner steps taken meanwhile stay on top of the agreed φ
+    (a one-step-delayed outer update) and enter the next round's Δ; with no step in between it is the
+    merge above, up to rounding."""
     if not 0 <= alpha <= 1:
         raise ValueError(f"fragment merge α must lie in [0, 1], got {alpha}")
+    if start is not None:
+        for t, p, s in zip(local, synced, start):
+            t.add_((p.float() - s.float()).to(t.device, t.dtype), alpha=1 - alpha)
+        return
     for t, p in zip(local, synced):
         if alpha == 0:
             t.copy_(p, non_blocking=True)

@@ -42,7 +42,7 @@ from gossip.state_transfer import DownloadedState, StateServer, StateSnapshot
 from gossip.byzantine import Attacker, parse_attacks
 from node.config import AUTO_STEPS_MAX_FACTOR, BY_REPLICAS, NodeConfig
 from node.replica.joiner import Joiner
-from node.replica.rounds import PendingRound, RoundPlan, RoundRunner, keep_progress
+from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
 from node.replica.scoring import build_scorer
 from node.runtime.base import NodeBase
 from node.runtime.local_training import LocalTrainer
@@ -355,16 +355,14 @@ class Daemon(NodeBase):
             self.summary.outer_rounds += 1
             indices = self.plan.fragments[pending.fragment]
             params = self.trainer.parameters()
-            if pending.start is not None and self.inner_step > 0:  # steps were taken beside the round: keep them
-                keep_progress([params[i].data for i in indices], [self.phi[i] for i in indices], pending.start,
-                              self.cfg.fragment_alpha)
-            elif pending.eager is not None:
+            if pending.eager is not None:
                 # keep the steps taken since the estimate, moved by how far the estimate was off
                 with torch.no_grad():
                     for i, guess in zip(indices, pending.eager):
                         params[i].data.add_((self.phi[i] - guess).to(params[i].device, params[i].dtype))
-            else:
-                merge_fragment([params[i].data for i in indices], [self.phi[i] for i in indices], self.cfg.fragment_alpha)
+            else:  # an overlapped round that steps were taken beside keeps them (start); else θ ← φ exactly
+                merge_fragment([params[i].data for i in indices], [self.phi[i] for i in indices], self.cfg.fragment_alpha,
+                               start=pending.start if self.inner_step > 0 else None)
             if result.failures:
                 self.event("round_partial", round=result.round, failures=result.failures)
         if not self.stop.is_set():

@@ -106,7 +106,7 @@ class RoundRunner:
               samples: int, steps: int, feedback: list | None, overlapped: bool = False) -> PendingRound:
         """Start the round of ``fragment`` (parameters ``indices``); ``phi`` is the node's φ, stepped in place.
         ``overlapped``: training goes on while the round runs, so the round keeps θ's snapshot (``start``) for
-        :func:`keep_progress` (the snapshot the round sends from anyway: no extra copy)."""
+        :func:`gossip.fragments.merge_fragment` (the snapshot the round sends from anyway: no extra copy)."""
         theta = self.placement.copy_of([params[i] for i in indices])
         phi_fragment = [phi[i] for i in indices]
         coro = self.averager.run_round(round_no, phi_fragment, theta, samples, before_gather=self.before_gather,
@@ -158,12 +158,3 @@ class RoundRunner:
             self.others_prev.pop(pending.fragment, None)
         return result, pending
 
-
-@torch.no_grad()
-def keep_progress(local: list[torch.Tensor], phi: list[torch.Tensor], start: list[torch.Tensor], alpha: float) -> None:
-    """Apply an overlapped round's result without losing the inner steps taken while it ran:
-    θ ← θ + (1 − α)·(φ − θ_start), in place on ``local``. With no step in between (θ = θ_start) this is
-    :func:`gossip.fragments.merge_fragment`'s (1 − α)·φ + α·θ; otherwise the local steps since the round
-    began stay on top of the agreed φ (a one-step-delayed outer update), and they enter the next round's Δ."""
-    for t, p, s in zip(local, phi, start):
-        t.add_((p.float() - s.float()).to(t.device, t.dtype), alpha=1 - alpha)

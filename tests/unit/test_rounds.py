@@ -162,15 +162,14 @@ def test_an_overlapped_round_keeps_the_steps_taken_beside_it(alpha):
     """θ ← θ + (1−α)(φ − θ_start): with no step in between it is the plain merge (1−α)φ + αθ; steps taken
     while the round ran stay on top of the agreed φ."""
     from gossip.fragments import merge_fragment
-    from node.replica.rounds import keep_progress
 
     g = torch.Generator().manual_seed(0)
     start, phi, steps = (torch.randn(3, 4, generator=g) for _ in range(3))
     unchanged, merged = start.clone(), start.clone()
-    keep_progress([unchanged], [phi], [start], alpha)
+    merge_fragment([unchanged], [phi], alpha, start=[start])
     merge_fragment([merged], [phi], alpha)
     torch.testing.assert_close(unchanged, merged)
     moved = start + steps
-    keep_progress([moved], [phi], [start], alpha)
+    merge_fragment([moved], [phi], alpha, start=[start])
     torch.testing.assert_close(moved, (1 - alpha) * phi + alpha * start + steps)
 
