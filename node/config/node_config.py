@@ -116,7 +116,7 @@ class NodeConfig(DerivedSettings, BaseModel):
         default_text="on with CUDA, off on the CPU")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = option(
         "default", "torch.compile's mode: reduce-overhead replays each step as CUDA graphs (llama-150m on one H100: 298k "
-        "against 275k tokens/s, ~1 GB more memory; docs/benchmarks.md)", TRAIN)
+        "against 275k tokens/s, ~1 GB more memory; benchmarks/results/gpu/loop_cudagraphs_h100.json, commit dd8ed26)", TRAIN)
     outer_device: Literal["cpu", "same"] = option(
         "cpu", "Where the agreed weights and outer momentum live and the outer step runs: cpu (pinned host memory, leaves GPU "
         "memory to the model) | same (the model's device)", TRAIN)
