@@ -52,7 +52,7 @@ def sparseloco_recipe(base: Recipe, nodes: int) -> Recipe:
     follows the defaults."""
     cfg = NodeConfig(algorithm="sparseloco")
     outer_lr, momentum = cfg.outer_hyper
-    h = cfg.steps_for(nodes) or cfg.round_steps
+    h = cfg.steps_for(nodes) or cfg.median_steps(nodes)  # auto: the median-speed peer's H (equal speeds here)
     return replace(base, nodes=nodes, inner_steps=h, rounds=base.total_steps // h, codec=cfg.codec,
                    feedback_decay=cfg.feedback_decay(), outer_lr=outer_lr, outer_momentum=momentum, nesterov=True,
                    outer_warmup_rounds=cfg.outer_warmup, aggregate=cfg.aggregation)

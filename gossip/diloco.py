@@ -52,7 +52,7 @@ from gossip.groups import group_tag
 from gossip.outer import NesterovOuter, l2_norm, pseudo_gradient
 from gossip.partition import Partition
 from gossip.placement import to_host
-from gossip.reduce_scatter import assign_owners, implausible_share, is_dense, use_reduce_scatter
+from gossip.reduce_scatter import assign_owners, implausible_share, is_dense, steps_scale, use_reduce_scatter
 from gossip.rendezvous import Reachable
 from gossip.votes import Tenure, vote
 from protocol.records import RoundEntry
@@ -346,9 +346,10 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         shares, failed = await self.exchange.gather(list(sources), round_no, 2 * fetch_timeout, reduced=sources,
                                                     retry_for=min(5.0, self.fetch_timeout / 4),
                                                     expected={o: size(parts) for o, parts in sources.items()})
+        scale = steps_scale([self.claimed(contributions[p].samples) for p in used], self.claimed(contributions[self.peer_id].samples))
         for owner, got in shares.items():
             assert isinstance(got, ReducedShare)
-            if (reason := implausible_share(got, sources[owner], my_decoded)) is not None:
+            if (reason := implausible_share(got, sources[owner], my_decoded, scale)) is not None:
                 logger.warning("round %d: not applying the parts %s reduced: %s", round_no, owner, reason)
                 failed[owner] = "implausible"
                 continue

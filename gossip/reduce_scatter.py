@@ -117,11 +117,25 @@ def round_bytes(payload: int, group_size: int, reduce_scatter: bool) -> int:
 OWNER_NORM_BOUND = 4.0
 
 
-def implausible_share(share: ReducedShare, parts: Sequence[int], own: Sequence[torch.Tensor]) -> str | None:
+def steps_scale(samples: Sequence[int], mine: int) -> float:
+    """How much longer than this member's own update the round's aggregate may honestly be when members
+    took different numbers of steps (``--inner-steps auto``): the sample-weighted mean of the members'
+    sample counts over this member's own, at least 1 (an update grows about linearly with the steps behind
+    it: a member 6× slower saw aggregates 4–5× its own norm). The counts are claims capped at what a round
+    can hold, so a liar widens the bound by that cap at most."""
+    total = sum(samples)
+    if mine <= 0 or total <= 0:
+        return 1.0
+    return max(1.0, sum(n * n for n in samples) / total / mine)
+
+
+def implausible_share(share: ReducedShare, parts: Sequence[int], own: Sequence[torch.Tensor], scale: float = 1.0) -> str | None:
     """Why an owner's reduced ``parts`` cannot be an aggregate of the round's updates (their norm is over
-    ``OWNER_NORM_BOUND`` times this member's own update on those parts), or None when they can be."""
+    ``OWNER_NORM_BOUND`` × ``scale`` (:func:`steps_scale`) times this member's own update on those parts),
+    or None when they can be."""
     theirs = l2_norm([share.decoded[i] for i in parts])
     mine = l2_norm([own[i] for i in parts])
-    if theirs > OWNER_NORM_BOUND * mine:
-        return f"norm {theirs:.4g} against this member's own {mine:.4g} on the same parts (bound: {OWNER_NORM_BOUND:g}x)"
+    bound = OWNER_NORM_BOUND * scale
+    if theirs > bound * mine:
+        return f"norm {theirs:.4g} against this member's own {mine:.4g} on the same parts (bound: {bound:.3g}x)"
     return None

@@ -75,7 +75,7 @@ def check_combinations(cfg: Any) -> None:
     if cfg.inner_steps == BY_REPLICAS and cfg.algorithm not in STEPS_BY_REPLICAS:
         raise ValueError(f"--inner-steps by-replicas sizes diloco's and sparseloco's rounds (what it was measured for); give "
                          f"--algorithm {cfg.algorithm} a number of steps or auto")
-    steps = cfg.round_steps if cfg.inner_steps == "auto" else cfg.inner_steps_range[0]
+    steps = cfg.median_steps_range[0] if cfg.inner_steps == "auto" else cfg.inner_steps_range[0]
     if cfg.fragments > steps:
         raise ValueError(f"--fragments {cfg.fragments} needs at least as many inner steps per round, got {steps}")
 

@@ -69,17 +69,32 @@ class DerivedSettings:
 
     def steps_for(self, replicas: int) -> int | None:
         """H for a round of ``replicas`` members: the number given, the by-replicas table's, or None under
-        ``--inner-steps auto`` (sized from the node's speed instead)."""
+        ``--inner-steps auto`` (a wall-clock budget instead: ``node.replica.pacing``)."""
         if self.inner_steps == "auto":
             return None
         return steps_for_replicas(replicas, self.algorithm) if self.inner_steps == BY_REPLICAS else int(self.inner_steps)
+
+    def median_steps(self, replicas: int) -> int:
+        """Under ``--inner-steps auto``: the steps the swarm's median-speed peer takes in a round of
+        ``replicas`` members (``--round-steps``, or the by-replicas table's H for diloco and sparseloco)."""
+        if self.round_steps is not None:
+            return self.round_steps
+        return steps_for_replicas(replicas, self.algorithm)
+
+    @property
+    def median_steps_range(self) -> tuple[int, int]:
+        """The fewest and the most steps :meth:`median_steps` gives, whatever the replicas."""
+        if self.round_steps is not None:
+            return self.round_steps, self.round_steps
+        steps = [h for _, h in STEPS_BY_REPLICAS[self.algorithm]]
+        return min(steps), max(steps)
 
     @property
     def inner_steps_range(self) -> tuple[int, int]:
         """The fewest and the most inner steps a round of this node can hold: H, the by-replicas table's
         range, or under ``--inner-steps auto`` one step to ``AUTO_STEPS_MAX_FACTOR`` × the median's."""
         if self.inner_steps == "auto":
-            return 1, self.round_steps * AUTO_STEPS_MAX_FACTOR
+            return 1, self.median_steps_range[1] * AUTO_STEPS_MAX_FACTOR
         if self.inner_steps == BY_REPLICAS:
             steps = [h for _, h in STEPS_BY_REPLICAS[self.algorithm]]
             return min(steps), max(steps)

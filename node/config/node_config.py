@@ -84,11 +84,13 @@ class NodeConfig(DerivedSettings, BaseModel):
     error_feedback_decay: float | None = option(None, "β of error feedback for lossy codecs", AVG,
                                                 default_text=f"{LOSSY_FEEDBACK_DECAY}; 0 for {'/'.join(LOSSLESS_CODECS)}", ge=0, le=1)
     inner_steps: int | Literal["auto", "by-replicas"] = option(
-        None, "Local steps between outer rounds (H); auto: sized from this peer's measured speed so that fast and slow peers "
-        "finish a round together; by-replicas (diloco, sparseloco): by how many replicas averaged in the last round", TRAIN,
-        default_text=by_algorithm({**DEFAULT_INNER_STEPS, **{a: f"{BY_REPLICAS} ({by_replicas_text(a)})" for a in STEPS_BY_REPLICAS}}))
-    round_steps: int = option(None, "With --inner-steps auto: steps the swarm's median-speed peer takes per round", TRAIN,
-                              default_text=by_algorithm(DEFAULT_INNER_STEPS), ge=1, le=1_000_000)
+        None, "Local steps between outer rounds (H); auto: a round is the time the swarm's median-speed peer takes for "
+        "--round-steps, and every peer, fast or slow, takes the steps that fit; by-replicas (diloco, sparseloco): every peer "
+        "the same H, by how many replicas averaged in the last round (the fastest waits for the slowest)", TRAIN,
+        default_text=by_algorithm({**DEFAULT_INNER_STEPS, **{a: "auto" for a in STEPS_BY_REPLICAS}}))
+    round_steps: int | None = option(None, "With --inner-steps auto: steps the swarm's median-speed peer takes per round", TRAIN,
+                                     default_text=by_algorithm({**DEFAULT_INNER_STEPS, **{a: f"by replicas ({by_replicas_text(a)})"
+                                                                                          for a in STEPS_BY_REPLICAS}}), ge=1, le=1_000_000)
     batch_size: int = option(16, "Sequences per inner step", TRAIN, ge=1, le=65536)
     lr: float = option(1e-3, "Inner learning rate (AdamW's; Muon's update is scaled to match AdamW's RMS, so the same value serves both)",
                        TRAIN, gt=0, le=10)
@@ -244,10 +246,13 @@ class NodeConfig(DerivedSettings, BaseModel):
         if isinstance(data, dict):
             algorithm = data.get("algorithm") or "diloco"
             steps = DEFAULT_INNER_STEPS.get(algorithm, 50)
-            defaults = {"inner_steps": BY_REPLICAS if algorithm in STEPS_BY_REPLICAS else steps, "round_steps": steps}
-            # a value other than the default (a dump of a whole config, or an assignment, holds the default)
+            by_table = algorithm in STEPS_BY_REPLICAS
+            defaults = {"inner_steps": "auto" if by_table else steps, "round_steps": None if by_table else steps}
+            # a value other than the default (a dump of a whole config, or an assignment, holds the default;
+            # one written before auto was the default holds by-replicas and the algorithm's H)
+            earlier = {"inner_steps": BY_REPLICAS, "round_steps": steps}
             set_steps = [f"--{n.replace('_', '-')}" for n in ("inner_steps", "round_steps")
-                         if data.get(n) not in (None, defaults[n], str(defaults[n]))]
+                         if data.get(n) not in (None, defaults[n], str(defaults[n]), earlier[n], str(earlier[n]))]
             if set_steps and _int_or(data.get("stages"), 1) > 1:
                 raise ValueError(f"{' and '.join(set_steps)} {'count' if len(set_steps) > 1 else 'counts'} a whole-model replica's steps per round; pipeline stages average "
                                  "every --sync-every seconds: set that instead (--stages > 1)")

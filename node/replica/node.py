@@ -10,7 +10,7 @@ Lifecycle of ``node join``:
 3. Loop: inner steps → outer round (rendezvous, exchange, outer step) → publish the new state.
    ``--algorithm`` picks the round (diloco: whole group; noloco: small random groups; sparseloco:
    top-k + EF-SGD), ``--fragments`` syncs one fragment per round (streaming), ``--overlap`` keeps
-   training while a round runs, ``--inner-steps auto`` sizes each round from this peer's speed.
+   training while a round runs, ``--inner-steps auto`` paces rounds by time (``node.replica.pacing``).
 4. On SIGTERM/SIGINT, ``--max-steps`` or ``--duration``: stop at a step boundary, evaluate, write
    the checkpoint atomically, leave the DHT and stop p2pd.
 
@@ -23,7 +23,6 @@ refused when written with other settings), ``node.replica.joiner`` (join, resync
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from typing import Any
 
@@ -34,14 +33,15 @@ from gossip.diloco import DiLoCoAverager
 from gossip.group_round import RoundResult
 from gossip.exchange import RoundExchange
 from gossip.fingerprint import fingerprint
-from gossip.fragments import fragment_of_round, merge_fragment, sync_interval
+from gossip.fragments import fragment_of_round, merge_fragment
 from gossip.noloco import NoLoCoAverager
 from gossip.outer import NesterovOuter, NoLoCoOuter
 from gossip.placement import OuterPlacement
 from gossip.state_transfer import DownloadedState, StateServer, StateSnapshot
 from gossip.byzantine import Attacker, parse_attacks
-from node.config import AUTO_STEPS_MAX_FACTOR, BY_REPLICAS, NodeConfig
+from node.config import BY_REPLICAS, NodeConfig
 from node.replica.joiner import Joiner
+from node.replica.pacing import RoundPacer
 from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
 from node.replica.scoring import build_scorer
 from node.runtime.base import NodeBase
@@ -70,7 +70,7 @@ class Daemon(NodeBase):
         self.compute_tokens_per_s = 0.0  # inner steps only, announced for --inner-steps auto
         self.peer_rates: dict[str, float] = {}
         self.last_contributors = 0  # members of the last round in sync (--inner-steps by-replicas)
-        self.round_target = 1
+        self.pacer = RoundPacer(cfg, "")
 
     # ---- lifecycle (node.runtime.base) ------------------------------------------------------------
     def _prepare(self) -> None:
@@ -155,7 +155,7 @@ class Daemon(NodeBase):
     def _status_fields(self) -> dict[str, Any]:
         cfg = self.cfg
         return {"inner_step": self.inner_step, "tokens_per_s": self.tokens_per_s, "algorithm": cfg.algorithm, "compression": cfg.codec,
-                "fragments": cfg.fragments, "round_steps": self.round_target,
+                "fragments": cfg.fragments, "round_steps": self.pacer.pace.expected_steps, "round_budget_s": self.pacer.pace.budget_s,
                 **time_shares(self.summary, self.train_started),
                 "peer_scores": self.averager.scorer.peers.snapshot() if self.averager.scorer else {}}
 
@@ -170,24 +170,12 @@ class Daemon(NodeBase):
         self._record_throughput(inner_tokens_per_s=self._inner_rate())
 
     # ---- what travels ------------------------------------------------------------------------
-    def _round_steps(self) -> int:
-        """Inner steps until this node's next outer round: H/P, with H the number given, the by-replicas table's
-        for the replicas of the last round, or under ``--inner-steps auto`` sized from this node's speed
-        relative to the swarm's median (so peers finish together)."""
-        cfg = self.cfg
-        fixed = cfg.steps_for(self._replicas())
-        if fixed is not None:
-            return sync_interval(fixed, cfg.fragments)  # config validation keeps every H ≥ --fragments
-        rates = [r for p, r in self.peer_rates.items() if r > 0 and p != self.summary.peer_id]
-        mine = self.compute_tokens_per_s
-        steps = cfg.round_steps
-        if mine > 0 and rates:
-            # a rate is its peer's claim: none counts beyond the factor the steps are bounded by anyway,
-            # so one peer announcing 1e30 tokens/s cannot push this node to one step per round
-            bound = AUTO_STEPS_MAX_FACTOR
-            median = statistics.median([min(max(r, mine / bound), mine * bound) for r in rates] + [mine])
-            steps = min(max(1, round(cfg.round_steps * mine / median)), AUTO_STEPS_MAX_FACTOR * cfg.round_steps)
-        return sync_interval(max(steps, cfg.fragments), cfg.fragments)
+    def _plan_round(self) -> None:
+        """Plan the next round (``node.replica.pacing``): H steps, or under ``--inner-steps auto`` a time budget."""
+        self.pacer.own_id = self.summary.peer_id
+        tokens_per_step = self.cfg.batch_size * self.trainer.model.cfg.context
+        pace = self.pacer.plan(self._replicas(), self.compute_tokens_per_s, self.peer_rates, tokens_per_step, time.monotonic())
+        self.metrics.round_inner_steps.set(pace.expected_steps)
 
     def _replicas(self) -> int:
         """How many replicas average together: the members of this node's last round in sync (every member of
@@ -216,8 +204,9 @@ class Daemon(NodeBase):
         self.outer.load_state_tensors(snap.tensors["outer_momentum"])
         self.trainer.load_weights(self.phi)
         self.round = snap.round
-        self.round_target = self._round_steps()
-        self.inner_step = min(got.inner_step, self.round_target - 1)
+        self._plan_round()
+        self.inner_step = min(got.inner_step, self.pacer.pace.steps - 1)
+        self.pacer.resume_at(self.inner_step, time.monotonic())
         self.trainer.steps = schedule_position(snap.meta, self.inner_step, self.trainer.steps)
         self.metrics.outer_round.set(self.round)
 
@@ -259,8 +248,8 @@ class Daemon(NodeBase):
         window_start, window_tokens = time.monotonic(), 0
         self.summary.inner_s, self.inner_tokens = 0.0, 0  # the inner steps' time and tokens, outer rounds left out
         samples = 0
-        self.round_target = max(self._round_steps(), self.inner_step + 1)
-        self.metrics.round_inner_steps.set(self.round_target)
+        if self.inner_step == 0:  # else a joiner's plan of what is left of its first round stands
+            self._plan_round()
         while not self.stop.is_set() and not self._deadline_reached():
             fetch_started = time.monotonic()
             x, y = self.batches.next()
@@ -286,16 +275,15 @@ class Daemon(NodeBase):
                 window_start, window_tokens = time.monotonic(), 0
             if cfg.overlap_mode != "delayed" and self.rounds.ready():
                 self._finish_pending()
-            if self.inner_step >= self.round_target:
+            if self.pacer.due(self.inner_step, time.monotonic(), step_s):
                 self._finish_pending()
                 self._start_round(samples)
                 samples = 0
-                target = self._round_steps()
-                if target != self.round_target and self.cfg.inner_steps == BY_REPLICAS:
-                    logger.info("a round every %d inner steps from now on: %d replicas averaged in the last one (--inner-steps %s)",
-                                target, self._replicas(), BY_REPLICAS)
-                self.round_target = target
-                self.metrics.round_inner_steps.set(self.round_target)
+                before = self.pacer.pace.median_steps
+                self._plan_round()
+                if self.pacer.pace.median_steps != before and self.cfg.inner_steps in ("auto", BY_REPLICAS):
+                    logger.info("rounds of %d inner steps (at the median speed) from now on: %d replicas averaged in the last one",
+                                self.pacer.pace.median_steps, self._replicas())
         self._finish_pending(final=True)
 
     def _inner_rate(self) -> float:
@@ -334,7 +322,7 @@ class Daemon(NodeBase):
         m.round_deadline.set(result.deadline_s)
         m.group_size.set(len(result.contributors))
         record = {"t": round(time.time(), 3), "round": result.round, "fragment": pending.fragment, "steps": pending.steps, "group": len(result.group),
-                  "contributors": len(result.contributors), "failures": result.failures, "duration_s": round(result.duration_s, 3),
+                  "contributors": len(result.contributors), "members": sorted(p[-8:] for p in result.contributors), "failures": result.failures, "duration_s": round(result.duration_s, 3),
                   "gather_s": round(result.gather_s, 3), "exchange_s": round(result.exchange_s, 3), "deadline_s": round(result.deadline_s, 3), "in_sync": result.in_sync,
                   "fingerprint": "", "loss": self.last_loss, "tokens": self.summary.steps * self.cfg.batch_size * self.trainer.model.cfg.context,
                   "norms": {p[-8:]: round(n, 6) for p, n in result.norms.items()}, "update_norm": round(result.update_norm, 6),

@@ -10,7 +10,7 @@ from node.config import ConfigError, NodeConfig, load_config
 def test_defaults():
     cfg = parse_join_args([])
     assert cfg == NodeConfig()
-    assert cfg.inner_steps == "by-replicas" and cfg.round_steps == 50 and cfg.outer_hyper == (1.0, 0.7) and cfg.algorithm == "diloco" and cfg.codec == "none"
+    assert cfg.inner_steps == "auto" and cfg.round_steps is None and cfg.median_steps(2) == 50 and cfg.outer_hyper == (1.0, 0.7) and cfg.algorithm == "diloco" and cfg.codec == "none"
 
 
 def test_algorithm_defaults_follow_the_papers():
@@ -30,11 +30,12 @@ def test_algorithm_defaults_follow_the_papers():
     assert parse_join_args(["--compression", "rot2"]).outer_hyper == (1.0, 0.5)
     assert parse_join_args(["--compression", "bf16"]).outer_hyper == (1.0, 0.7)
     assert parse_join_args(["--algorithm", "noloco", "--compression", "q2"]).outer_hyper == (1.0, 0.5)
-    # sparse rounds are cheap: SparseLoCo syncs more often (by replica count) unless told otherwise, and
-    # NoLoCo's pairs too (its paper syncs at half DiLoCo's interval)
-    assert (sparse.inner_steps, sparse.round_steps, noloco.inner_steps) == ("by-replicas", 30, 30)
+    # sparse rounds are cheap: SparseLoCo syncs more often (by replica count, at the median's speed) unless
+    # told otherwise, and NoLoCo's pairs too (its paper syncs at half DiLoCo's interval)
+    assert (sparse.inner_steps, sparse.round_steps, sparse.median_steps(2), noloco.inner_steps) == ("auto", None, 15, 30)
     assert parse_join_args(["--algorithm", "sparseloco", "--inner-steps", "12"]).inner_steps == 12
-    assert parse_join_args(["--algorithm", "sparseloco", "--inner-steps", "auto"]).round_steps == 30
+    assert parse_join_args(["--algorithm", "sparseloco", "--inner-steps", "by-replicas"]).steps_for(8) == 10
+    assert parse_join_args(["--algorithm", "noloco", "--inner-steps", "auto"]).round_steps == 30
 
 
 def test_streaming_and_auto_steps_options():

@@ -59,10 +59,12 @@ def test_outer_defaults_in_the_help_are_the_ones_in_force() -> None:
 
 def test_inner_steps_default_in_the_help_is_the_one_in_force() -> None:
     shown = default_text("inner_steps")
-    assert shown.startswith(f"{parse_join_args([]).inner_steps} ({by_replicas_text('diloco')})")
+    assert shown.startswith(f"{parse_join_args([]).inner_steps};") and parse_join_args(["--algorithm", "sparseloco"]).inner_steps == "auto"
     steps = parse_join_args(["--algorithm", "noloco"]).inner_steps
     assert re.search(rf"\b{steps} for [a-z ]*noloco", shown), shown
-    assert f"by-replicas ({by_replicas_text('sparseloco')}) for sparseloco" in shown
+    median = default_text("round_steps")  # auto's median H: the by-replicas tables
+    assert median.startswith(f"by replicas ({by_replicas_text('diloco')})")
+    assert f"by replicas ({by_replicas_text('sparseloco')}) for sparseloco" in median
 
 
 def test_env_and_flag_spellings() -> None:

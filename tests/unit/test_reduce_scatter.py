@@ -187,3 +187,24 @@ def test_an_honest_share_is_plausible_and_a_scaled_one_is_not():
     assert implausible_share(share(OWNER_NORM_BOUND * 0.99), [0, 1], own) is None
     assert "norm" in implausible_share(share(OWNER_NORM_BOUND * 1.01), [0, 1], own)
     assert implausible_share(share(1.0), [0], [torch.zeros(4), torch.ones(3)]) is not None  # own part zero: reduce here
+
+
+def test_a_member_that_took_fewer_steps_allows_for_the_longer_updates_of_faster_members() -> None:
+    """Under --inner-steps auto a slow member's own update is short: the aggregate of fast members' longer
+    ones is not a scaled share (a member 6x slower saw 4-5x its own norm in a live swarm), while the
+    widening stays bounded by the capped sample claims."""
+    from gossip.exchange import ReducedShare
+    from gossip.reduce_scatter import OWNER_NORM_BOUND, implausible_share, steps_scale
+
+    assert steps_scale([50, 50, 50], 50) == 1.0  # equal steps: the plain bound
+    assert steps_scale([50, 50, 50], 100) == 1.0  # never tighter than it
+    slow = steps_scale([400, 400, 64], 64)  # two fast members (50 steps of 8) and this one (8 steps)
+    assert 5.5 < slow < 6.0
+    own = [torch.ones(4)]
+    share = ReducedShare(0, 864, ["a"], "fp", {}, {0: 5 * torch.ones(4)})
+    assert implausible_share(share, [0], own) is not None  # the old bound refused it
+    assert implausible_share(share, [0], own, slow) is None
+    scaled = ReducedShare(0, 864, ["a"], "fp", {}, {0: OWNER_NORM_BOUND * slow * 1.01 * torch.ones(4)})
+    assert implausible_share(scaled, [0], own, slow) is not None
+    cap = 20 * 64
+    assert steps_scale([cap, cap, 64], 64) <= cap / 64  # a liar's claims are capped before they get here

@@ -1,14 +1,17 @@
-"""DiLoCo's and SparseLoCo's default H follows the replicas that average together (``--inner-steps by-replicas``): the table,
-and a replica node sizing its next round from its last round's members (before any round: the trainers it
-sees), while a number given with ``--inner-steps`` stays what it says."""
+"""How a replica paces its rounds (``node.replica.pacing``). DiLoCo's and SparseLoCo's default,
+``--inner-steps auto``: a round is the time the swarm's median-speed peer takes for the by-replicas table's H
+(the replicas of the last round; before any round, the trainers it sees), and each peer takes the steps that
+fit. ``--inner-steps by-replicas`` gives every peer that H in steps, and a number given stays what it says."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from node.config import BY_REPLICAS, NodeConfig, steps_for_replicas
+from node.config import AUTO_STEPS_MAX_FACTOR, BY_REPLICAS, NodeConfig, steps_for_replicas
 from node.config.defaults import STEPS_BY_REPLICAS
 from node.replica.node import Daemon
+from node.replica.pacing import RoundPacer
 
 
 def test_the_table_gives_every_replica_count_one_h() -> None:
@@ -22,48 +25,123 @@ def test_the_table_gives_every_replica_count_one_h() -> None:
 def _daemon(**overrides) -> Daemon:
     d = Daemon(NodeConfig(model="nano", batch_size=4, device="cpu", threads=1, **overrides))
     d._prepare()
+    d.summary.peer_id = "me"
     return d
 
 
-def _sees_trainers(d: Daemon, others: int) -> None:
-    d.peer_rates = {d.summary.peer_id: 1.0, **{f"peer-{i}": 1.0 for i in range(others)}}
+def _sees_trainers(d: Daemon, others: int, rate: float = 1000.0) -> None:
+    d.peer_rates = {"me": rate, **{f"peer-{i}": rate for i in range(others)}}
+
+
+def _planned(d: Daemon):
+    d._plan_round()
+    return d.pacer.pace
+
+
+def test_diloco_and_sparseloco_pace_rounds_by_time_by_default_others_by_steps() -> None:
+    for algorithm in STEPS_BY_REPLICAS:
+        cfg = NodeConfig(algorithm=algorithm)
+        assert cfg.inner_steps == "auto" and cfg.round_steps is None
+    assert NodeConfig(algorithm="noloco").inner_steps == 30
 
 
 @pytest.mark.parametrize("fragments, per_round", [(1, (50, 30)), (2, (25, 15))])
-def test_a_replica_sizes_its_round_from_the_replicas_that_averaged_last(fragments: int, per_round: tuple[int, int]) -> None:
-    d = _daemon(fragments=fragments)
-    assert d.cfg.inner_steps == BY_REPLICAS
-    assert d._round_steps() == per_round[0]  # alone so far
+@pytest.mark.parametrize("mode", ["auto", BY_REPLICAS])
+def test_a_replica_sizes_its_round_from_the_replicas_that_averaged_last(mode: str, fragments: int, per_round: tuple[int, int]) -> None:
+    d = _daemon(fragments=fragments, inner_steps=mode)
+    d.compute_tokens_per_s = 1000.0
+    assert _planned(d).median_steps == per_round[0]  # alone so far
     _sees_trainers(d, 5)
-    assert d._round_steps() == per_round[1]  # six trainers in the records, no round yet
+    assert _planned(d).median_steps == per_round[1]  # six trainers in the records, no round yet
     d.last_contributors = 3  # the last round's members count, not the records (which anyone can add to)
-    assert d._round_steps() == per_round[0]
+    assert _planned(d).median_steps == per_round[0]
     d.last_contributors = 8
-    assert d._round_steps() == per_round[1]
+    pace = _planned(d)
+    assert pace.median_steps == per_round[1]
+    if mode == BY_REPLICAS:
+        assert (pace.steps, pace.budget_s) == (per_round[1], None)
+    else:  # every peer at the same speed: the budget is the median's H at that speed
+        tokens_per_step = 4 * d.trainer.model.cfg.context
+        assert pace.budget_s == pytest.approx(per_round[1] * tokens_per_step / 1000.0)
+        assert pace.expected_steps == per_round[1] and pace.steps == per_round[1] * AUTO_STEPS_MAX_FACTOR
 
 
 def test_a_number_of_steps_given_is_kept_whatever_the_swarm() -> None:
     d = _daemon(inner_steps=40)
+    d.compute_tokens_per_s = 50.0
     _sees_trainers(d, 9)
     d.last_contributors = 10
-    assert d._round_steps() == 40
+    assert (_planned(d).steps, _planned(d).budget_s) == (40, None)
 
 
 def test_sparseloco_sizes_its_rounds_from_its_own_table() -> None:
     d = _daemon(algorithm="sparseloco")
     d.last_contributors = 2
-    assert d._round_steps() == steps_for_replicas(2, "sparseloco")
+    assert _planned(d).median_steps == steps_for_replicas(2, "sparseloco")
     d.last_contributors = 8
-    assert d._round_steps() == steps_for_replicas(8, "sparseloco")
+    assert _planned(d).median_steps == steps_for_replicas(8, "sparseloco")
 
 
-def test_under_auto_steps_a_claimed_rate_of_1e30_cannot_push_a_peer_to_one_step() -> None:
-    d = _daemon(inner_steps="auto")
+def test_the_first_round_counts_the_median_steps_until_this_node_has_a_speed() -> None:
+    d = _daemon()
+    pace = _planned(d)
+    assert pace.budget_s is None and pace.steps == steps_for_replicas(1)
+
+
+def test_a_claimed_rate_of_1e30_cannot_shrink_the_budget_to_one_step() -> None:
+    d = _daemon(round_steps=50)
     d.compute_tokens_per_s = 1000.0
-    d.peer_rates = {d.summary.peer_id: 1000.0, "peer-1": 1000.0, "peer-2": 1000.0}
-    honest = d._round_steps()
-    assert honest == d.cfg.round_steps
+    _sees_trainers(d, 2)
+    honest = _planned(d).budget_s
     d.peer_rates["liar"] = 1e30  # one liar among three: the median moves by one rank at most
-    assert d._round_steps() == honest
-    d.peer_rates = {d.summary.peer_id: 1000.0, "liar": 1e30}  # alone with the liar: bounded by the clip of 20x
-    assert d._round_steps() >= d.cfg.round_steps // 11 > 1
+    assert _planned(d).budget_s == honest
+    d.peer_rates = {"me": 1000.0, "liar": 1e30}  # alone with the liar: bounded by the clip of 20x
+    assert _planned(d).budget_s >= honest / 11
+    assert _planned(d).expected_steps >= 50 // 11 > 1
+
+
+def _run_round(pacer: RoundPacer, step_times: list[float], now: float = 0.0, steps: int = 0) -> tuple[int, float]:
+    """Steps one simulated peer has taken (step i lasts ``step_times[min(i, last)]`` s) when the round is due."""
+    while True:
+        step_s = step_times[min(steps, len(step_times) - 1)]
+        now += step_s
+        steps += 1
+        if pacer.due(steps, now, step_s):
+            return steps, now
+
+
+@settings(max_examples=200, deadline=None)
+@given(speeds=st.lists(st.floats(0.25, 4.0), min_size=1, max_size=8), median_steps=st.integers(1, 60))
+def test_peers_of_any_speed_end_a_round_within_half_a_step_of_the_budget(speeds: list[float], median_steps: int) -> None:
+    """Every peer plans the same budget (the median's H at the median speed) from the same records (speeds
+    within the clip's factor of each other), and ends within half of its own step of it."""
+    cfg = NodeConfig(round_steps=median_steps)
+    rates = {f"p{i}": 1000.0 * s for i, s in enumerate(speeds)}
+    ends = []
+    for peer, rate in rates.items():
+        pacer = RoundPacer(cfg, peer)
+        pace = pacer.plan(len(rates), rate, rates, 100, now=0.0)
+        step_s = 100 / rate
+        steps, end = _run_round(pacer, [step_s])
+        if steps < pace.steps and pace.budget_s > step_s:  # neither the sample cap nor the one-step floor stopped it
+            assert abs(end - pace.budget_s) <= step_s / 2 + 1e-9
+        ends.append(pace.budget_s)
+    assert max(ends) == pytest.approx(min(ends))
+
+
+def test_a_peer_that_slows_down_mid_round_takes_fewer_steps_and_still_ends_on_time() -> None:
+    cfg = NodeConfig(round_steps=40)
+    rates = {"a": 1000.0, "b": 1000.0, "c": 1000.0}
+    pacer = RoundPacer(cfg, "a")
+    pace = pacer.plan(3, 1000.0, rates, 100, now=0.0)
+    steps, end = _run_round(pacer, [0.1] * 10 + [0.35])  # 3.5x slower after 10 steps (a game started)
+    assert pace.budget_s == pytest.approx(4.0)
+    assert steps == 10 + 9 and abs(end - pace.budget_s) <= 0.35 / 2
+
+
+def test_a_joiner_runs_what_is_left_of_the_round_it_took_over() -> None:
+    pacer = RoundPacer(NodeConfig(round_steps=40), "a")
+    pace = pacer.plan(2, 1000.0, {"a": 1000.0, "b": 1000.0}, 100, now=100.0)
+    pacer.resume_at(30, now=100.0)
+    steps, end = _run_round(pacer, [0.1], now=100.0, steps=30)
+    assert steps == 40 and end - 100.0 == pytest.approx(pace.budget_s / 4)

@@ -1,0 +1,96 @@
+"""When a whole-model replica's next outer round is due.
+
+Two ways to pace rounds:
+
+- **Steps** (``--inner-steps N`` or ``by-replicas``): every peer takes the same H inner steps, so a
+  fast peer stands still at the rendezvous until the slowest arrives.
+- **Time** (``--inner-steps auto``, the default of diloco and sparseloco): a round is a wall-clock
+  budget, the time the swarm's median-speed peer needs for the median H (``--round-steps``, or the
+  by-replicas table's H for the replicas of the last round). Every peer, fast or slow, takes the steps
+  that fit in it, counted from the end of its last round (all members leave a round together), so they
+  all reach the next rendezvous together; a peer that slows down mid-round simply takes fewer steps.
+  Updates weigh by the samples they hold (capped at ``AUTO_STEPS_MAX_FACTOR`` × the median's).
+
+The budget comes from the speeds the peers announce in their records: each is a claim, clipped to
+[1/factor, factor] × this node's own measured speed, and only the median counts, so one liar moves it by
+one rank at most.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from gossip.fragments import sync_interval
+from node.config import AUTO_STEPS_MAX_FACTOR, NodeConfig
+
+
+@dataclass(frozen=True)
+class RoundPace:
+    """The current round's plan: ``steps`` (time pacing: the most steps, a sample cap), ``budget_s`` (the
+    round's wall-clock budget, None when pacing by steps) and ``started`` (``time.monotonic()``)."""
+
+    steps: int
+    budget_s: float | None
+    started: float
+    expected_steps: int  # what this node expects to take (status, metrics)
+    median_steps: int  # the median-speed peer's steps in this round
+
+
+class RoundPacer:
+    """Plans each round of one replica and says when it is due."""
+
+    def __init__(self, cfg: NodeConfig, own_id: str) -> None:
+        self.cfg, self.own_id = cfg, own_id
+        self.pace = RoundPace(steps=1, budget_s=None, started=0.0, expected_steps=1, median_steps=1)
+
+    @property
+    def by_time(self) -> bool:
+        return self.cfg.inner_steps == "auto"
+
+    def median_steps(self, replicas: int) -> int:
+        """The steps of a round at the swarm's median speed (H/P with ``--fragments`` P)."""
+        cfg = self.cfg
+        fixed = cfg.steps_for(replicas)
+        steps = fixed if fixed is not None else cfg.median_steps(replicas)
+        return sync_interval(max(steps, cfg.fragments), cfg.fragments)  # validation keeps a given H ≥ --fragments
+
+    def median_rate(self, mine: float, rates: dict[str, float]) -> float:
+        """The median of the trainers' announced speeds and this node's own (tokens/s); each claim is
+        clipped to [1/factor, factor] × this node's own, so one peer announcing 1e30 changes little."""
+        bound = AUTO_STEPS_MAX_FACTOR
+        others = [min(max(r, mine / bound), mine * bound) for p, r in rates.items() if r > 0 and p != self.own_id]
+        return statistics.median(others + [mine])
+
+    def plan(self, replicas: int, mine: float, rates: dict[str, float], tokens_per_step: int, now: float) -> RoundPace:
+        """Plan the round starting ``now``: ``mine`` is this node's measured speed (tokens/s, 0 before its
+        first step), ``rates`` the trainers' announced ones."""
+        steps = self.median_steps(replicas)
+        if not self.by_time or mine <= 0:  # time pacing needs a speed: the first round counts the median's steps
+            self.pace = RoundPace(steps=steps, budget_s=None, started=now, expected_steps=steps, median_steps=steps)
+            return self.pace
+        budget = steps * tokens_per_step / self.median_rate(mine, rates)
+        cap = steps * AUTO_STEPS_MAX_FACTOR
+        expected = min(max(1, round(budget * mine / tokens_per_step)), cap)
+        self.pace = RoundPace(steps=cap, budget_s=budget, started=now, expected_steps=expected, median_steps=steps)
+        return self.pace
+
+    def resume_at(self, progress_steps: int, now: float) -> None:
+        """A joiner took over a round ``progress_steps`` inner steps in (its source's count): it runs what
+        is left of it (by time: the median peer's share of the budget)."""
+        pace = self.pace
+        if pace.budget_s is None:
+            return
+        done = min(progress_steps / pace.median_steps, 0.9)
+        self.pace = RoundPace(pace.steps, pace.budget_s, now - done * pace.budget_s, pace.expected_steps, pace.median_steps)
+
+    def due(self, steps_taken: int, now: float, step_s: float) -> bool:
+        """Whether the round is due after ``steps_taken`` steps, the last of which took ``step_s``: by
+        steps, at the plan's count; by time, once another step would end further past the budget than
+        stopping now ends before it (at least one step, at most the cap)."""
+        pace = self.pace
+        if steps_taken >= pace.steps:
+            return True
+        if pace.budget_s is None or steps_taken < 1:
+            return False
+        return now - pace.started + step_s / 2 >= pace.budget_s
