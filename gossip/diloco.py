@@ -169,6 +169,7 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         if before_gather is not None:
             await before_gather()
         group = await self._rendezvous(rnd)
+        self.exchange.close_group(rnd.number, {e.peer_id for e in group})
         contributions, failures = await self._exchange(rnd, group)
         result = self._vote(rnd, group, contributions, failures)
         if rnd.owners is not None:

@@ -131,6 +131,7 @@ class RoundExchange:
         self.layout: Layout = layout if callable(layout) else fixed_layout(wire, layout)
         self.serve_timeout = serve_timeout
         self._contributions: dict[int, Contribution] = {}
+        self._groups: dict[int, set[str]] = {}  # the members each round's rendezvous closed with (close_group)
         self._ready: dict[int, asyncio.Event] = {}
         self._waiting: dict[tuple[int, int], int] = {}  # (table, round) → requests waiting for it
         self._reduced: dict[int, ReducedShare | None] = {}
@@ -199,6 +200,13 @@ class RoundExchange:
         for old in [r for r in self._contributions if r <= contribution.round - KEEP_ROUNDS]:
             self._contributions.pop(old, None)
             self._ready.pop(old, None)
+            self._groups.pop(old, None)
+
+    def close_group(self, round_no: int, members: set[str]) -> None:
+        """This node's rendezvous of ``round_no`` closed with ``members``: a peer outside them that asks for
+        the contribution later (it registered after the close) is refused, so it cannot average with this
+        node's update while this node averages without its: every member agrees on who contributed."""
+        self._groups[round_no] = members
 
     def encode(
         self, round_no: int, parts: Sequence[torch.Tensor], feedback: Sequence[ErrorFeedback | None] | None = None
@@ -262,6 +270,8 @@ class RoundExchange:
         c = self._contributions.get(round_no)
         if c is None:
             raise SchemaError(f"round {round_no} is over")
+        if stream.peer not in self._groups.get(round_no, (stream.peer,)):
+            raise SchemaError(f"this node's group of round {round_no} closed without {stream.peer}")
         chosen = range(len(c.parts)) if selection is None else selection
         await stream.send(
             "contribution",

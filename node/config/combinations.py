@@ -86,6 +86,8 @@ def _pipeline_refusals(cfg: Any) -> None:
     for wrong, why in (
         (cfg.overlap, "--overlap: a pipeline's stage servers always keep serving while their stage averages"),
         (cfg.overlap_mode != "asap", "--overlap-mode: a stage server applies each round's result when it arrives (asap)"),
+        (cfg.slowdown_after > 0, "--slowdown-after times a whole-model replica's inner steps (a stage server takes --slowdown "
+                                  "from the start)"),
         (cfg.fragments > 1, "--fragments streams a whole-model replica's rounds; a pipeline averages each stage on its "
                              "own, every --sync-every seconds"),
     ):

@@ -205,6 +205,8 @@ class NodeConfig(DerivedSettings, BaseModel):
         "scale:K, sign, noise, alie, ipm, stale, concentrate (gossip/byzantine.py; node swarm --byzantine I:ATTACK)", OPS)
     slowdown: float = option(1.0, "Experiments: make every inner step this many times slower, to emulate slower hardware", OPS,
                              ge=1, le=100)
+    slowdown_after: float = option(0.0, "Experiments: apply --slowdown only from this many seconds into training (a peer "
+                                   "that slows down mid-run, as when its owner starts a game)", OPS, ge=0)
     seed: int = option(0, "Seed of this node's data order, and of the model's initialisation unless --init-seed; node swarm "
                        "gives node i the seed S + i", TRAIN)
     init_seed: int | None = option(None, "Seed of the model's initialisation; node swarm gives every node the same one", TRAIN,

@@ -369,6 +369,7 @@ class SwarmLauncher:
                 "wall_s": info.get("wall_s"),
                 "train_s": info.get("train_s"),
                 "comm_wait_s": info.get("comm_wait_s"),
+                "inner_s": info.get("inner_s"),
                 "tokens_per_s": info.get("tokens_per_s"),
                 "mfu": info.get("mfu"),
                 "peak_mem_mb": info.get("peak_mem_mb"),

@@ -255,7 +255,7 @@ class Daemon(NodeBase):
             x, y = self.batches.next()
             step_started = time.monotonic()
             loss = self.trainer.step(x, y)
-            if cfg.slowdown > 1:
+            if cfg.slowdown > 1 and step_started - self.train_started >= cfg.slowdown_after:
                 time.sleep((cfg.slowdown - 1) * (time.monotonic() - step_started))
             rate = tokens_per_step / max(time.monotonic() - step_started, 1e-6)
             self.compute_tokens_per_s = rate if self.compute_tokens_per_s == 0 else 0.9 * self.compute_tokens_per_s + 0.1 * rate

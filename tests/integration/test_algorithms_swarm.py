@@ -76,7 +76,7 @@ def test_noloco_partner_killed_mid_run_costs_at_most_one_deadline(tmp_path, node
 # Each mode of the replica daemon, live with 2 nodes: ``make test`` runs a few rounds of each, ``make
 # test-slow`` the same checks over more rounds and with a held-out loss target.
 MODES = {
-    "sparse": ["--algorithm", "sparseloco", "--inner-steps", "by-replicas"],  # its default, over FAST_ARGS' 15
+    "sparse": ["--algorithm", "sparseloco", "--inner-steps", "by-replicas"],  # its table's H in steps (auto paces it by time)
     "stream": ["--fragments", "2", "--overlap", "--inner-steps", "20"],  # overlap asap
     "eager": ["--overlap", "--overlap-mode", "eager", "--inner-steps", "10"],
     "delayed": ["--overlap", "--overlap-mode", "delayed"],

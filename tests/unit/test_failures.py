@@ -100,3 +100,28 @@ def test_a_grouped_request_that_arrives_before_this_member_grouped_is_served_onc
     served, refused = asyncio.run(race())
     assert served == "served"
     assert "wire mismatch" in refused
+
+
+def test_a_peer_outside_the_group_a_round_closed_with_is_refused_the_contribution() -> None:
+    """A member that registered after this node's rendezvous closed must not average with this node's update
+    while this node averaged without its (seen live: a joiner's first round named 3 contributors where the
+    first node's named itself alone); a member of the group is still served."""
+    from protocol.frames import encode_frame, encode_message
+    from tests.helpers.memory_transport import canned_stream
+
+    exchange = RoundExchange(MemoryTransport(reply=b""), "run", "none", [(4,)], serve_timeout=5.0)  # type: ignore[arg-type]
+    blobs, _ = exchange.encode(0, [torch.zeros(4)])
+    exchange.publish(Contribution(0, 1, "fp", exchange.wire_of(0), blobs))
+
+    async def ask(peer: str) -> str:
+        stream, _ = canned_stream(encode_frame(encode_message("fetch", {"run_id": "run", "round": 0, "codec": "none"})), peer=peer)
+        try:
+            await exchange._handle(stream)
+        except SchemaError as e:
+            return str(e)
+        return "served"
+
+    assert asyncio.run(ask("late")) == "served"  # before the rendezvous closed: any member may ask
+    exchange.close_group(0, {"self", "member"})
+    assert asyncio.run(ask("member")) == "served"
+    assert "closed without late" in asyncio.run(ask("late"))

@@ -67,6 +67,7 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "inner_optimizer": ("muon", ("applied", [(SERVER, "inner_optimizer=cfg.inner_optimizer")])),
     "weight_decay": (0.0, ("applied", [(SERVER, "cfg.weight_decay")])),
     "slowdown": (2.0, ("applied", [(SERVER, "slowdown=cfg.slowdown")])),
+    "slowdown_after": (5.0, ("refused", "--slowdown-after times a whole-model replica's inner steps")),
     "micro_batch_size": (2, ("refused", "--micro-batch-size is for whole-model replicas")),
     "activation_checkpointing": (True, ("refused", "--activation-checkpointing is for whole-model replicas")),
     "compile": (True, ("refused", "--compile is for whole-model replicas")),

@@ -1,0 +1,173 @@
+"""Volunteers of every speed: a swarm of 4 peers of speeds 1×, 1×, ½× and ¼×, every peer at the same H
+(``--inner-steps by-replicas``) against rounds paced by time (``--inner-steps auto``, the default).
+
+    python -m benchmarks.heterogeneous [--model tiny] [--duration 100] [--seeds 0,1] [--base-slowdown 2]
+        [--churn-seeds 0] [--extra "--batch-size 8 --threads 1"] --out benchmarks/results/heterogeneous.json
+
+Each run is one ``node swarm`` of 4 real daemons on loopback with a fresh checkpoint folder; node i has seed
+S + i. Speeds come from ``--slowdown``: ``--base-slowdown`` B gives the peers B, B, 2B and 4B, so the four
+of them ask for 1.9 cores at most and the 2-core machine does not decide the speeds (B = 2; at B = 1
+the fast peers would compete for the CPU). Scenarios, each in both modes:
+
+- ``speeds``: the four speeds for ``--duration`` seconds;
+- ``churn`` (``--churn-seeds``): the same, and peer 1 slows down a further 4× a third into the run
+  (``--slowdown-after``), and peer 3 is killed 2 s in and restarted 20 s later (it joins late,
+  downloading the swarm's state);
+- ``homogeneous`` (per seed of ``speeds``): four peers at the fast speed, each stopping after the mean
+  inner steps of that seed's ``auto`` run: the same total tokens, for the quality comparison.
+
+Per peer: shares of its training loop's wall time spent in inner steps (``training``), waiting at the
+rendezvous for the others (``waiting``, the rounds' ``gather_s``) and exchanging (the rest of the
+rounds' time), tokens, the held-out loss at the end, and the held-out curve (every ``--eval-every``
+rounds) against wall time and tokens. The summary per scenario and mode: the least training share of
+any peer, the mean final held-out loss, and for ``auto``, the share of the fixed-H run's wall time it took
+to reach the fixed-H run's final held-out loss (peer 0's curves). Not compared here: hivemind's
+target-batch-size optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import results_io
+
+MODES = {"fixed": ["--inner-steps", "by-replicas"], "auto": ["--inner-steps", "auto"]}
+NODES = 4
+
+
+def node_args(base: float, churn: bool, duration: float) -> list[str]:
+    speeds = [base, base, 2 * base, 4 * base]
+    args = [f"{i}:--slowdown {s:g}" for i, s in enumerate(speeds)]
+    if churn:
+        args[1] += f" --slowdown-after {duration / 3:.0f}"
+        args[1] = args[1].replace(f"--slowdown {base:g}", f"--slowdown {4 * base:g}")
+    out: list[str] = []
+    for a in args:
+        out += ["--node-args", a]
+    return out
+
+
+def run(args: argparse.Namespace, scenario: str, mode: str, seed: int, folder: Path, max_steps: int | None = None) -> dict[str, Any]:
+    name = f"{scenario}-{mode}-{seed}"
+    report = folder / f"{name}.json"
+    cmd = [sys.executable, "-m", "node", "swarm", "--nodes", str(NODES), "--model", args.model, "--duration", str(args.duration),
+           "--seed", str(seed), "--report", str(report), "--checkpoint-dir", str(folder / name), "--eval-every", str(args.eval_every),
+           *shlex.split(args.extra), *MODES[mode]]
+    if scenario == "homogeneous":
+        cmd += ["--slowdown", f"{args.base_slowdown:g}", "--max-steps", str(max_steps)]
+    else:
+        cmd += node_args(args.base_slowdown, scenario == "churn", args.duration)
+    if scenario == "churn":
+        cmd += ["--chaos", "kill:node=3:at=2s", "--restart-killed", "20"]
+    started = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration * 3 + 300)
+    wall = time.monotonic() - started
+    if not report.exists():
+        return {"scenario": scenario, "mode": mode, "seed": seed, "error": done.stderr[-2000:] or done.stdout[-2000:]}
+    nodes = json.loads(report.read_text())["nodes"]
+    return {"scenario": scenario, "mode": mode, "seed": seed, "wall_s": round(wall, 1), "peers": [peer(n) for n in nodes]}
+
+
+def peer(n: dict[str, Any]) -> dict[str, Any]:
+    rounds = n.get("rounds", [])
+    train_s = n.get("train_s") or 0.0
+    gather = sum(r["gather_s"] for r in rounds)
+    start = rounds[0]["t"] - rounds[0]["duration_s"] if rounds else 0.0
+    share = (lambda x: round(x / train_s, 4)) if train_s else (lambda x: None)
+    return {
+        "exit_code": n["exit_code"], "steps": n["steps"], "outer_rounds": n["outer_rounds"], "train_s": round(train_s, 2),
+        "training": share(n.get("inner_s", 0.0)), "waiting": share(gather), "exchanging": share(max(n.get("comm_wait_s", 0.0) - gather, 0.0)),
+        "steps_per_round": statistics.median(r["steps"] for r in rounds) if rounds else None,
+        "out_of_sync": sum(not r["in_sync"] for r in rounds), "val_loss": n["val_loss"],
+        "tokens": rounds[-1]["tokens"] if rounds else 0,
+        "curve": [[round(r["t"] - start, 2), r["tokens"], round(r["val_loss"], 4)] for r in rounds if r.get("val_loss") is not None],
+        "first_round_t": round(start, 2),
+    }
+
+
+def time_to(curve: list[list[float]], target: float) -> float | None:
+    """Seconds (from this peer's first round) until its held-out loss first reached ``target``."""
+    return next((t for t, _, loss in curve if loss <= target), None)
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ok = [r for r in runs if "error" not in r]
+    for scenario in sorted({r["scenario"] for r in ok}):
+        for mode in MODES:
+            mine = [r for r in ok if r["scenario"] == scenario and r["mode"] == mode]
+            if not mine:
+                continue
+            key = f"{scenario}/{mode}"
+            out[key] = {
+                "runs": len(mine),
+                "least_training_share": min(p["training"] for r in mine for p in r["peers"] if p["training"] is not None),
+                "fast_peers_waiting": statistics.mean(p["waiting"] for r in mine for p in r["peers"][:2] if p["waiting"] is not None),
+                "val_loss": statistics.mean(p["val_loss"] for r in mine for p in r["peers"] if p["val_loss"] is not None),
+                "tokens": statistics.mean(sum(p["tokens"] for p in r["peers"]) for r in mine),
+                "out_of_sync": sum(p["out_of_sync"] for r in mine for p in r["peers"]),
+            }
+            if mode == "auto":
+                fractions = []
+                for r in mine:
+                    fixed = next((f for f in ok if (f["scenario"], f["mode"], f["seed"]) == (scenario, "fixed", r["seed"])), None)
+                    if fixed is None or not fixed["peers"][0]["curve"]:
+                        continue
+                    target = statistics.mean(p["val_loss"] for p in fixed["peers"] if p["val_loss"] is not None)
+                    reached = time_to(r["peers"][0]["curve"], target)
+                    fixed_s = fixed["peers"][0]["curve"][-1][0]
+                    fractions.append(None if reached is None else round(reached / fixed_s, 3))
+                out[key]["time_to_fixed_loss"] = fractions
+    homogeneous = [r for r in ok if r["scenario"] == "homogeneous"]
+    if homogeneous:
+        out["homogeneous/auto"] = {
+            "runs": len(homogeneous),
+            "val_loss": statistics.mean(p["val_loss"] for r in homogeneous for p in r["peers"] if p["val_loss"] is not None),
+            "tokens": statistics.mean(sum(p["tokens"] for p in r["peers"]) for r in homogeneous),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--duration", type=float, default=100.0)
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--churn-seeds", default="0")
+    parser.add_argument("--base-slowdown", type=float, default=2.0)
+    parser.add_argument("--eval-every", type=int, default=3)
+    parser.add_argument("--extra", default="--batch-size 8 --threads 1 --eval-batches 8")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.heterogeneous", *argv])
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="heterogeneous-") as tmp:
+        folder = Path(tmp)
+        for seed in [int(s) for s in args.seeds.split(",") if s]:
+            for mode in MODES:
+                runs.append(run(args, "speeds", mode, seed, folder))
+                print(json.dumps({k: v for k, v in runs[-1].items() if k != "peers"}), flush=True)
+            auto = runs[-1]
+            if "error" not in auto:
+                steps = round(statistics.mean(p["steps"] for p in auto["peers"]))
+                runs.append(run(args, "homogeneous", "auto", seed, folder, max_steps=steps))
+        for seed in [int(s) for s in args.churn_seeds.split(",") if s]:
+            for mode in MODES:
+                runs.append(run(args, "churn", mode, seed, folder))
+    summary = summarise(runs)
+    results_io.write(args.out, {"options": vars(args) | {"out": str(args.out)}, "runs": runs, "summary": summary}, meta)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
