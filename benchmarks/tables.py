@@ -58,6 +58,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "mutation": train.mutation,
     "convergence": train.convergence,
     "forging": train.forging,
+    "heterogeneous": train.heterogeneous,
     "quick_suite": net.quick_suite,
     "gpu_loop": gpu.gpu_loop,
     "gpu_replicas": gpu.gpu_replicas,

@@ -8,6 +8,8 @@ row labels are prose.
 
 from __future__ import annotations
 
+import statistics
+
 from benchmarks.table_format import Results, loss, mean_std, pct, size, table, times
 
 # configs of sparse_gap.json and gap_closed.json as a reader knows them (their flags are in each file)
@@ -304,3 +306,35 @@ def forging(r: Results) -> str:
         what += " \"Clean again\" is the clean run repeated in the same invocation: its change is timing noise alone."
         headers += ["clean again", "change (noise)"]
     return r.caption("forging.json", what=what) + "\n\n" + table(headers, rows)
+
+
+def _share(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.0f} %"
+
+
+def heterogeneous(r: Results) -> str:
+    """Peers of four speeds, every peer at the same H against rounds paced by time (benchmarks/heterogeneous.py)."""
+    d = r.load("heterogeneous.json")
+    o = d["options"]
+    rows = []
+    for run in d["runs"]:
+        if "error" in run:
+            rows.append([run["scenario"], run["mode"], str(run["seed"]), "failed", "", "", "", ""])
+            continue
+        peers = run["peers"]
+        rows.append([run["scenario"], run["mode"], str(run["seed"]),
+                     " / ".join(_share(p["training"]) for p in peers), " / ".join(_share(p["waiting"]) for p in peers),
+                     " / ".join(f"{p['steps_per_round']:g}" for p in peers), loss(statistics.mean(p["val_loss"] for p in peers)),
+                     f"{sum(p['tokens'] for p in peers) / 1e6:.2f} M"])
+    s = d["summary"]
+    reached = [f"{100 * f:.0f} %" if f is not None else "not reached" for k, v in s.items() for f in v.get("time_to_fixed_loss", [])]
+    what = (f"4 daemons of `{o['model']}` on loopback, one 2-core machine, `{o['extra']}`, `--slowdown` "
+            f"{float(o['base_slowdown']):g} / {float(o['base_slowdown']):g} / {2 * float(o['base_slowdown']):g} / "
+            f"{4 * float(o['base_slowdown']):g} (speeds 1, 1, ½, ¼), {float(o['duration']):g} s each, a fresh checkpoint "
+            "folder per run. `churn`: peer 1 slows down 4× more a third into the run, peer 3 is killed 2 s in and restarted 20 s "
+            "later. `homogeneous`: four peers at the fast speed, each to the mean inner steps of that seed's `auto` run. "
+            "Training / waiting: shares of each peer's training loop in inner steps and at the rendezvous (peers 0 / 1 / 2 / 3). "
+            f"Held-out loss: mean over the peers at the end. Time for `auto` to reach the fixed-H run's final held-out loss, "
+            f"as a share of the fixed-H run's time (peer 0): {', '.join(reached) or 'no curve'}.")
+    header = ["scenario", "H", "seed", "training", "waiting", "steps per round", "held-out loss", "tokens"]
+    return r.caption("heterogeneous.json", what=what) + "\n\n" + table(header, rows)
