@@ -2,7 +2,7 @@
 (``--inner-steps by-replicas``) against rounds paced by time (``--inner-steps auto``, the default).
 
     python -m benchmarks.heterogeneous [--model tiny] [--duration 100] [--seeds 0,1] [--base-slowdown 2]
-        [--churn-seeds 0] [--extra "--batch-size 8 --threads 1"] --out benchmarks/results/heterogeneous.json
+        [--churn-seeds 0] [--extra "--batch-size 2 --threads 1"] --out benchmarks/results/heterogeneous.json
 
 Each run is one ``node swarm`` of 4 real daemons on loopback with a fresh checkpoint folder; node i has seed
 S + i. Speeds come from ``--slowdown``: ``--base-slowdown`` B gives the peers B, B, 2B and 4B, so the four
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--churn-seeds", default="0")
     parser.add_argument("--base-slowdown", type=float, default=2.0)
     parser.add_argument("--eval-every", type=int, default=3)
-    parser.add_argument("--extra", default="--batch-size 8 --threads 1 --eval-batches 8")
+    parser.add_argument("--extra", default="--batch-size 2 --threads 1 --eval-batches 8")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.heterogeneous", *argv])
