@@ -1,7 +1,7 @@
 """Volunteers of every speed: a swarm of 4 peers of speeds 1×, 1×, ½× and ¼×, every peer at the same H
 (``--inner-steps by-replicas``) against rounds paced by time (``--inner-steps auto``, the default).
 
-    python -m benchmarks.heterogeneous [--model tiny] [--duration 100] [--seeds 0,1] [--base-slowdown 2]
+    python -m benchmarks.heterogeneous [--model tiny] [--duration 120] [--seeds 0,1] [--base-slowdown 2]
         [--churn-seeds 0] [--extra "--batch-size 2 --threads 1"] --out benchmarks/results/heterogeneous.json
 
 Each run is one ``node swarm`` of 4 real daemons on loopback with a fresh checkpoint folder; node i has seed
@@ -140,11 +140,11 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--duration", type=float, default=100.0)
+    parser.add_argument("--duration", type=float, default=120.0)
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--churn-seeds", default="0")
     parser.add_argument("--base-slowdown", type=float, default=2.0)
-    parser.add_argument("--eval-every", type=int, default=3)
+    parser.add_argument("--eval-every", type=int, default=1)
     parser.add_argument("--extra", default="--batch-size 2 --threads 1 --eval-batches 8")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
