@@ -249,6 +249,7 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
             samples=sum(contributions[p].samples for p in used),
             groups=1 if rnd.grouping is None else rnd.grouping[1],
             group_tag=rnd.tag,
+            rates={e.peer_id: e.tokens_per_s for e in group if e.tokens_per_s > 0},
         )
 
     async def _apply(self, rnd: _Round, update: list[torch.Tensor]) -> None:

@@ -76,7 +76,7 @@ class GroupedRendezvous:
     async def _rendezvous(self, rnd: Any) -> list[RoundEntry]:
         """Register in the round's DHT rendezvous (this member's group's, if grouped) and wait for the
         group, up to the adaptive deadline (which learns from this wait). Returns the group, self included."""
-        entry = RoundEntry(peer_id=self.peer_id, samples=rnd.samples, codec=rnd.wire, up_mbit=self.up_mbit)
+        entry = RoundEntry(peer_id=self.peer_id, samples=rnd.samples, codec=rnd.wire, up_mbit=self.up_mbit, tokens_per_s=self.speed)
         rnd.deadline_s, registered = self.deadline.value, time.monotonic()
 
         async def elsewhere(peers: set[str]) -> set[str]:

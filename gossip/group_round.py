@@ -52,6 +52,7 @@ class RoundResult:
     reduce_scatter: bool = False
     groups: int = 1  # the swarm was split into this many bounded groups (gossip.groups); 1: one group
     group_tag: str = ""  # which of them this member averaged in (e.g. g1of2)
+    rates: dict[str, float] = field(default_factory=dict)  # the speeds the group's entries announced (tokens/s)
 
 
 
@@ -61,6 +62,7 @@ class GroupAverager:
 
     back_off = False  # whether incomplete rounds in a row lengthen the rendezvous deadline (gossip.deadline)
     scorer: ContributionScorer | None = None  # screens whole updates by their loss before they are averaged
+    speed: float = 0.0  # this member's measured tokens/s, announced in its rendezvous entries (set by the node)
 
     def __init__(self, dht: DHTNode, validator: RSASignatureValidator, exchange: RoundExchange, run_id: str, peer_id: str,
                  outer: object, gather_timeout: float, fetch_timeout: float, partition: Partition, aggregation: str,

@@ -110,14 +110,17 @@ class PeerRecord:
 
 @dataclass
 class RoundEntry:
-    """A member's entry in a round rendezvous: who it is, how many samples its update carries, and its
-    upload cap (``--max-upload-mbit``, 0: none), so the others wait long enough for its update."""
+    """A member's entry in a round rendezvous: who it is, how many samples its update carries, its
+    upload cap (``--max-upload-mbit``, 0: none), so the others wait long enough for its update, and its
+    measured speed (tokens/s of inner steps, 0: not measured), from which every member of the round
+    paces the next one alike (``node.replica.pacing``)."""
 
     peer_id: str
     samples: int
     codec: str
     up_mbit: float = 0.0
     protocol: int = field(default_factory=protocol_version)  # the member's protocol version (protocol.version)
+    tokens_per_s: float = 0.0
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,9 +133,12 @@ class RoundEntry:
             peer_id=_typed(value, "peer_id", str), samples=_typed(value, "samples", int), codec=_typed(value, "codec", str),
             up_mbit=float(_typed(value, "up_mbit", (int, float), 0.0)),
             protocol=_typed(value, "protocol", int, 1),
+            tokens_per_s=float(_typed(value, "tokens_per_s", (int, float), 0.0)),
         )
         if entry.samples < 0:
             raise SchemaError("round entry samples must be non-negative")
         if not 0 <= entry.up_mbit < float("inf"):
             raise SchemaError("round entry up_mbit must be a non-negative number")
+        if not 0 <= entry.tokens_per_s < float("inf"):
+            raise SchemaError("round entry tokens_per_s must be a non-negative number")
         return entry

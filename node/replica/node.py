@@ -71,6 +71,8 @@ class Daemon(NodeBase):
         self.peer_rates: dict[str, float] = {}
         self.last_contributors = 0  # members of the last round in sync (--inner-steps by-replicas)
         self.pacer = RoundPacer(cfg, "")
+        self.round_rates: dict[str, float] = {}  # the speeds the last round's members announced (pacing)
+        self.round_ended: float | None = None  # when the last blocking round's result arrived (pacing)
 
     # ---- lifecycle (node.runtime.base) ------------------------------------------------------------
     def _prepare(self) -> None:
@@ -174,7 +176,12 @@ class Daemon(NodeBase):
         """Plan the next round (``node.replica.pacing``): H steps, or under ``--inner-steps auto`` a time budget."""
         self.pacer.own_id = self.summary.peer_id
         tokens_per_step = self.cfg.batch_size * self.trainer.model.cfg.context
-        pace = self.pacer.plan(self._replicas(), self.compute_tokens_per_s, self.peer_rates, tokens_per_step, time.monotonic())
+        shared = len(self.round_rates) > 1  # every member of the last round plans from the same entries
+        # from the moment the round's result arrived (every member's is about the same), not after this node's
+        # evaluation and checkpoint; an overlapped round paces from its start
+        start = self.round_ended if self.round_ended is not None and not self.cfg.overlap else time.monotonic()
+        pace = self.pacer.plan(self._replicas(), self.compute_tokens_per_s, self.round_rates if shared else self.peer_rates,
+                               tokens_per_step, start, shared)
         self.metrics.round_inner_steps.set(pace.expected_steps)
 
     def _replicas(self) -> int:
@@ -295,6 +302,7 @@ class Daemon(NodeBase):
         """Run the outer round of the fragment that is due: in the background with ``--overlap``,
         else right away (the training loop waits)."""
         fragment = fragment_of_round(self.round, self.cfg.fragments)
+        self.averager.speed = self.compute_tokens_per_s
         self.rounds.start(self.round, fragment, self.plan.fragments[fragment], self.phi, self.trainer.parameters(), samples,
                           self.inner_step, self.plan.feedback[fragment], overlapped=self.cfg.overlap)
         self.inner_step = 0
@@ -315,6 +323,7 @@ class Daemon(NodeBase):
 
     def _apply_round(self, result: RoundResult, pending: PendingRound) -> None:
         m = self.metrics
+        self.round_ended, self.round_rates = time.monotonic(), result.rates if result.in_sync else {}
         for kind in result.failures.values():
             m.errors.labels(kind).inc()
         m.round_duration.observe(result.duration_s)

@@ -11,9 +11,10 @@ Two ways to pace rounds:
   all reach the next rendezvous together; a peer that slows down mid-round simply takes fewer steps.
   Updates weigh by the samples they hold (capped at ``AUTO_STEPS_MAX_FACTOR`` × the median's).
 
-The budget comes from the speeds the peers announce in their records: each is a claim, clipped to
-[1/factor, factor] × this node's own measured speed, and only the median counts, so one liar moves it by
-one rank at most.
+The budget comes from the speeds the members announced in the entries of the last round (every member
+of a round holds the same entries, so all plan the same budget and arrive together), or before a round
+from the peers' records. Each speed is a claim, clipped to [1/factor, factor] × this node's own measured
+speed, and only the median counts, so one liar moves it by one rank at most.
 """
 
 from __future__ import annotations
@@ -55,21 +56,26 @@ class RoundPacer:
         steps = fixed if fixed is not None else cfg.median_steps(replicas)
         return sync_interval(max(steps, cfg.fragments), cfg.fragments)  # validation keeps a given H ≥ --fragments
 
-    def median_rate(self, mine: float, rates: dict[str, float]) -> float:
-        """The median of the trainers' announced speeds and this node's own (tokens/s); each claim is
-        clipped to [1/factor, factor] × this node's own, so one peer announcing 1e30 changes little."""
+    def median_rate(self, mine: float, rates: dict[str, float], shared: bool = False) -> float:
+        """The median of the announced speeds (tokens/s), each clipped to [1/factor, factor] × this node's
+        own, so one peer announcing 1e30 changes little. ``shared``: ``rates`` are a round's entries, this
+        node's own included as it announced it (the same numbers on every member); else this node's
+        measured speed stands for its own."""
         bound = AUTO_STEPS_MAX_FACTOR
-        others = [min(max(r, mine / bound), mine * bound) for p, r in rates.items() if r > 0 and p != self.own_id]
-        return statistics.median(others + [mine])
+        clipped = {p: min(max(r, mine / bound), mine * bound) for p, r in rates.items() if r > 0}
+        if not shared or self.own_id not in clipped:
+            clipped[self.own_id] = mine
+        return statistics.median(clipped.values())
 
-    def plan(self, replicas: int, mine: float, rates: dict[str, float], tokens_per_step: int, now: float) -> RoundPace:
+    def plan(self, replicas: int, mine: float, rates: dict[str, float], tokens_per_step: int, now: float,
+             shared: bool = False) -> RoundPace:
         """Plan the round starting ``now``: ``mine`` is this node's measured speed (tokens/s, 0 before its
-        first step), ``rates`` the trainers' announced ones."""
+        first step), ``rates`` the announced ones (``shared``: the last round's entries, see :meth:`median_rate`)."""
         steps = self.median_steps(replicas)
         if not self.by_time or mine <= 0:  # time pacing needs a speed: the first round counts the median's steps
             self.pace = RoundPace(steps=steps, budget_s=None, started=now, expected_steps=steps, median_steps=steps)
             return self.pace
-        budget = steps * tokens_per_step / self.median_rate(mine, rates)
+        budget = steps * tokens_per_step / self.median_rate(mine, rates, shared)
         cap = steps * AUTO_STEPS_MAX_FACTOR
         expected = min(max(1, round(budget * mine / tokens_per_step)), cap)
         self.pace = RoundPace(steps=cap, budget_s=budget, started=now, expected_steps=expected, median_steps=steps)

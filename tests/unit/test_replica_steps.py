@@ -145,3 +145,32 @@ def test_a_joiner_runs_what_is_left_of_the_round_it_took_over() -> None:
     pacer.resume_at(30, now=100.0)
     steps, end = _run_round(pacer, [0.1], now=100.0, steps=30)
     assert steps == 40 and end - 100.0 == pytest.approx(pace.budget_s / 4)
+
+
+def test_members_of_a_round_plan_the_next_from_its_entries_alike_whatever_they_measured_since() -> None:
+    """Each member's own speed moves between rounds (a busy CPU, a game): planned from the records and its own
+    measurement, members' budgets differed by ~10 % (a fast peer waited up to 1.3 s a round in the
+    heterogeneous benchmark); planned from the last round's entries, which every member holds alike, they agree."""
+    cfg = NodeConfig(round_steps=50)
+    entries = {"a": 1000.0, "b": 950.0, "c": 500.0, "d": 250.0}
+    own_now = {"a": 1100.0, "b": 800.0, "c": 520.0, "d": 240.0}
+    shared = {p: RoundPacer(cfg, p).plan(4, own_now[p], entries, 100, 0.0, shared=True).budget_s for p in entries}
+    assert max(shared.values()) == pytest.approx(min(shared.values()))
+    apart = {p: RoundPacer(cfg, p).plan(4, own_now[p], entries, 100, 0.0).budget_s for p in entries}
+    assert max(apart.values()) > 1.05 * min(apart.values())
+
+
+def test_a_node_announces_its_speed_in_its_round_entry_and_plans_from_the_round_it_was_in() -> None:
+    from protocol.records import RoundEntry
+    from protocol.errors import SchemaError
+
+    entry = RoundEntry("p", 8, "none", tokens_per_s=1234.5)
+    assert RoundEntry.from_value(entry.to_value()) == entry
+    assert RoundEntry.from_value({"peer_id": "p", "samples": 8, "codec": "none"}).tokens_per_s == 0.0  # an older peer's
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(SchemaError):
+            RoundEntry.from_value({**entry.to_value(), "tokens_per_s": bad})
+    d = _daemon()
+    d.compute_tokens_per_s = 1000.0
+    d.round_rates = {"me": 1000.0, "x": 500.0, "y": 500.0}
+    assert _planned(d).budget_s == pytest.approx(50 * 4 * d.trainer.model.cfg.context / 500.0)
