@@ -172,14 +172,16 @@ class Daemon(NodeBase):
         self._record_throughput(inner_tokens_per_s=self._inner_rate())
 
     # ---- what travels ------------------------------------------------------------------------
-    def _plan_round(self) -> None:
-        """Plan the next round (``node.replica.pacing``): H steps, or under ``--inner-steps auto`` a time budget."""
+    def _plan_round(self, start: float | None = None) -> None:
+        """Plan the next round (``node.replica.pacing``): H steps, or under ``--inner-steps auto`` a time budget
+        (from ``start``, if given: a round already under way)."""
         self.pacer.own_id = self.summary.peer_id
         tokens_per_step = self.cfg.batch_size * self.trainer.model.cfg.context
         shared = len(self.round_rates) > 1  # every member of the last round plans from the same entries
         # from the moment the round's result arrived (every member's is about the same), not after this node's
         # evaluation and checkpoint; an overlapped round paces from its start
-        start = self.round_ended if self.round_ended is not None and not self.cfg.overlap else time.monotonic()
+        if start is None:
+            start = self.round_ended if self.round_ended is not None and not self.cfg.overlap else time.monotonic()
         pace = self.pacer.plan(self._replicas(), self.compute_tokens_per_s, self.round_rates if shared else self.peer_rates,
                                tokens_per_step, start, shared)
         self.metrics.round_inner_steps.set(pace.expected_steps)
@@ -269,6 +271,8 @@ class Daemon(NodeBase):
             self.inner_step += 1
             samples += x.shape[0]
             self._count_steps(1, tokens_per_step, loss)
+            if self.pacer.provisional and any(r > 0 and p != self.summary.peer_id for p, r in self.peer_rates.items()):
+                self._plan_round(start=self.pacer.pace.started)  # speeds are known now: the rest of the round by time
             window_tokens += tokens_per_step
             elapsed = time.monotonic() - window_start
             step_s = time.monotonic() - fetch_started
@@ -285,8 +289,7 @@ class Daemon(NodeBase):
             if self.pacer.due(self.inner_step, time.monotonic(), step_s):
                 self._finish_pending()
                 self._start_round(samples)
-                samples = 0
-                before = self.pacer.pace.median_steps
+                samples, before = 0, self.pacer.pace.median_steps
                 self._plan_round()
                 if self.pacer.pace.median_steps != before and self.cfg.inner_steps in ("auto", BY_REPLICAS):
                     logger.info("rounds of %d inner steps (at the median speed) from now on: %d replicas averaged in the last one",

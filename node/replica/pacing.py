@@ -49,6 +49,11 @@ class RoundPacer:
     def by_time(self) -> bool:
         return self.cfg.inner_steps == "auto"
 
+    @property
+    def provisional(self) -> bool:
+        """Paced by time, but this round counts steps until this node knows a speed (its first round)."""
+        return self.by_time and self.pace.budget_s is None
+
     def median_steps(self, replicas: int) -> int:
         """The steps of a round at the swarm's median speed (H/P with ``--fragments`` P)."""
         cfg = self.cfg
@@ -72,7 +77,7 @@ class RoundPacer:
         """Plan the round starting ``now``: ``mine`` is this node's measured speed (tokens/s, 0 before its
         first step), ``rates`` the announced ones (``shared``: the last round's entries, see :meth:`median_rate`)."""
         steps = self.median_steps(replicas)
-        if not self.by_time or mine <= 0:  # time pacing needs a speed: the first round counts the median's steps
+        if not self.by_time or mine <= 0:  # time pacing needs a speed: until this node has one, the median's steps
             self.pace = RoundPace(steps=steps, budget_s=None, started=now, expected_steps=steps, median_steps=steps)
             return self.pace
         budget = steps * tokens_per_step / self.median_rate(mine, rates, shared)

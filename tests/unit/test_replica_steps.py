@@ -85,7 +85,13 @@ def test_sparseloco_sizes_its_rounds_from_its_own_table() -> None:
 def test_the_first_round_counts_the_median_steps_until_this_node_has_a_speed() -> None:
     d = _daemon()
     pace = _planned(d)
-    assert pace.budget_s is None and pace.steps == steps_for_replicas(1)
+    assert pace.budget_s is None and pace.steps == steps_for_replicas(1) and d.pacer.provisional
+    # once it has a speed (and sees others'), the rest of that round is paced by time from the same start
+    d.compute_tokens_per_s = 1000.0
+    _sees_trainers(d, 2, rate=500.0)
+    d._plan_round(start=pace.started)
+    assert not d.pacer.provisional and d.pacer.pace.started == pace.started and d.pacer.pace.budget_s is not None
+    assert not RoundPacer(NodeConfig(inner_steps=30), "x").provisional
 
 
 def test_a_claimed_rate_of_1e30_cannot_shrink_the_budget_to_one_step() -> None:
