@@ -30,7 +30,10 @@ def test_one_scaling_attacker_of_four_is_clipped_and_the_swarm_trains(tmp_path, 
         assert all(r["clipped"].get(attacker_id[-8:], 1.0) < 0.2 for r in full), [r["clipped"] for r in full]
         losses = [r["val_loss"] for r in info["rounds"] if r.get("val_loss") is not None]
         assert losses and all(math.isfinite(v) for v in losses)
-        assert info["val_loss"] < min(losses[0], 4.2), (info["val_loss"], losses)
+        # well below the untrained ~5.5 and no climb (the plain mean climbs past 10): the clipped attacker still
+        # adds about an honest update of noise a round, so the end may sit a little above the first evaluation
+        # (after two rounds), as it did in 2 of ~40 loaded runs (3.40 and 3.50 against 3.35)
+        assert info["val_loss"] < min(losses[0] + 0.2, 4.2), (info["val_loss"], losses)
         # b and c joined with a's state (a low first loss of their own): compare with a's untrained start
         assert info["train_loss_last"] < a.info()["train_loss_first"] - 0.5, (info["train_loss_last"], a.info()["train_loss_first"])
 
