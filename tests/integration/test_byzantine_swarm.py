@@ -32,7 +32,7 @@ def test_one_scaling_attacker_of_four_is_clipped_and_the_swarm_trains(tmp_path, 
         assert losses and all(math.isfinite(v) for v in losses)
         # well below the untrained ~5.5 and no climb (the plain mean climbs past 10): the clipped attacker still
         # adds about an honest update of noise a round, so the end may sit a little above the first evaluation
-        # (after two rounds), as it did in 2 of ~40 loaded runs (3.40 and 3.50 against 3.35)
+        # (after two rounds), as it did in two loaded full-suite runs (3.40 and 3.50 against 3.35)
         assert info["val_loss"] < min(losses[0] + 0.2, 4.2), (info["val_loss"], losses)
         # b and c joined with a's state (a low first loss of their own): compare with a's untrained start
         assert info["train_loss_last"] < a.info()["train_loss_first"] - 0.5, (info["train_loss_last"], a.info()["train_loss_first"])
