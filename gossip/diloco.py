@@ -141,7 +141,6 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         self.max_group_size, self.weight_codec = max_group_size, weight_codec
         self.tenure = Tenure()  # whose fingerprint votes count (gossip.votes)
         self.reachable: Reachable | None = None  # set by the node: rendezvous wait only for members that answer
-        exchange.closes_groups = True  # a contribution goes to the members this node's rendezvous closed with
 
     async def run_round(
         self,

@@ -132,8 +132,6 @@ class RoundExchange:
         self.serve_timeout = serve_timeout
         self._contributions: dict[int, Contribution] = {}
         self._groups: dict[int, set[str]] = {}  # the members each round's rendezvous closed with (close_group)
-        self._closed: dict[int, asyncio.Event] = {}
-        self.closes_groups = False  # whether the averager calls close_group (DiLoCo's rounds; NoLoCo's pairs do not)
         self._ready: dict[int, asyncio.Event] = {}
         self._waiting: dict[tuple[int, int], int] = {}  # (table, round) → requests waiting for it
         self._reduced: dict[int, ReducedShare | None] = {}
@@ -203,14 +201,12 @@ class RoundExchange:
             self._contributions.pop(old, None)
             self._ready.pop(old, None)
             self._groups.pop(old, None)
-            self._closed.pop(old, None)
 
     def close_group(self, round_no: int, members: set[str]) -> None:
-        """This node's rendezvous of ``round_no`` closed with ``members``. With ``closes_groups`` a request
-        for the contribution is answered only then, and only to them, so no peer averages with this node's
-        update while this node averages without its: every member agrees on who contributed."""
+        """This node's rendezvous of ``round_no`` closed with ``members``: a peer outside them that asks for
+        the contribution later (it registered after the close) is refused, so it cannot average with this
+        node's update while this node averages without its: every member agrees on who contributed."""
         self._groups[round_no] = members
-        self._event(round_no, self._closed).set()
 
     def encode(
         self, round_no: int, parts: Sequence[torch.Tensor], feedback: Sequence[ErrorFeedback | None] | None = None
@@ -271,8 +267,6 @@ class RoundExchange:
         if round_no <= latest - KEEP_ROUNDS:
             raise SchemaError(f"round {round_no} is over (this node is at round {latest})")
         await self._await_round(round_no, self._ready, "contribution")
-        if self.closes_groups:
-            await self._await_round(round_no, self._closed, "closed rendezvous")
         c = self._contributions.get(round_no)
         if c is None:
             raise SchemaError(f"round {round_no} is over")
