@@ -211,7 +211,11 @@ async def _attacker(boot: str, run_id: str, rounds: int, scales: list[float], lo
         r = max(rec.round for rec in peers.values()) + 1
         for i in range(rounds):
             await publish_peer(dht, validator, run_id, PeerRecord(peer_id=me, round=r, device="cpu", model="nano"), 30)
-            good = await asyncio.wait_for(exchange.fetch(honest, r), 120)
+            try:
+                good = await asyncio.wait_for(exchange.fetch(honest, r), 120)
+            except RemoteError:  # asked after the honest node's rendezvous closed without it: try the next round
+                r += 1
+                continue
             scale = scales[i % len(scales)]
             evil = [t * scale for t in good.decoded]
             blobs = [get_codec("none").encode(t).to_bytes() for t in evil]
