@@ -94,39 +94,53 @@ class Inliers:
 def farthest(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     """Sorted positions of the ``k`` largest values of a contiguous float32 vector (k ≥ 1).
 
-    The k largest maxima of 64-value blocks are k distinct elements, so the k-th largest element is at
-    least the smallest of them: only the elements above that bound go through ``topk`` (2.5× faster
-    than a ``topk`` over the whole vector).
+    Every one of the k largest values lies in one of the k blocks of 64 with the largest maxima (a value
+    above the k-th largest block maximum sits in a block whose maximum is above it too; ties at that
+    maximum are met inside the chosen blocks), so only those k·64 values and the tail past the last full
+    block go through ``topk``: ~5× faster than a ``topk`` over the whole vector.
     """
     rows = magnitude.numel() // 64
     if rows < k:
         return torch.topk(magnitude, k, sorted=False).indices.sort().values
-    bound = float(torch.topk(magnitude[: rows * 64].view(rows, 64).amax(1), k, sorted=False).values.min())
-    candidates = torch.from_numpy(np.flatnonzero(magnitude.numpy() >= bound))
-    return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices].sort().values
+    blocks = magnitude[: rows * 64].view(rows, 64)
+    chosen = torch.topk(blocks.amax(1), k, sorted=False).indices
+    positions = (chosen.unsqueeze(1) * 64 + torch.arange(64)).reshape(-1)
+    if rows * 64 < magnitude.numel():
+        positions = torch.cat([positions, torch.arange(rows * 64, magnitude.numel())])
+    return positions[torch.topk(magnitude[positions], k, sorted=False).indices].sort().values
 
 
 def split_outliers(flat: torch.Tensor, centre: float) -> Inliers:
-    """Pick per chunk the ``outlier_count`` values farthest from ``centre``; float64 inlier statistics."""
+    """Pick per chunk the ``outlier_count`` values farthest from ``centre``; inlier statistics summed in
+    float32 per chunk (centred values: their sums keep ~7 digits of σ) and in float64 across chunks, in
+    float64 throughout for a chunk whose float32 sums overflow."""
     n = flat.numel()
     index = torch.empty(outlier_count(n), dtype=torch.int64)
     value = torch.empty(outlier_count(n), dtype=torch.float32)
     chunk = min(CHUNK, max(n, 1))
-    dev, magnitude = torch.empty(chunk, dtype=torch.float64), torch.empty(chunk)
+    dev, magnitude = torch.empty(chunk), torch.empty(chunk)
+    base = float(torch.tensor(centre, dtype=torch.float32))  # the float32 value the distances subtract
     total = squares = 0.0
     low, high, taken = 0.0, 0.0, 0
     for start in range(0, n, CHUNK):
         xc = flat[start : start + CHUNK]
         m, k = xc.numel(), outlier_count(xc.numel())
-        d = dev[:m].copy_(xc).sub_(centre)
+        d = torch.sub(xc, base, out=dev[:m])
+        local = None
         if k:  # float32 distances pick them (an overflow to inf still ranks first)
-            local = farthest(torch.sub(xc, centre, out=magnitude[:m]).abs_(), k)
+            local = farthest(torch.abs(d, out=magnitude[:m]), k)
             index[taken : taken + k] = local + start
             value[taken : taken + k] = xc[local]
             d[local] = 0.0  # an outlier adds nothing to the inlier sums below
             taken += k
-        total += float(d.sum())
-        squares += float(torch.dot(d, d))
+        part, part_squares = float(d.sum()), float(torch.dot(d, d))
+        if not (math.isfinite(part) and math.isfinite(part_squares)):
+            d = xc.to(torch.float64).sub_(base)  # huge values: the same sums without float32 overflow
+            if local is not None:
+                d[local] = 0.0
+            part, part_squares = float(d.sum()), float(torch.dot(d, d))
+        total += part
+        squares += part_squares
         smallest, largest = torch.aminmax(d)
         low, high = min(low, float(smallest)), max(high, float(largest))
     inliers = n - taken
@@ -134,7 +148,7 @@ def split_outliers(flat: torch.Tensor, centre: float) -> Inliers:
         return Inliers(index, value, centre, 0.0, 0.0)
     offset = total / inliers
     std = math.sqrt(max(squares / inliers - offset * offset, 0.0))
-    return Inliers(index, value, centre + offset, std, max(high - offset, offset - low))
+    return Inliers(index, value, base + offset, std, max(high - offset, offset - low))
 
 
 def moments(flat: torch.Tensor) -> tuple[float, float]:
@@ -165,13 +179,37 @@ def quantize(flat: torch.Tensor, bits: int) -> Quantized:
     n_bins, n = 1 << bits, flat.numel()
     if n > MAX_VALUES:
         raise ValueError(f"the statistical quantizer takes at most {MAX_VALUES} values per tensor, got {n}")
-    half = n_bins // 2
     centre, _ = moments(flat)  # ValueError on NaN/Inf
     split = split_outliers(flat, centre)
     shift, scale = split.mean, bin_width(bits, split.std, split.extent)
+    packed = memory.empty(packed_size(n, bits), torch.uint8)
+    if bits == 8:
+        _code_bytes(flat, shift, scale, packed)
+        lut = ((torch.arange(n_bins, dtype=torch.float64) - n_bins // 2) * scale).to(torch.float32)
+    else:
+        lut = _code_with_means(flat, bits, shift, scale, split, packed)
+    return Quantized(bits, float(shift), lut, packed, split.index.to(torch.int32), split.value)
+
+
+def _code_bytes(flat: torch.Tensor, shift: float, scale: float, packed: torch.Tensor) -> None:
+    """8-bit codes ``round((x − shift)/scale) + 128`` into ``packed``, chunk by chunk. The outliers get
+    whatever code their value clamps to: the decoder overwrites them."""
+    n = flat.numel()
+    position = torch.empty(min(CHUNK, max(n, 1)))
+    for start in range(0, n, CHUNK):
+        m = min(CHUNK, n - start)
+        pos = torch.sub(flat[start : start + m], shift, out=position[:m])
+        pos.mul_(1.0 / scale).add_(128.5).clamp_(0.0, 255.5)  # + ½ and truncation: round half up
+        packed[start : start + m].copy_(pos)
+
+
+def _code_with_means(flat: torch.Tensor, bits: int, shift: float, scale: float, split: Inliers,
+                     packed: torch.Tensor) -> torch.Tensor:
+    """2- or 4-bit codes packed into ``packed``; returns the lookup table of per-bin inlier means."""
+    n_bins, n = 1 << bits, flat.numel()
+    half = n_bins // 2
     fill = float(torch.tensor(shift, dtype=torch.float32))  # stands in for an outlier: lands in the centre bin
     inv_scale = 1.0 / scale
-    packed = memory.empty(packed_size(n, bits), torch.uint8)
     bin_sums = torch.zeros(n_bins, dtype=torch.float64)
     counts = torch.zeros(n_bins, dtype=torch.int64)
     chunk = min(CHUNK, max(n, 1))
@@ -196,9 +234,7 @@ def quantize(flat: torch.Tensor, bits: int) -> Quantized:
         counts += torch.bincount(idx, minlength=n_bins)
         offset = start * bits // 8
         target = packed[offset : offset + packed_size(m, bits)]
-        if per == 1:
-            target.copy_(code)
-        elif m % per == 0:  # the codes of one byte as an exact small-integer dot product
+        if m % per == 0:  # the codes of one byte as an exact small-integer dot product
             target.copy_(torch.mv(code.view(-1, per), byte_weights, out=byte_values[: m // per]))
         else:
             target.copy_(pack_bits(idx, bits))
@@ -206,8 +242,7 @@ def quantize(flat: torch.Tensor, bits: int) -> Quantized:
     counts[half] -= taken
     centres = (torch.arange(n_bins, dtype=torch.float64) - half) * scale
     means = bin_sums / counts.clamp_min(1) - shift
-    lut = torch.where(counts > 0, means, centres).to(torch.float32)
-    return Quantized(bits, float(shift), lut, packed, split.index.to(torch.int32), split.value)
+    return torch.where(counts > 0, means, centres).to(torch.float32)
 
 
 def dequantize(q: Quantized, count: int) -> torch.Tensor:

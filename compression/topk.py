@@ -112,8 +112,9 @@ class TopKCompression(Codec):
             block = self._forward(layout.read_band(source, count, region, work), layout)
             _check_band(block)
             mags = torch.abs(block, out=magnitude[:count])
-            chosen = torch.topk(mags, k, dim=1, sorted=False).indices.sort(dim=1).values
-            indices[first : first + count] = chosen
+            chosen = indices[first : first + count]
+            chosen.copy_(torch.topk(mags, k, dim=1, sorted=False).indices)
+            chosen.numpy().sort(axis=1)  # in place; numpy sorts short int rows ~3× faster than torch
             torch.gather(block, 1, chosen, out=values[first : first + count])
         fields: dict[str, Any] = {}
         if uses_elias_fano(k, self.chunk):
