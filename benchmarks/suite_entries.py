@@ -53,8 +53,9 @@ CONVERGENCE_QUICK = "ddp,hivemind,hivemind-8bit,diloco,sparseloco"
 ENTRIES: tuple[Entry, ...] = (
     Entry("codecs", "benchmarks.codecs", _a("--quick"), _a("--numel 25000000"), {"quick": 0.5, "full": 15},
           "Compression: codec speed, bits per parameter and error, beside hivemind's Float16 and 8-bit codecs"),
-    Entry("codec_speed", "benchmarks.codecs", _a("--codecs fp16;q8 --numel 25000000"), _a("--codecs fp16;q8 --numel 25000000 --runs 9"),
-          {"quick": 1, "full": 2}, "Compression, speed: fp16 and q8 against hivemind's Float16 and 8-bit codecs on 25M values"),
+    Entry("codec_speed", "benchmarks.codecs", _a("--codecs fp16;q8;topk:64/4096+q2 --numel 25000000"),
+          _a("--codecs fp16;q8;topk:64/4096+q2 --numel 25000000 --runs 9"), {"quick": 1, "full": 2},
+          "Compression, speed: fp16 and q8 against hivemind's Float16 and 8-bit codecs, topk+q2 against torch.topk, on 25M values"),
     Entry("throughput", "benchmarks.throughput", _a("--model tiny --steps 20 --warmup 3 --threads 1"),
           _a("--model tiny,small --steps 80 --warmup 5 --threads 1 --repeats 2"), {"quick": 0.5, "full": 10},
           "Benchmarks: bare training loop against a node join daemon (bare and daemon alternated per pair)"),

@@ -224,18 +224,32 @@ CODEC_RIVALS = (("fp16", "Float16Compression"), ("q8", "Uniform8BitQuantization"
 
 
 def codec_speed(r: Results) -> str:
-    """Encode and decode speed (one thread) of fp16 and q8 against hivemind's Float16 and 8-bit codecs, bytes to bytes."""
+    """Encode and decode speed of fp16 and q8 against hivemind's Float16 and 8-bit codecs, and of topk+q2
+    against a bare ``torch.topk``, bytes to bytes, on one thread and on all."""
     d = r.load("codec_speed.json")
+    threads = d.get("machine", {}).get("threads") or d["meta"].get("cpu_count")
     rows = []
     for ours, theirs in CODEC_RIVALS:
         a, b = d["codecs"].get(ours), d["hivemind"].get(theirs)
         if a is None or b is None:
             continue
-        for key, what in (("encode_gbps_1t", "encode"), ("decode_gbps_1t", "decode")):
-            rows.append([f"`{ours}` / hivemind `{theirs}`", what, f"{a[key]:.2f}", f"{b[key]:.2f}", f"{a[key] / b[key]:.2f}×"])
-    what = (f"{d['numel']:,} float32 values, one thread, median of {d['runs']} runs, from a tensor to the bytes that travel "
-            "and back (GB/s of float32 input).")
-    return r.caption("codec_speed.json", what=what) + "\n\n" + table(["codecs", "", "locomesh GB/s", "hivemind GB/s", "ratio"], rows)
+        for way in ("encode", "decode"):
+            cells = []
+            for suffix in ("_1t", ""):
+                key = f"{way}_gbps{suffix}"
+                cells += [f"{a[key]:.2f}", f"{b[key]:.2f}", f"{a[key] / b[key]:.2f}×"]
+            rows.append([f"`{ours}` / hivemind `{theirs}`", way, *cells])
+    topk, bare = d["codecs"].get("topk:64/4096+q2"), d.get("baselines", {}).get("torch.topk")
+    if topk is not None and bare is not None:
+        cells = []
+        for suffix in ("_1t", ""):
+            ours, theirs = topk[f"encode_gbps{suffix}"], bare[f"gbps{suffix}"]
+            cells += [f"{ours:.2f}", f"{theirs:.2f}", f"{ours / theirs:.2f}×"]
+        rows.append(["`topk:64/4096+q2` / bare `torch.topk` (k=64, rows of 4096)", "encode", *cells])
+    what = (f"{d['numel']:,} float32 values, median of {d['runs']} runs, from a tensor to the bytes that travel "
+            f"and back (GB/s of float32 input), on one thread and on all {threads}.")
+    head = ["codecs", "", "locomesh, 1 thread", "rival, 1 thread", "ratio", "locomesh, all", "rival, all", "ratio"]
+    return r.caption("codec_speed.json", what=what) + "\n\n" + table(head, rows)
 
 
 def _nse(x: float) -> str:

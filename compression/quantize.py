@@ -10,14 +10,19 @@ the whole tensor's σ: a few huge values stretch σ and every ordinary value lan
     scale = extent/(n_bins/2 − 1)   for q8 (the bins span every inlier)
     scale = 6·σ/n_bins              for q4 / q2 (±3σ; the edge bins collect the rest)
     code  = clamp(round((x − shift)/scale + n_bins/2), 0, n_bins − 1)
-    x̂     = shift + lut[code],  lut[b] = mean of (x − shift) over the inliers with code b
+    x̂     = shift + lut[code]
+    lut[b] = mean of (x − shift) over the inliers with code b   (q4 / q2)
+    lut[b] = (b − n_bins/2)·scale, the bin's centre              (q8)
 
-Codes are bit-packed (four 2-bit or two 4-bit codes per byte); the lookup table (n_bins float32),
-the shift (float64) and the outliers travel alongside. Statistics and per-bin sums accumulate in
-float64. On Student-t(2) tensors the relative L2 error is about 2% for q8 (Gaussian: 0.7%).
+q8's bins are so narrow that their means moved its error by under 0.2 % (Gaussian, Student-t(2) and
+low-rank inputs, 4 M values) while summing them took 40 % of its encode; q4 and q2 need them. Codes are
+bit-packed (four 2-bit or two 4-bit codes per byte); the lookup table (n_bins float32), the shift
+(float64) and the outliers travel alongside, and a decoder reads any table. Inlier statistics sum
+centred values in float32 per chunk and in float64 across chunks; per-bin sums accumulate in float64.
+On Student-t(2) tensors the relative L2 error is about 2% for q8 (Gaussian: 0.7%).
 
-Error bound: outliers decode exactly; every other x̂ is the mean of the inliers sharing x's code, so
-it lies within that bin's value range. For an inlier in an interior bin (0 < code < n_bins − 1),
+Error bound: outliers decode exactly; every other x̂ is the mean of the inliers sharing x's code (q4,
+q2) or that code's centre (q8), so it lies within that bin's value range. For an inlier in an interior bin (0 < code < n_bins − 1),
 |x − x̂| ≤ scale (plus float32 rounding, ≤ 1e-6·(|x| + |shift|)); for q8 every inlier is interior or
 within one bin of its edge. A constant tensor decodes exactly.
 """
