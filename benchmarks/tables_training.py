@@ -227,7 +227,7 @@ def codec_speed(r: Results) -> str:
     """Encode and decode speed of fp16 and q8 against hivemind's Float16 and 8-bit codecs, and of topk+q2
     against a bare ``torch.topk``, bytes to bytes, on one thread and on all."""
     d = r.load("codec_speed.json")
-    threads = d.get("machine", {}).get("threads") or d["meta"].get("cpu_count")
+    threads = d.get("machine", {}).get("torch_threads") or d["meta"].get("cpu_count")
     rows = []
     for ours, theirs in CODEC_RIVALS:
         a, b = d["codecs"].get(ours), d["hivemind"].get(theirs)
