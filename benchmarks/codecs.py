@@ -9,7 +9,8 @@ For every codec: encode and decode speed in GB/s of float32 input (numel·4 byte
 threads; bits per parameter (8·wire bytes / numel, headers included) and the relative L2 error
 ‖x̂ − x‖ / ‖x‖. Encode is ``codec.encode(x).to_bytes()``, decode is ``codec.decode(Payload.from_bytes(b))``:
 bytes to bytes, as on the wire. hivemind's Float16Compression and Uniform8BitQuantization are timed
-the same way (``compress(...).SerializeToString()`` / ``ParseFromString`` + ``extract``). The bare
+the same way (``compress(...).SerializeToString()`` / ``ParseFromString`` + ``extract``), in one process
+with the daemon's allocator settings (``compression.memory.tune_allocator``). The bare
 ``torch.topk(k=64)`` over rows of 4096 values is timed as a yardstick (``baselines``): a codec whose
 encode and decode both beat it costs less than the selection step of top-k alone. Each codec is also
 raced against it on one thread in alternating rounds (``encode_vs_topk_1t``, ``decode_vs_topk_1t``: the
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 from benchmarks import results_io
-from compression import Payload, get_codec
+from compression import Payload, get_codec, memory
 
 DEFAULT_SPECS = [
     "none",
@@ -83,22 +84,19 @@ def median_seconds(fn: Callable[[], Any], runs: int) -> float:
 
 
 def measure(encode: Callable[[], bytes], decode: Callable[[bytes], torch.Tensor], x: torch.Tensor, runs: int,
-            threads: int) -> dict[str, float]:
-    """Encode/decode GB/s at one thread and at ``threads``, bits per parameter and relative error."""
+            suffix: str) -> dict[str, float]:
+    """Encode/decode GB/s at the current thread count (keys end in ``suffix``), bits per parameter and
+    relative error."""
     gigabytes = x.numel() * 4 / 1e9
     data = encode()
     out = decode(data)
-    result = {
+    return {
         "bits_per_param": 8 * len(data) / x.numel(),
         "wire_bytes": len(data),
         "rel_error": float((out.double() - x.double()).norm() / x.double().norm()),
+        f"encode_gbps{suffix}": gigabytes / median_seconds(encode, runs),
+        f"decode_gbps{suffix}": gigabytes / median_seconds(lambda: decode(data), runs),
     }
-    for suffix, n_threads in (("", threads), ("_1t", 1)):
-        torch.set_num_threads(n_threads)
-        result[f"encode_gbps{suffix}"] = gigabytes / median_seconds(encode, runs)
-        result[f"decode_gbps{suffix}"] = gigabytes / median_seconds(lambda: decode(data), runs)
-    torch.set_num_threads(threads)
-    return result
 
 
 def error_inputs(rows: int, cols: int) -> dict[str, torch.Tensor]:
@@ -123,8 +121,9 @@ def errors(roundtrip: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, o
     return out
 
 
-def bench_codec(spec: str, x: torch.Tensor, runs: int, threads: int, others: dict[str, torch.Tensor]
+def bench_codec(spec: str, x: torch.Tensor, runs: int, suffix: str, others: dict[str, torch.Tensor] | None
                 ) -> dict[str, Any]:
+    """One codec's speeds at the current thread count; with ``others``, also its errors and the race."""
     codec = get_codec(spec)
 
     def roundtrip(t: torch.Tensor) -> torch.Tensor:
@@ -135,11 +134,12 @@ def bench_codec(spec: str, x: torch.Tensor, runs: int, threads: int, others: dic
         lambda data: codec.decode(Payload.from_bytes(data, max_bytes=1 << 31)),
         x,
         runs,
-        threads,
+        suffix,
     )
-    result["errors"] = errors(roundtrip, x, others)
-    result.update(race_topk(lambda: codec.encode(x).to_bytes(),
-                            lambda data: codec.decode(Payload.from_bytes(data, max_bytes=1 << 31)), x, runs))
+    if others is not None:
+        result["errors"] = errors(roundtrip, x, others)
+        result.update(race_topk(lambda: codec.encode(x).to_bytes(),
+                                lambda data: codec.decode(Payload.from_bytes(data, max_bytes=1 << 31)), x, runs))
     return result
 
 
@@ -168,19 +168,15 @@ def race_topk(encode: Callable[[], bytes], decode: Callable[[bytes], torch.Tenso
     return {key: statistics.median(values) for key, values in ratios.items()}
 
 
-def bench_topk(x: torch.Tensor, runs: int, threads: int) -> dict[str, float]:
-    """GB/s of the bare ``torch.topk(rows, 64)`` over rows of 4096 values (the whole rows of ``x``)."""
+def bench_topk(x: torch.Tensor, runs: int, suffix: str) -> dict[str, float]:
+    """GB/s of the bare ``torch.topk(rows, 64)`` over rows of 4096 values (the whole rows of ``x``), at the
+    current thread count."""
     rows = x.reshape(-1)[: x.numel() // 4096 * 4096].view(-1, 4096)
     gigabytes = rows.numel() * 4 / 1e9
-    result = {}
-    for suffix, n_threads in (("", threads), ("_1t", 1)):
-        torch.set_num_threads(n_threads)
-        result[f"gbps{suffix}"] = gigabytes / median_seconds(lambda: torch.topk(rows, 64, dim=1), runs)
-    torch.set_num_threads(threads)
-    return result
+    return {f"gbps{suffix}": gigabytes / median_seconds(lambda: torch.topk(rows, 64, dim=1), runs)}
 
 
-def bench_hivemind(x: torch.Tensor, runs: int, threads: int, others: dict[str, torch.Tensor]
+def bench_hivemind(x: torch.Tensor, runs: int, suffix: str, others: dict[str, torch.Tensor] | None
                    ) -> dict[str, dict[str, Any]]:
     """hivemind's float16 and uniform 8-bit codecs, serialised to bytes and parsed back."""
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -197,7 +193,9 @@ def bench_hivemind(x: torch.Tensor, runs: int, threads: int, others: dict[str, t
             message.ParseFromString(data)
             return codec.extract(message)
 
-        out[name] = measure(lambda codec=codec: codec.compress(x, info).SerializeToString(), decode, x, runs, threads)
+        out[name] = measure(lambda codec=codec: codec.compress(x, info).SerializeToString(), decode, x, runs, suffix)
+        if others is None:
+            continue
 
         def roundtrip(t: torch.Tensor, codec: Any = codec, decode: Any = decode) -> torch.Tensor:
             return decode(codec.compress(t, CompressionInfo.from_tensor(t)).SerializeToString())
@@ -268,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--numel and --runs must be positive")
     meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.codecs", *argv])
 
+    tuned = memory.tune_allocator()  # the daemon's malloc settings: codecs run inside the daemon
     threads = torch.get_num_threads()
     rows, cols = matrix_shape(args.numel)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
@@ -278,18 +277,24 @@ def main(argv: list[str] | None = None) -> int:
         "codecs": {},
         "hivemind": {},
         "baselines": {},
-        "machine": machine_info(threads),
+        "machine": {**machine_info(threads), "daemon_allocator": tuned},
     }
     others = error_inputs(rows, cols)
-    print("… torch.topk", file=sys.stderr, flush=True)
-    results["baselines"]["torch.topk"] = bench_topk(x, args.runs, threads)
-    for spec in args.codecs.split(";"):
-        spec = spec.strip().format(cols=cols)
-        print(f"… {spec}", file=sys.stderr, flush=True)
-        results["codecs"][spec] = bench_codec(spec, x, args.runs, threads, others)
-    if not args.no_hivemind:
-        print("… hivemind", file=sys.stderr, flush=True)
-        results["hivemind"] = bench_hivemind(x, args.runs, threads, others)
+    # all threads first, then one: going back up from one thread slowed later 2-thread runs ~2.5× here
+    for suffix, n_threads in (("", threads), ("_1t", 1)):
+        torch.set_num_threads(n_threads)
+        extras = others if suffix else None  # errors and races once, on one thread
+        print(f"… torch.topk ({n_threads} threads)", file=sys.stderr, flush=True)
+        results["baselines"].setdefault("torch.topk", {}).update(bench_topk(x, args.runs, suffix))
+        for spec in args.codecs.split(";"):
+            spec = spec.strip().format(cols=cols)
+            print(f"… {spec} ({n_threads} threads)", file=sys.stderr, flush=True)
+            results["codecs"].setdefault(spec, {}).update(bench_codec(spec, x, args.runs, suffix, extras))
+        if not args.no_hivemind:
+            print(f"… hivemind ({n_threads} threads)", file=sys.stderr, flush=True)
+            for name, row in bench_hivemind(x, args.runs, suffix, extras).items():
+                results["hivemind"].setdefault(name, {}).update(row)
+    torch.set_num_threads(threads)
     print_table(results)
     if args.out:
         results_io.write(args.out, results, meta)
