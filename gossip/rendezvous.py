@@ -30,17 +30,11 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from protocol.errors import SchemaError
-from protocol.peer_identity import CLOCK_SKEW_S, MAX_RECORD_TTL_S, MAX_SUBKEYS, OwnedRecordValidator, owner_of
+from protocol.peer_identity import CLOCK_SKEW_S, MAX_RECORD_TTL_S, MAX_SUBKEYS, OwnedRecordValidator, owned_subkey, owner_of
 from protocol.records import PEER_RECORD_TTL_S, PeerRecord, RoundEntry, peers_key, round_key
 from protocol.version import compatible, note_incompatible
 
 logger = logging.getLogger(__name__)
-
-
-def owned_subkey(peer_id: str, validator: RSASignatureValidator) -> bytes:
-    """A subkey only the holder of ``validator``'s private key can write (readers accept it only when
-    ``peer_id`` is the peer id of that key: the node's libp2p identity)."""
-    return peer_id.encode() + validator.local_public_key
 
 
 _reader: OwnedRecordValidator | None = None

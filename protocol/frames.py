@@ -9,6 +9,7 @@ major version. An error reply is the envelope kind ``"error"`` with ``{"code", "
 from __future__ import annotations
 
 import asyncio
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -136,11 +137,21 @@ def decode_message(data: bytes, max_size: int = DEFAULT_MAX_FRAME, major: int = 
     return Message(kind=kind, body=body, version=(version[0], version[1]))
 
 
+MIN_FRAME_RATE = 125_000.0  # bytes/s (1 Mbit/s): a frame that has begun must keep at least this pace on average
+
+
 async def read_frame(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_FRAME,
-                     stall_timeout: float | None = None) -> bytes | bytearray:
+                     stall_timeout: float | None = None, min_rate: float | None = None) -> bytes | bytearray:
     """Read one frame's bytes; the length is checked against ``max_size`` before the body is read.
     ``stall_timeout``: once the header has arrived, the longest wait for the body's next bytes (a peer
-    that sends part of a frame and stops is refused with :class:`StreamTimeout`, however slow its link)."""
+    that sends part of a frame and stops is refused with :class:`StreamTimeout`, however slow its link).
+    ``min_rate``: with a stall timeout, the body must also arrive within ``stall_timeout`` + length ÷
+    ``min_rate`` (a peer that trickles a byte now and then to stay under the stall timeout is refused)."""
+    return await read_body(reader, await read_header(reader, max_size), stall_timeout, min_rate)
+
+
+async def read_header(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_FRAME) -> int:
+    """A frame's announced length, checked against ``max_size``."""
     try:
         header = await reader.readexactly(_LENGTH.size)
     except asyncio.IncompleteReadError as e:
@@ -150,6 +161,12 @@ async def read_frame(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_F
     (length,) = _LENGTH.unpack(header)
     if length > max_size:
         raise FrameTooLarge(f"frame announces {length} bytes, the cap is {max_size} bytes")
+    return length
+
+
+async def read_body(reader: asyncio.StreamReader, length: int, stall_timeout: float | None = None,
+                    min_rate: float | None = None) -> bytes | bytearray:
+    """The ``length`` bytes of a frame whose header was read (timeouts as in :func:`read_frame`)."""
     if stall_timeout is None:
         try:
             return await reader.readexactly(length)
@@ -159,8 +176,9 @@ async def read_frame(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_F
     view, got = memoryview(body), 0
     readinto = getattr(reader, "readinto", None)  # protocol.socket_stream: straight from the socket into the frame
     loop = asyncio.get_running_loop()
+    end = math.inf if not min_rate else loop.time() + stall_timeout + length / min_rate
     try:
-        async with asyncio.timeout(stall_timeout) as deadline:  # pushed back at every chunk: cheaper than a wait_for each
+        async with asyncio.timeout_at(min(loop.time() + stall_timeout, end)) as deadline:  # pushed back at every chunk
             while got < length:
                 if readinto is not None:
                     k = await readinto(view[got:])
@@ -171,8 +189,11 @@ async def read_frame(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_F
                 if not k:
                     raise TruncatedFrame(f"stream ended after {got} of {length} frame bytes")
                 got += k
-                deadline.reschedule(loop.time() + stall_timeout)
+                deadline.reschedule(min(loop.time() + stall_timeout, end))
     except TimeoutError:
+        if min_rate and loop.time() >= end:
+            raise StreamTimeout(f"a frame of {length} bytes came slower than {min_rate * 8 / 1e6:g} Mbit/s "
+                                f"({got} bytes in {stall_timeout + length / min_rate:.0f}s)") from None
         raise StreamTimeout(f"a frame stopped after {got} of {length} bytes for {stall_timeout:.0f}s") from None
     return body
 
@@ -299,14 +320,28 @@ class FramedStream:
         return data if self.cipher is None else self.cipher.open(data, self.peer)
 
     async def _next_frame(self, max_size: int | None = None) -> bytes:
-        """The next frame's bytes (at most ``max_size``, default ``max_frame``), within ``idle_timeout``.
-        The only asyncio-specific part of receiving: an adapter for another event loop
-        (``protocol.libp2p_transport`` runs on trio) overrides it."""
+        """The next frame's bytes (at most ``max_size``, default ``max_frame``). The only asyncio-specific
+        part of receiving: an adapter for another event loop (``protocol.libp2p_transport`` runs on trio)
+        overrides it.
+
+        An opened stream waits ``idle_timeout`` for the whole answer (the server's work included). A served
+        stream (no ``stall_timeout``) waits ``idle_timeout`` for a request to begin; its body may then take
+        as long as it keeps moving (no pause of ``idle_timeout``) at :data:`MIN_FRAME_RATE` or more
+        on average, so a slow link, or this node's own download cap, can deliver a frame of any size."""
+        cap = max_size or self.max_frame
+        if self.stall_timeout is not None or self.idle_timeout is None:
+            try:
+                return await asyncio.wait_for(read_frame(self.reader, cap, self.stall_timeout), self.idle_timeout)
+            except asyncio.TimeoutError:  # (a stall inside the frame raises its own StreamTimeout)
+                raise StreamTimeout(f"no complete frame from {self.peer} within {self.idle_timeout:.0f}s") from None
         try:
-            return await asyncio.wait_for(read_frame(self.reader, max_size or self.max_frame, self.stall_timeout),
-                                          self.idle_timeout)
-        except asyncio.TimeoutError:  # (a stall inside the frame raises its own StreamTimeout)
-            raise StreamTimeout(f"no complete frame from {self.peer} within {self.idle_timeout:.0f}s") from None
+            async with asyncio.timeout(self.idle_timeout):
+                length = await read_header(self.reader, cap)
+        except TimeoutError:
+            raise StreamTimeout(f"no frame from {self.peer} began within {self.idle_timeout:.0f}s") from None
+        bucket = getattr(self.reader, "bucket", None)  # this node's own download cap, when it has one
+        floor = MIN_FRAME_RATE if bucket is None else min(MIN_FRAME_RATE, bucket.rate / 2)
+        return await read_body(self.reader, length, self.idle_timeout, floor)
 
     async def wait_peer_closed(self, timeout: float = 10.0, max_bytes: int = 1 << 22) -> None:
         """Wait until the peer closes its side (it has read everything), so closing ours cannot cut a

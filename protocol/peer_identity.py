@@ -126,6 +126,12 @@ class _Throttled:
                            reason, detail)
 
 
+def owned_subkey(peer_id: str, validator: RSASignatureValidator) -> bytes:
+    """A subkey only the holder of ``validator``'s private key can write (readers accept it only when
+    ``peer_id`` is the peer id of that key: the node's libp2p identity)."""
+    return peer_id.encode() + validator.local_public_key
+
+
 class OwnedRecordValidator(RSASignatureValidator):
     """hivemind's RSA signature check plus the owner binding, expiration and subkey caps above."""
 
@@ -145,7 +151,7 @@ class OwnedRecordValidator(RSASignatureValidator):
 
     def owned_subkey(self) -> bytes:
         """The subkey under which this node writes its record of a key."""
-        return self.peer_id.encode() + self.local_public_key
+        return owned_subkey(self.peer_id, self)
 
     def _swarm_proof(self, record: DHTRecord) -> bytes:
         assert self.swarm_key is not None

@@ -21,7 +21,8 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
-from gossip.rendezvous import owned_subkey, read_subkeys
+from gossip.rendezvous import read_subkeys
+from protocol.peer_identity import owned_subkey
 
 CLAIM_TTL_S = 30.0  # a rebuild takes seconds; a claimer that died frees the stage after this
 CLAIM_SETTLE_S = 1.5  # how long claims are given to reach every candidate before the winner is read

@@ -11,7 +11,8 @@ import time
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
-from gossip.rendezvous import list_peers, owned_subkey, publish_peer
+from gossip.rendezvous import list_peers, publish_peer
+from protocol.peer_identity import owned_subkey
 from node.checkpoints import checkpoint
 from protocol.peer_identity import bind, identified_p2p
 from protocol.records import PeerRecord, peers_key
