@@ -139,17 +139,18 @@ def _merge(dht: DHTNode, key_id: DHTID, dictionaries: list, max_ttl: float = MAX
                 if subkey not in freshest or item.expiration_time > freshest[subkey][1]:
                     freshest[subkey] = (item.value, item.expiration_time)
     validator = _checker(dht)
-    limit = get_dht_time() + max_ttl + CLOCK_SKEW_S
+    now = get_dht_time()
+    limit = now + max_ttl + CLOCK_SKEW_S
     out: dict[str, tuple[object, float]] = {}
     for subkey, (raw, expiration) in freshest.items():
         if len(out) >= MAX_SUBKEYS:
             logger.warning("key holds more than %d valid subkeys; reading the first %d only", MAX_SUBKEYS, MAX_SUBKEYS)
             break
         peer = owner_of(subkey)
-        if peer is None or expiration > limit:
+        if peer is None or expiration > limit or expiration < now:  # (a frozen copy still holds expired ones)
             continue
         record = DHTRecord(key_id.to_bytes(), dht.protocol.serializer.dumps(subkey), raw, expiration)
-        if validator.refusal(record, stored=False) is not None:
+        if validator.refusal(record) is not None:
             continue
         try:
             out[peer] = (dht.protocol.serializer.loads(validator.strip_value(record)), expiration)

@@ -9,10 +9,17 @@ subkey, value and expiration); :class:`OwnedRecordValidator` also refuses:
 - a record without an owner (a plain value, or a subkey without ``[owner:…]``);
 - a subkey whose peer id is not the one derived from its owner key (someone speaking for another peer);
 - an expiration farther than ``max_ttl`` + ``CLOCK_SKEW_S`` from now (a record that outlives its writer);
-- a new subkey under a key that already holds ``max_subkeys`` of them (a flood of invented members);
 - in a private swarm (``swarm_key``), a record without ``[swarm:<HMAC>]`` at the end of its value: an
   HMAC-SHA256 with the swarm key over key, subkey, signed value and expiration. p2pd has no pre-shared
   key option, so a keyless stranger can still reach the DHT, but nothing it writes is stored or read.
+
+A key's local copy holds at most ``max_subkeys`` live subkeys (:func:`bind`). When it is full, a new
+subkey takes the place of the one that expires last, if it expires sooner itself, and is refused
+otherwise. Readers use a record only within its key's TTL (8 s for a member), so throwaway subkeys
+stored to expire in 20 minutes are the first to go, and a flood must be renewed every few seconds to
+keep a key full. A member already stored may always refresh its own subkey, and expired subkeys count
+for nothing. The cap applies to what this node stores; a copy read from another node is not refused
+because the local one is full.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from typing import Any
 import multihash
 from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
@@ -140,7 +147,6 @@ class OwnedRecordValidator(RSASignatureValidator):
         super().__init__(private_key or RSAPrivateKey())
         self.max_ttl, self.max_subkeys, self.swarm_key = max_ttl, max_subkeys, swarm_key
         self.peer_id = peer_id_of(self._private_key)
-        self.storage = None  # the DHT's local storage, once bound (see :func:`bind`)
         self.foreign_seals = 0  # records refused because a swarm key this node does not hold sealed them
         self._log = _Throttled()
 
@@ -194,9 +200,8 @@ class OwnedRecordValidator(RSASignatureValidator):
             return False
         return True
 
-    def refusal(self, record: DHTRecord, stored: bool = True) -> str | None:
-        """Why ``record`` is refused, or None when it is valid (``stored``: also check the subkey cap
-        against the local storage, as a store does; a read caps subkeys itself)."""
+    def refusal(self, record: DHTRecord) -> str | None:
+        """Why ``record`` is refused, or None when it is valid."""
         try:
             subkey = MSGPackSerializer.loads(record.subkey)
         except Exception:
@@ -213,30 +218,20 @@ class OwnedRecordValidator(RSASignatureValidator):
             return "it carries no valid proof of the swarm key (written by a node outside this private swarm)"
         if not super().validate(unsealed):
             return "its signature does not match its owner key (altered or forged)"
-        if stored and self.storage is not None and self._full(record.key, subkey):
-            return f"its key already holds {self.max_subkeys} subkeys"
         return None
-
-    def _full(self, key: bytes, subkey: bytes) -> bool:
-        try:
-            stored = self.storage.get(DHTID.from_bytes(key))
-        except Exception:
-            return False
-        dictionary = stored.value if stored is not None else None
-        if dictionary is None or isinstance(dictionary, bytes):
-            return False
-        with dictionary.freeze():
-            return len(dictionary) >= self.max_subkeys and dictionary.get(subkey) is None
 
     def merge_with(self, other: object) -> bool:
         return isinstance(other, RSASignatureValidator)
 
 
 def bind(dht: object, validator: OwnedRecordValidator) -> None:
-    """Let ``validator`` see ``dht``'s storage (to cap subkeys per key) and refuse whole dictionaries
-    (hivemind replicates a key's dictionary in one message) holding more than the cap."""
+    """Cap the live subkeys a key holds in ``dht``'s storage and cache at ``validator.max_subkeys`` (see
+    the module docstring), and refuse whole dictionaries (hivemind replicates a key's dictionary in one
+    message) holding more than the cap."""
     protocol = dht.protocol  # type: ignore[attr-defined]
-    validator.storage = protocol.storage
+    for storage in (protocol.storage, getattr(protocol, "cache", None)):
+        if storage is not None:  # (an empty storage is falsy)
+            _cap_subkeys(storage, validator)
     check = protocol._validate_dictionary
 
     def bounded(key_bytes: bytes, dictionary: object) -> bool:
@@ -247,6 +242,39 @@ def bind(dht: object, validator: OwnedRecordValidator) -> None:
 
     protocol._validate_dictionary = bounded
 
+
+def _cap_subkeys(storage: Any, validator: OwnedRecordValidator) -> None:
+    store_subkey = storage.store_subkey
+
+    def capped(key: Any, subkey: Any, value: bytes, expiration_time: float) -> bool:
+        stored = storage.get(key)
+        dictionary = stored.value if stored is not None else None
+        if isinstance(dictionary, DictionaryDHTValue) and not make_room(dictionary, subkey, expiration_time,
+                                                                        validator.max_subkeys):
+            validator._log.warn(f"its key holds {validator.max_subkeys} live subkeys expiring sooner",
+                                f"expires in {expiration_time - get_dht_time():.0f}s")
+            return False
+        return store_subkey(key, subkey, value, expiration_time)
+
+    storage.store_subkey = capped
+
+
+def make_room(dictionary: DictionaryDHTValue, subkey: Any, expiration_time: float, cap: int) -> bool:
+    """Whether ``subkey`` (expiring at ``expiration_time``) may be stored in ``dictionary``: always when it
+    is there already or fewer than ``cap`` live subkeys are; else the live subkey that expires last is
+    dropped for it when that one expires later than it would (then True), and it is refused (False)."""
+    now = get_dht_time()
+    with dictionary.freeze():
+        if subkey in dictionary:
+            return True
+        live = [(item.expiration_time, key) for key, item in dictionary.items() if item.expiration_time >= now]
+    if len(live) < cap:
+        return True
+    latest, victim = max(live, key=lambda entry: entry[0])
+    if latest <= expiration_time:
+        return False
+    del dictionary[victim]
+    return True
 
 
 async def identified_p2p(**kwargs: Any) -> tuple[P2P, OwnedRecordValidator]:

@@ -1,6 +1,7 @@
 """DHT records bound to the writer's identity: what the validator refuses (protocol.peer_identity)."""
 
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -9,8 +10,8 @@ from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from protocol.peer_identity import (CLOCK_SKEW_S, IdentityError, OwnedRecordValidator, bind, load_identity, owner_of,
-                                    peer_id_of, write_identity)
+from protocol.peer_identity import (CLOCK_SKEW_S, IdentityError, OwnedRecordValidator, bind, load_identity, make_room,
+                                    owner_of, peer_id_of, write_identity)
 
 KEY = DHTID.generate(source="locomesh.run.peers").to_bytes()
 
@@ -69,35 +70,72 @@ def test_a_signature_over_another_value_or_expiration_is_refused(honest):
     assert "signature" in honest.refusal(later)
 
 
-def test_a_key_holds_at_most_max_subkeys(honest):
-    storage = DHTLocalStorage()
-    validator = OwnedRecordValidator(honest._private_key, max_ttl=60.0, max_subkeys=3)
-    check = {"calls": 0}
+def _bound(validator: OwnedRecordValidator):
+    """A real hivemind storage and cache behind ``bind`` (hivemind's protocol, as far as bind sees it)."""
+    calls = {"n": 0}
 
     def whole(key_bytes, dictionary):
-        check["calls"] += 1
+        calls["n"] += 1
         return True
 
-    protocol = SimpleNamespace(storage=storage, _validate_dictionary=whole)
-    bind(SimpleNamespace(protocol=protocol), validator)  # hivemind's protocol, as far as bind sees it
+    protocol = SimpleNamespace(storage=DHTLocalStorage(), cache=DHTLocalStorage(), _validate_dictionary=whole)
+    bind(SimpleNamespace(protocol=protocol), validator)
+    return protocol, calls
+
+
+def _store(storage: DHTLocalStorage, signer: OwnedRecordValidator, ttl: float, value: object = None) -> bool:
+    record = _signed(signer, signer.owned_subkey(), value=value, ttl=ttl)
+    return storage.store_subkey(DHTID.from_bytes(KEY), signer.owned_subkey(), record.value, record.expiration_time)
+
+
+def _live(storage: DHTLocalStorage) -> set[bytes]:
+    dictionary = storage.get(DHTID.from_bytes(KEY)).value
+    return {sk for sk, item in dictionary.items() if item.expiration_time >= get_dht_time()}
+
+
+def test_throwaway_subkeys_that_expire_late_give_way_to_members_that_renew(honest):
+    """1,024 throwaway subkeys stored to expire in 20 minutes used to refuse every newcomer for that long
+    (readers apply an 8 s TTL and never use them): now a newcomer expiring sooner takes the place of the
+    one that expires last, a newcomer that would expire last is refused, and a stored member may always refresh."""
+    validator = OwnedRecordValidator(honest._private_key, max_ttl=1200.0, max_subkeys=3)
+    protocol, _ = _bound(validator)
     sybils = [OwnedRecordValidator() for _ in range(3)]
-    key_id = DHTID.from_bytes(KEY)
-    for sybil in sybils:
-        record = _signed(sybil, sybil.owned_subkey())
-        assert validator.validate(record)
-        storage.store_subkey(key_id, sybil.owned_subkey(), record.value, record.expiration_time)
-    newcomer = _signed(validator, validator.owned_subkey())
-    assert "holds 3 subkeys" in validator.refusal(newcomer)
-    refresh = _signed(sybils[0], sybils[0].owned_subkey(), value={"round": 2})
-    assert validator.validate(refresh), "a member already stored may refresh its record"
-    # a whole dictionary (hivemind replicates keys so) with more subkeys than the cap is refused
+    for i, sybil in enumerate(sybils):
+        assert _store(protocol.storage, sybil, ttl=1100 + i)
+    newcomer = OwnedRecordValidator()
+    assert _store(protocol.storage, newcomer, ttl=8)
+    assert _live(protocol.storage) == {sybils[0].owned_subkey(), sybils[1].owned_subkey(), newcomer.owned_subkey()}
+    assert not _store(protocol.storage, OwnedRecordValidator(), ttl=1150), "expires after every live one: refused"
+    assert _store(protocol.storage, sybils[0], ttl=1199, value={"round": 2}), "a stored member may refresh"
+    assert _store(protocol.cache, newcomer, ttl=8), "the cache is capped the same way"
+
+
+def test_expired_subkeys_count_for_nothing() -> None:
+    dictionary = DictionaryDHTValue()
+    for i in range(3):
+        dictionary.store(f"stale{i}".encode(), b"v", get_dht_time() + 0.05)
+    time.sleep(0.1)
+    with dictionary.freeze():  # frozen, as while hivemind serves it: the expired ones are still there
+        assert len(dictionary) == 3
+        assert make_room(dictionary, b"newcomer", get_dht_time() + 1100, 3)
+
+
+def test_a_whole_dictionary_over_the_cap_is_refused_and_a_full_local_copy_refuses_no_read(honest):
+    validator = OwnedRecordValidator(honest._private_key, max_ttl=60.0, max_subkeys=3)
+    protocol, calls = _bound(validator)
+    for _ in range(3):
+        assert _store(protocol.storage, OwnedRecordValidator(), ttl=8)
     big = DictionaryDHTValue()
     for i in range(4):
         big.store(f"sk{i}".encode(), b"v", get_dht_time() + 8)
     assert protocol._validate_dictionary(KEY, big) is False
+    # another node's copy, with a member this node's full copy lacks, is read (it used to be refused)
+    member = OwnedRecordValidator()
+    record = _signed(member, member.owned_subkey())
+    assert validator.validate(record)
     small = DictionaryDHTValue()
-    small.store(b"sk", b"v", get_dht_time() + 8)
-    assert protocol._validate_dictionary(KEY, small) is True and check["calls"] == 1
+    small.store(member.owned_subkey(), record.value, record.expiration_time)
+    assert protocol._validate_dictionary(KEY, small) is True and calls["n"] == 1
 
 
 def test_identity_files_round_trip_and_refuse_other_keys(tmp_path):
