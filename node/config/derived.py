@@ -86,8 +86,7 @@ class DerivedSettings:
         """The fewest and the most steps :meth:`median_steps` gives, whatever the replicas."""
         if self.round_steps is not None:
             return self.round_steps, self.round_steps
-        steps = [h for _, h in STEPS_BY_REPLICAS[self.algorithm]]
-        return min(steps), max(steps)
+        return _table_range(self.algorithm)
 
     @property
     def inner_steps_range(self) -> tuple[int, int]:
@@ -96,8 +95,7 @@ class DerivedSettings:
         if self.inner_steps == "auto":
             return 1, self.median_steps_range[1] * AUTO_STEPS_MAX_FACTOR
         if self.inner_steps == BY_REPLICAS:
-            steps = [h for _, h in STEPS_BY_REPLICAS[self.algorithm]]
-            return min(steps), max(steps)
+            return _table_range(self.algorithm)
         return int(self.inner_steps), int(self.inner_steps)
 
     @property
@@ -146,3 +144,9 @@ class DerivedSettings:
         if self.error_feedback_decay is not None:
             return self.error_feedback_decay
         return 0.0 if self.codec in LOSSLESS_CODECS else LOSSY_FEEDBACK_DECAY
+
+
+def _table_range(algorithm: str) -> tuple[int, int]:
+    """The fewest and the most steps the by-replicas table gives ``algorithm``."""
+    steps = [h for _, h in STEPS_BY_REPLICAS[algorithm]]
+    return min(steps), max(steps)
