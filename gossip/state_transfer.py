@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -353,7 +354,8 @@ async def download_state(
     if wrong:
         raise PoisonedState(f"state from {peers}: groups {wrong} do not match the digests their header reported")
     snap = StateSnapshot(round=head.round, tensors=tensors, fingerprint=head.fingerprint, meta=head.meta)
-    return DownloadedState(snapshot=snap, inner_step=max(h.inner_step for h in heads), peer=",".join(peers), nbytes=assembly.nbytes,
+    # progress into the round is each holder's claim: the median of theirs, not one liar's maximum
+    return DownloadedState(snapshot=snap, inner_step=statistics.median_low(h.inner_step for h in heads), peer=",".join(peers), nbytes=assembly.nbytes,
                            reused=list(head.same))
 
 

@@ -14,9 +14,12 @@ resumed node from its checkpoint, so neither restarts warm-up (``node.replica.no
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Literal
+
+logger = logging.getLogger(__name__)
 
 Schedule = Literal["constant", "cosine", "wsd"]
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "wsd")
@@ -77,11 +80,17 @@ class LrSchedule:
         return warm * (self.floor + (1.0 - self.floor) * shape)
 
 
-def schedule_position(meta: dict[str, object], inner_step: int, own: int) -> int:
+def schedule_position(meta: dict[str, object], inner_step: int, own: int, high: int | None = None) -> int:
     """The lr schedule position a joiner continues from: the peer's position at the start of its round plus
     the steps it took into the round that the joiner skips (``inner_step``). A peer that does not say
-    (an older version) leaves the joiner's ``own`` position."""
+    (an older version), or says more than ``high`` (the most steps the rounds so far can hold: a position
+    is its holder's claim, and one at the schedule's end would leave the joiner at its final lr),
+    leaves the joiner's ``own`` position."""
     start = meta.get(SCHEDULE_STEP)
     if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        return own
+    if high is not None and start > high:
+        logger.warning("a downloaded state's lr schedule position %d is past the %d steps its rounds can hold: "
+                       "keeping this node's own (%d)", start, high, own)
         return own
     return start + inner_step

@@ -216,7 +216,8 @@ class Daemon(NodeBase):
         self._plan_round()
         self.inner_step = min(got.inner_step, self.pacer.pace.steps - 1)
         self.pacer.resume_at(self.inner_step, time.monotonic())
-        self.trainer.steps = schedule_position(snap.meta, self.inner_step, self.trainer.steps)
+        self.trainer.steps = schedule_position(snap.meta, self.inner_step, self.trainer.steps,
+                                               high=(snap.round + 1) * self.cfg.inner_steps_range[1])
         self.metrics.outer_round.set(self.round)
 
     def _resume(self) -> bool:

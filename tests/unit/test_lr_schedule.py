@@ -94,3 +94,9 @@ def test_schedule_position_from_a_peers_meta():
     assert schedule_position({}, 7, own=12) == 12, "a peer that does not say leaves the joiner's own position"
     assert schedule_position({SCHEDULE_STEP: "400"}, 7, own=12) == 12
     assert schedule_position({SCHEDULE_STEP: True}, 7, own=12) == 12
+
+
+def test_a_schedule_position_past_what_the_rounds_can_hold_is_not_taken():
+    """A holder that says it is 10¹² steps in would leave a joiner at the schedule's final lr."""
+    assert schedule_position({SCHEDULE_STEP: 10**12}, 7, own=12, high=5 * 30) == 12
+    assert schedule_position({SCHEDULE_STEP: 150}, 7, own=12, high=5 * 30) == 157

@@ -13,11 +13,14 @@ from tests.helpers.memory_transport import MemoryTransport, Network, canned_stre
 SHAPES = [(64, 32), (32,), (7, 3)]
 
 
-async def _serving(states: dict[str, dict[str, list[torch.Tensor]]], fingerprints: dict[str, str], round_no: int) -> Network:
-    """A network where each peer of ``states`` serves a snapshot of its state."""
+async def _serving(states: dict[str, dict[str, list[torch.Tensor]]], fingerprints: dict[str, str], round_no: int,
+                   progress: dict[str, int] | None = None) -> Network:
+    """A network where each peer of ``states`` serves a snapshot of its state (``progress``: the inner step
+    each says it is at, default 3)."""
     network = Network()
     for peer, state in states.items():
-        server = StateServer(network.transport(peer), "run", progress=lambda: 3)  # type: ignore[arg-type]
+        step = (progress or {}).get(peer, 3)
+        server = StateServer(network.transport(peer), "run", progress=lambda step=step: step)  # type: ignore[arg-type]
         await server.start()
         server.publish(StateSnapshot(round=round_no, tensors=state, fingerprint=fingerprints[peer], meta={}))
     return network
@@ -96,10 +99,12 @@ def _big_state(seed: int) -> dict[str, list[torch.Tensor]]:
     return {"params": [torch.randn(s, generator=g) for s in BIG], "outer_momentum": [torch.randn(s, generator=g) for s in BIG]}
 
 
-def _striped(states: dict[str, dict[str, list[torch.Tensor]]], down: set[str] = frozenset()):
+def _striped(states: dict[str, dict[str, list[torch.Tensor]]], down: set[str] = frozenset(),
+             progress: dict[str, int] | None = None):
     async def go():
         distinct = len(set(map(id, states.values()))) > 1
-        network = await _serving(states, {p: f"fp{id(state)}" if distinct else "fp" for p, state in states.items()}, 7)
+        network = await _serving(states, {p: f"fp{id(state)}" if distinct else "fp" for p, state in states.items()}, 7,
+                                 progress)
         network.down = set(down)
         first = next(iter(states.values()))
         try:
@@ -119,6 +124,13 @@ def test_a_striped_download_takes_an_even_share_from_each_peer():
     shares = [transport.sent[p] for p in "abc"]
     assert sum(shares) < total + 8192
     assert max(shares) <= total / 3 + (1 << 20) + 4096, "no peer sends more than its share and one chunk"
+
+
+def test_one_stripe_peer_cannot_set_the_progress_a_joiner_resumes_at():
+    """Progress into the round is a claim: the median of the stripe peers', not the largest (10⁶ here)."""
+    state = _big_state(0)
+    got, _ = _striped({"a": state, "b": state, "c": state}, progress={"a": 5, "b": 10**6, "c": 6})
+    assert got.inner_step == 6
 
 
 def test_a_stripe_whose_peer_is_gone_comes_from_another():
