@@ -98,7 +98,7 @@ class PipelineNode(NodeBase):
         stage_checkpoint = self.checkpoint if self._held()["role"] == "stage" else None
         self.server = StageServer(cfg=self.cfg, net=self.net, device=self.device, model_cfg=self.model_cfg, metrics=self.metrics,
                                   summary=self.summary, event=self.event, resume=stage_checkpoint,
-                                  save=self._checkpoint if self.cfg.checkpoint_dir is not None else None)
+                                  save=self._checkpoint if self.cfg.checkpoint_dir is not None else None, reachable=self.live)
         return [status, *self.server.services]
 
     def _held(self) -> dict[str, Any]:
@@ -139,7 +139,7 @@ class PipelineNode(NodeBase):
             self.trainer = PipelineTrainer(cfg=self.cfg, workload=self.workload, net=self.net, metrics=self.metrics,
                                            summary=self.summary, event=self.event, stop=self.stop, done=self._deadline_reached,
                                            announce=self._heartbeat, write_info=self._write_info, resume=resume,
-                                           save=self._checkpoint if self.cfg.checkpoint_dir is not None else None)
+                                           save=self._checkpoint if self.cfg.checkpoint_dir is not None else None, reachable=self.live)
             self.trainer.run()
         elif self.stage is not None:
             self._serve()

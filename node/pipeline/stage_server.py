@@ -33,7 +33,7 @@ from gossip.exchange import RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter
 from gossip.placement import OuterPlacement
-from gossip.rendezvous import list_peers
+from gossip.rendezvous import Reachable, list_peers
 from gossip.state_sources import SourcePlan, plan_sources, rank_candidates
 from gossip.state_transfer import StateServer, StateSnapshot, download_state, meta_int
 from node.config import NodeConfig
@@ -71,14 +71,16 @@ class StageServer:
     :param event: records one of the node's events
     :param save: writes the node's checkpoint (after every round; None: no --checkpoint-dir)
     :param resume: the node's own checkpoint of a stage, resumed when the node first serves that stage
+    :param reachable: which peers answer a status probe (a record signed by a key no daemon runs must not be
+        waited for at the stage's rendezvous, nor asked for its state); None: every record counts
     """
 
     def __init__(self, *, cfg: NodeConfig, net: NetworkThread, device: torch.device, model_cfg: ModelConfig,
                  metrics: NodeMetrics, summary: Summary, event: Callable[..., None], save: Callable[[], None] | None = None,
-                 resume: tuple[Path, dict[str, Any]] | None = None) -> None:
+                 resume: tuple[Path, dict[str, Any]] | None = None, reachable: Reachable | None = None) -> None:
         self.cfg, self.net, self.device, self.model_cfg = cfg, net, device, model_cfg
         self.metrics, self.summary, self.event = metrics, summary, event
-        self.save, self.resume = save, resume
+        self.save, self.resume, self.reachable = save, resume, reachable
         self.stage_steps = 0  # optimizer steps the stage's weights hold since the run began (node.pipeline.checkpoint)
         self.stage: int | None = None
         self.worker: StageWorker | None = None
@@ -103,6 +105,7 @@ class StageServer:
                                        gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout,
                                        aggregation=cfg.aggregation, member_role="stage", max_group_size=cfg.max_group_size,
                                        weight_codec="none" if cfg.codec == "none" else "fp16")
+        self.averager.reachable = reachable
 
     def _new_outer(self) -> NesterovOuter:
         """The stage's outer optimizer; its warm-up's first round is set once the stage's rounds are known."""
@@ -261,6 +264,12 @@ class StageServer:
         shapes = [(tuple(p.shape), torch.float32) for p in module.parameters()]
         layout = {"params": shapes, "outer_momentum": shapes}
         rounds = {p: rec.round for p, rec in peers.items() if p != self.summary.peer_id and rec.role == "stage"}
+        if self.reachable is not None and rounds:
+            try:  # none answering: all of them (a private swarm may refuse this node's probes; downloads say so)
+                live = net.call(self.reachable.check(set(rounds)), timeout=60)
+                rounds = {p: r for p, r in rounds.items() if p in live} or rounds
+            except Exception as e:
+                logger.info("could not probe the replicas of %s: %s", sub, e)
         try:
             plan = net.call(plan_sources(net.transport, rounds, sub, layout, prefer=prefer, min_round=min_round, stripe=1,
                                          established=self.averager.tenure.established), timeout=30)

@@ -55,3 +55,36 @@ def test_downloaded_metadata_of_the_wrong_type_or_range_is_replaced_not_raised()
     assert meta_int(meta, "stage_steps", 0, 2**62, 0) == 0
     assert meta_int(meta, "ok", 0, 10, 0) == 7 and meta_int(meta, "ok", 0, 5, 1) == 1
     assert meta_int(meta, "flag", 0, 10, 3) == 3 and meta_int(meta, "missing", 0, 10, 4) == 4
+
+
+def test_a_stage_download_asks_only_replicas_that_answer_a_probe(monkeypatch) -> None:
+    """A stage replica's record can be signed by a key no daemon runs: it is neither asked for the stage's
+    state nor waited for at the stage's rendezvous (the averager gets the same prober)."""
+    import asyncio
+
+    import node.pipeline.stage_server as stage_server
+    from gossip.state_sources import SourcePlan
+    from protocol.records import PeerRecord
+
+    planned: list[dict[str, int]] = []
+
+    async def plan_sources(transport, rounds, *args, **kwargs):
+        planned.append(dict(rounds))
+        return SourcePlan([])
+
+    async def check(peers: set[str]) -> set[str]:
+        return peers & {"real"}
+
+    monkeypatch.setattr(stage_server, "plan_sources", plan_sources)
+    server = StageServer.__new__(StageServer)
+    server.summary = SimpleNamespace(peer_id="me")
+    server.reachable = SimpleNamespace(check=check)
+    server.net = SimpleNamespace(call=lambda coro, timeout: asyncio.run(coro), transport=None)
+    server.averager = SimpleNamespace(tenure=SimpleNamespace(established=lambda peer: False))
+    server.metrics = SimpleNamespace(errors=None)
+    peers = {p: PeerRecord(peer_id=p, role="stage", round=3) for p in ("real", "invented", "me")}
+    assert server._download(torch.nn.Linear(2, 2), "run.stage0", peers) is None
+    assert planned == [{"real": 3}]
+    server.reachable = SimpleNamespace(check=lambda peers: check(set()))  # nobody answers: ask them all
+    server._download(torch.nn.Linear(2, 2), "run.stage0", peers)
+    assert planned[-1] == {"real": 3, "invented": 3}
