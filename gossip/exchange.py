@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -44,6 +45,7 @@ from protocol.hivemind_transport import Transport
 logger = logging.getLogger(__name__)
 KEEP_ROUNDS = 3
 MAX_AWAITED_ROUNDS = 16  # rounds requests may wait for before this node publishes them (each holds an event)
+MAX_WAITS_PER_CLIENT = 4  # of those waits, one client's at once (an honest member waits for one round, two tables)
 
 
 @dataclass
@@ -134,6 +136,7 @@ class RoundExchange:
         self._groups: dict[int, set[str]] = {}  # the members each round's rendezvous closed with (close_group)
         self._ready: dict[int, asyncio.Event] = {}
         self._waiting: dict[tuple[int, int], int] = {}  # (table, round) → requests waiting for it
+        self._client_waits: Counter[str] = Counter()  # authenticated client → its requests waiting now
         self._reduced: dict[int, ReducedShare | None] = {}
         self._reduced_ready: dict[int, asyncio.Event] = {}
         self._regrouped: dict[int, tuple[list[PartSpec], str]] = {}
@@ -165,14 +168,20 @@ class RoundExchange:
             table[round_no] = asyncio.Event()
         return table[round_no]
 
-    async def _await_round(self, round_no: int, table: dict[int, asyncio.Event], what: str) -> None:
+    async def _await_round(self, round_no: int, table: dict[int, asyncio.Event], what: str, client: str) -> None:
         """Wait up to the serve timeout until round ``round_no`` is published in ``table``. A request may
-        name any round, so the rounds being waited for are capped, and a round's event that nobody
-        published is dropped when its last waiter gives up (no bookkeeping grows with requests)."""
-        if round_no not in table and sum(not e.is_set() for e in table.values()) >= MAX_AWAITED_ROUNDS:
-            raise SchemaError(f"too many rounds awaited at once; round {round_no} is not published here")
+        name any round, so the rounds being waited for are capped, and so are the waits of one ``client``
+        (the authenticated peer: one client asking for 16 future rounds used to fill the cap for everyone);
+        a round's event that nobody published is dropped when its last waiter gives up (no bookkeeping
+        grows with requests)."""
+        if round_no not in table or not table[round_no].is_set():
+            if self._client_waits[client] >= MAX_WAITS_PER_CLIENT:
+                raise SchemaError(f"{MAX_WAITS_PER_CLIENT} requests of yours already wait for rounds not published here")
+            if round_no not in table and sum(not e.is_set() for e in table.values()) >= MAX_AWAITED_ROUNDS:
+                raise SchemaError(f"too many rounds awaited at once; round {round_no} is not published here")
         event = self._event(round_no, table)
         self._waiting[(id(table), round_no)] = self._waiting.get((id(table), round_no), 0) + 1
+        self._client_waits[client] += 1
         try:
             await asyncio.wait_for(event.wait(), timeout=self.serve_timeout)
         except asyncio.TimeoutError:
@@ -180,6 +189,9 @@ class RoundExchange:
         finally:
             key = (id(table), round_no)
             self._waiting[key] -= 1
+            self._client_waits[client] -= 1
+            if not self._client_waits[client]:
+                del self._client_waits[client]
             if not self._waiting[key]:
                 del self._waiting[key]
                 if not event.is_set() and table.get(round_no) is event:
@@ -256,7 +268,7 @@ class RoundExchange:
             # a grouped round's tag is set just before this node publishes the round: a member that found
             # its group first may ask before that (seen under load), so judge the wire once it is published
             await self._await_round(round_no, self._reduced_ready if reduced else self._ready,
-                                    "reduced parts" if reduced else "contribution")
+                                    "reduced parts" if reduced else "contribution", stream.peer)
         if wire != self.wire_of(round_no):
             raise SchemaError(f"wire mismatch: this run averages round {round_no} with {self.wire_of(round_no)!r}, request asked for {wire!r}")
         selection = self._selection(msg.body, round_no)
@@ -266,7 +278,7 @@ class RoundExchange:
         latest = max(self._contributions, default=-1)
         if round_no <= latest - KEEP_ROUNDS:
             raise SchemaError(f"round {round_no} is over (this node is at round {latest})")
-        await self._await_round(round_no, self._ready, "contribution")
+        await self._await_round(round_no, self._ready, "contribution", stream.peer)
         c = self._contributions.get(round_no)
         if c is None:
             raise SchemaError(f"round {round_no} is over")
@@ -283,7 +295,7 @@ class RoundExchange:
     async def _serve_reduced(self, stream: FramedStream, round_no: int, selection: list[int] | None) -> None:
         if round_no not in self._reduced and round_no < max(self._contributions, default=-1):
             raise SchemaError(f"this node reduced no parts of round {round_no} and has moved on")  # it never will
-        await self._await_round(round_no, self._reduced_ready, "reduced parts")
+        await self._await_round(round_no, self._reduced_ready, "reduced parts", stream.peer)
         share = self._reduced.get(round_no)
         if share is None:
             raise SchemaError(f"this node reduces no parts of round {round_no}")

@@ -52,8 +52,9 @@ def test_requests_for_rounds_never_published_leave_no_bookkeeping_behind() -> No
 
     exchange = RoundExchange(MemoryTransport(reply=b""), "run", "none", [(4,)], serve_timeout=0.2)  # type: ignore[arg-type]
 
-    async def ask(round_no: int) -> str:
-        stream, _ = canned_stream(encode_frame(encode_message("fetch", {"run_id": "run", "round": round_no, "codec": "none"})))
+    async def ask(round_no: int, peer: str) -> str:
+        stream, _ = canned_stream(encode_frame(encode_message("fetch", {"run_id": "run", "round": round_no, "codec": "none"})),
+                                  peer=peer)
         try:
             await exchange._handle(stream)
         except SchemaError as e:
@@ -61,12 +62,44 @@ def test_requests_for_rounds_never_published_leave_no_bookkeeping_behind() -> No
         return "served"
 
     async def flood() -> list[str]:
-        return await asyncio.gather(*(ask(10**6 + i) for i in range(100)))
+        return await asyncio.gather(*(ask(10**6 + i, f"peer{i}") for i in range(100)))
 
     answers = asyncio.run(flood())
     assert sum("too many rounds awaited" in a for a in answers) == 100 - 16
     assert sum("no contribution for round" in a for a in answers) == 16
-    assert exchange._ready == {} and exchange._waiting == {}
+    assert exchange._ready == {} and exchange._waiting == {} and not exchange._client_waits
+
+
+def test_one_client_asking_for_many_future_rounds_leaves_room_for_the_others() -> None:
+    """One client used to fill the 16 awaited rounds itself, and every member's fetch of the next round was
+    refused (the members fell back to fetching parts directly): now a client has 4 waits at once."""
+    from protocol.errors import SchemaError
+    from protocol.frames import encode_frame, encode_message
+    from tests.helpers.memory_transport import canned_stream
+
+    exchange = RoundExchange(MemoryTransport(reply=b""), "run", "none", [(4,)], serve_timeout=0.5)  # type: ignore[arg-type]
+
+    async def ask(round_no: int, peer: str) -> str:
+        stream, sink = canned_stream(encode_frame(encode_message("fetch", {"run_id": "run", "round": round_no, "codec": "none"})),
+                                     peer=peer)
+        try:
+            await exchange._handle(stream)
+        except SchemaError as e:
+            return str(e)
+        return "served"
+
+    async def publish_soon() -> None:
+        await asyncio.sleep(0.2)
+        blobs, _ = exchange.encode(0, [torch.zeros(4)])
+        exchange.publish(Contribution(0, 1, "fp", exchange.wire_of(0), blobs))
+
+    async def attack() -> list[str]:
+        *answers, _ = await asyncio.gather(*(ask(10**6 + i, "attacker") for i in range(16)), ask(0, "member"), publish_soon())
+        return answers
+
+    answers = asyncio.run(attack())
+    assert answers[-1] == "served", answers[-1]
+    assert sum("already wait" in a for a in answers[:16]) == 12
 
 
 def test_a_grouped_request_that_arrives_before_this_member_grouped_is_served_once_it_has() -> None:

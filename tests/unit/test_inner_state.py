@@ -52,13 +52,22 @@ def _join_through_state_transfer(source: Daemon, joiner: Daemon, progress: int) 
 def test_a_joiner_continues_the_swarms_lr_schedule():
     source = _daemon(seed=1)
     _train(source, 23)  # 20 steps of earlier rounds and 3 into the current one
-    source.inner_step = 3
+    source.round, source.inner_step = 2, 3  # rounds 0 and 1 of 10 steps each, then round 2
     joiner = _daemon(seed=2, inner_steps=10)
     assert joiner.trainer.current_lr() != source.trainer.current_lr()  # a fresh node would restart warm-up
     _join_through_state_transfer(source, joiner, progress=3)
     assert joiner.inner_step == 3
     assert joiner.trainer.steps == source.trainer.steps == 23
     assert joiner.trainer.current_lr() == source.trainer.current_lr() < 1e-3
+
+
+def test_a_joiner_keeps_its_own_lr_schedule_when_a_source_claims_more_steps_than_its_rounds_hold():
+    source = _daemon(seed=1)
+    _train(source, 23)
+    source.round, source.inner_step = 0, 3  # 20 steps before round 0 (a round holds 10; one round of slack)
+    joiner = _daemon(seed=2, inner_steps=10)
+    _join_through_state_transfer(source, joiner, progress=3)
+    assert joiner.inner_step == 3 and joiner.trainer.steps == 0
 
 
 def test_a_checkpoint_resumes_the_schedule_position_and_the_optimizer(tmp_path: Path):

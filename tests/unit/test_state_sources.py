@@ -232,7 +232,7 @@ def _stage_role(net: LoopNet):
 
     role = StageServer.__new__(StageServer)
     role.net, role.metrics, role.summary = net, NodeMetrics(), SimpleNamespace(peer_id="me")
-    role.averager = SimpleNamespace(tenure=Tenure())
+    role.averager, role.reachable = SimpleNamespace(tenure=Tenure()), None  # (every record counts: no prober here)
     module = torch.nn.Module()
     module.w, module.b = (torch.nn.Parameter(torch.zeros(s)) for s in SHAPES)
     return role, module
