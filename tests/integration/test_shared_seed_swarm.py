@@ -42,8 +42,9 @@ def test_two_replicas_train_on_shared_seed_payloads(tmp_path, nodes, codec, fewe
         assert info["train_loss_last"] < a.info()["train_loss_first"] - 0.5, (info["train_loss_last"], a.info()["train_loss_first"])
         norms = [r["update_norm"] for r in rounds if r.get("update_norm") is not None]
         # bounded: error feedback with β = 0.95 holds at most 1/(1 − β) = 20 rounds of a steady
-        # pseudo-gradient, so the decoded update may grow about 20-fold from the first round, never more
-        assert all(math.isfinite(v) for v in norms) and (not norms or max(norms) < 25 * max(norms[0], 1e-3)), norms
+        # pseudo-gradient, so the decoded update may grow about 20-fold from the first full rounds, never more
+        # (a joiner's first round may hold a step or two: b's read 0.031 and then 0.0 once, under load)
+        assert all(math.isfinite(v) for v in norms) and (not norms or max(norms) < 25 * max(*norms[:3], 1e-3)), norms
         # a payload is sent about once per round with company (two members: one fetch, now and then a
         # retry); rounds alone send nothing
         with_company = sum(r["contributors"] == 2 for r in rounds)
