@@ -281,6 +281,9 @@ async def register_round(
     return await dht.store(round_key(run_id, round_no, group), entry.to_value(), get_dht_time() + ttl, subkey=owned_subkey(entry.peer_id, validator))
 
 
+MAX_PENDING = 64  # status probes a Reachable runs at once
+
+
 class Reachable:
     """Which peers answer a probe (``probe(peer)``: a stream this node opens to them, e.g. a status
     request). A record can be signed by a key no daemon runs (an invented member: keys are free), so
@@ -320,8 +323,10 @@ class Reachable:
         return {p for p in peers if p in self.answered}
 
     def filter(self, peers: set[str]) -> set[str]:
-        """``peers`` less those that failed their last probe (probing the ones not tried yet, and again
-        those that failed ``retry_s`` ago: they stay out until they answer)."""
+        """``peers`` that answered, or whose first probe is under way (probing the ones not tried yet, and again
+        those that failed ``retry_s`` ago: they stay out until they answer). At most ``MAX_PENDING`` probes run
+        at once; a peer waiting for its first one counts only once it is under way (a flood of invented
+        records counted in full past the cap)."""
         now = time.monotonic()
         out = set()
         for peer in peers:
@@ -329,9 +334,9 @@ class Reachable:
                 out.add(peer)
                 continue
             failed_at = self.failed.get(peer)
-            if peer not in self.pending and len(self.pending) < 64 and (failed_at is None or now - failed_at > self.retry_s):
+            if peer not in self.pending and len(self.pending) < MAX_PENDING and (failed_at is None or now - failed_at > self.retry_s):
                 self.pending[peer] = asyncio.create_task(self._try(peer))
-            if failed_at is None:
+            if failed_at is None and peer in self.pending:
                 out.add(peer)
         return out
 

@@ -29,7 +29,8 @@ UPGRADE = "git pull && make setup"
 OLD_VERSION = "before 0.2.0"  # what a peer without a version (protocol 1) is shown as
 
 logger = logging.getLogger("locomesh.version")
-_warned: set[str] = set()
+_warned: dict[str, None] = {}  # ordered: the oldest are forgotten first, past MAX_WARNED (ids are free)
+MAX_WARNED = 4096
 _lock = threading.Lock()
 
 
@@ -69,7 +70,9 @@ def note_incompatible(peer: str, version: str, protocol: int) -> str | None:
     if line is not None:
         with _lock:
             first = peer not in _warned
-            _warned.add(peer)
+            _warned[peer] = None
+            while len(_warned) > MAX_WARNED:
+                del _warned[next(iter(_warned))]
         if first:
             logger.warning("%s", line)
     return line

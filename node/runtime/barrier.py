@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 from gossip.rendezvous import list_peers_with_expiry
 from node.errors import JoinRefused, NotStarted
@@ -74,24 +75,33 @@ def incompatible_message(run_id: str, peers: dict[str, PeerRecord]) -> str:
             f"{', '.join(short(p) for p in peers)} refused (the line above says which version to upgrade)")
 
 
-def wait_for_peers(net: NetworkThread, run_id: str, me: str, wanted: int, timeout: float, stop: threading.Event) -> int:
+def wait_for_peers(net: NetworkThread, run_id: str, me: str, wanted: int, timeout: float, stop: threading.Event,
+                   answering: Callable[[set[str]], Awaitable[set[str]]] | None = None) -> int:
     """Hold until ``wanted`` trainers (this node included) are in the run, or the run already trains;
     returns how many there are. A line every ``LOG_EVERY_S`` says how many it has and whom it waits
     for. Raises :class:`NotStarted` after ``timeout`` seconds or when the run's peers have stopped,
-    :class:`Interrupted` when ``stop`` is set."""
+    :class:`Interrupted` when ``stop`` is set.
+
+    ``answering`` (``gossip.rendezvous.Reachable.check``): only trainers that answer a status probe count
+    (a record signed by a key no daemon runs would release the barrier), and a record saying its peer left
+    ends the wait only when this wait saw that peer train (one invented ``leaving`` record ended it)."""
     deadline = time.monotonic() + timeout
     next_log = 0.0
     seen: dict[str, float] = {}
     while True:
         now = time.monotonic()
         found = census(net, run_id, me)
+        if answering is not None and found.trainers:
+            live = net.call(answering(set(found.trainers)), timeout=30)
+            found.trainers = {p: rec for p, rec in found.trainers.items() if p in live}
         seen.update({p: now for p in found.trainers})
         have = 1 + len(found.trainers)
         if have >= wanted or found.training:
             return have
         gone = sorted(p for p, t in seen.items() if p not in found.trainers and now - t > GONE_S)
-        if not found.trainers and (found.leaving or gone):
-            raise NotStarted(stopped_message(run_id, found.leaving + [p for p in gone if p not in found.leaving]))
+        left = [p for p in found.leaving if answering is None or p in seen]
+        if not found.trainers and (left or gone):
+            raise NotStarted(stopped_message(run_id, left + [p for p in gone if p not in left]))
         names = ", ".join([f"{short(me)} (this node)"] + [short(p) for p in found.trainers])
         others = f"; not counted, another protocol version: {', '.join(short(p) for p in found.incompatible)}" if found.incompatible else ""
         if now >= deadline:

@@ -204,7 +204,8 @@ class NodeBase(NetworkPresence):
 
     def _wait_for_peers(self) -> None:
         """Hold the first step until --min-peers peers are in the run (raises NotStarted, Interrupted)."""
-        have = wait_for_peers(self.net, self.cfg.run_id, self.summary.peer_id, self.cfg.min_peers, self.cfg.join_timeout, self.stop)
+        have = wait_for_peers(self.net, self.cfg.run_id, self.summary.peer_id, self.cfg.min_peers, self.cfg.join_timeout, self.stop,
+                              answering=self.reachable_members().check)
         self.event("peers_ready", peers=have, wanted=self.cfg.min_peers)
 
     def _observe_peers(self, peers: dict[str, PeerRecord]) -> None:

@@ -47,3 +47,27 @@ def test_failed_peers_are_bounded() -> None:
         return len(live.failed)
 
     assert asyncio.run(run()) == 10
+
+
+def test_peers_past_the_probe_cap_count_only_once_their_probe_is_under_way() -> None:
+    """200 invented records at once: those past the 64 probes that may run do not count meanwhile (they used
+    to count, unprobed, and every rendezvous waited for them)."""
+    from gossip.rendezvous import MAX_PENDING
+
+    async def run() -> tuple[int, int, int]:
+        release = asyncio.Event()
+
+        async def probe(peer: str) -> None:
+            await release.wait()
+            raise ConnectionError("no daemon")
+
+        live = Reachable(probe, timeout=5.0)
+        counted = len(live.filter({f"fake{i}" for i in range(200)}))
+        running = len(live.pending)
+        release.set()
+        await asyncio.sleep(0.05)
+        return counted, running, len(live.filter({f"fake{i}" for i in range(200)}))
+
+    counted, running, after = asyncio.run(run())
+    assert running == MAX_PENDING and counted == MAX_PENDING
+    assert after == MAX_PENDING, "the next 64 are probed, the failed ones stay out"

@@ -55,6 +55,17 @@ def test_an_incompatible_peer_is_logged_once(caplog: pytest.LogCaptureFixture) -
     assert len(lines) == 1 and "12D3KooWonce runs locomesh 0.1.0 (protocol 1)" in lines[0], lines
 
 
+def test_the_peers_warned_about_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ids are free: a flood of incompatible records must not grow the once-only set without end."""
+    import protocol.version as version
+
+    monkeypatch.setattr(version, "_warned", {})
+    monkeypatch.setattr(version, "MAX_WARNED", 10)
+    for i in range(50):
+        note_incompatible(f"12D3KooWflood{i}", "0.1.0", 1)
+    assert len(version._warned) == 10 and "12D3KooWflood49" in version._warned
+
+
 def test_a_hello_of_another_protocol_is_refused_with_the_line() -> None:
     async def run() -> None:
         hello = {"protocol": PROTOCOL_VERSION + 1, "version": "9.0.0"}
