@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[FramedStream], Awaitable[None]]
 RELAY_RETRY_S = 30.0  # a relay that failed is skipped this long
 MAX_STREAMS_PER_PEER = 32  # streams of one protocol one client may hold open here at once
-UNCAPPED = (ids.STAGE, ids.RELAYED)  # bounded elsewhere: the stage's queue; each relayed request under its origin
+MAX_RELAYED_STREAMS = 256  # relayed streams one of this node's relays may carry to it at once (many clients' requests)
+UNCAPPED = (ids.STAGE,)  # bounded elsewhere: the stage's queue
 # Requests one client may make of a protocol whose small request costs a large answer: (burst, per second).
 # A whole state for 30 bytes: a joiner asks a handful of peers once, a resync tries up to 20 times.
 REQUEST_RATES = {ids.STATE: (30, 0.5)}
@@ -86,6 +87,7 @@ class Transport:
         self.handlers: dict[str, Handler] = {}
         self.routes: dict[str, list[str]] = {}  # {peer behind NAT: relays it announced}, kept fresh by the node
         self.relay_limits: relay.RelayLimits | None = None  # set when this node relays for others
+        self.own_relays: Callable[[], set[str]] | None = None  # set by the node: who may carry relayed streams here
         self.data_channel: DataChannel | None = None  # set by enable_data_channel
         self._relay_failed: dict[str, float] = {}
         self._direct_cache: tuple[float, set[str]] = (0.0, set())
@@ -119,11 +121,13 @@ class Transport:
         the handler; failures are logged, counted and answered with an error frame. A client may hold
         at most ``MAX_STREAMS_PER_PEER`` streams of one protocol at once (a cheap request can cost an
         expensive answer: a whole state); stage requests are bounded by the stage's own queue, and a relay's
-        ``relayed`` streams carry many clients' requests, each capped under its own protocol and origin."""
+        ``relayed`` streams, which carry many clients' requests (each also capped under its own protocol and
+        origin), at ``MAX_RELAYED_STREAMS``."""
         key = (protocol, client)
-        if protocol not in UNCAPPED and self._active.get(key, 0) >= MAX_STREAMS_PER_PEER:
+        cap = MAX_RELAYED_STREAMS if protocol == ids.RELAYED else MAX_STREAMS_PER_PEER
+        if protocol not in UNCAPPED and self._active.get(key, 0) >= cap:
             self.on_error(protocol, "busy", client)
-            await stream.refuse("busy", f"{MAX_STREAMS_PER_PEER} {protocol} streams of yours are open here; wait for them")
+            await stream.refuse("busy", f"{cap} {protocol} streams of yours are open here; wait for them")
             return
         if not self._admit_request(key):
             burst, rate = REQUEST_RATES[protocol]

@@ -50,6 +50,7 @@ class RelayHost(Protocol):
     relay_limits: "RelayLimits | None"
     limits: RateLimits  # the node's upload/download caps: relayed bytes count against them like any other
     handlers: dict[str, Callable[[FramedStream], Awaitable[None]]]
+    own_relays: Callable[[], set[str]] | None  # the relays holding this node's reservations (None: any carrier)
 
     def account(self, protocol: str, stream: FramedStream) -> None: ...
 
@@ -169,6 +170,10 @@ async def serve_hop(transport: RelayHost, stream: FramedStream) -> None:
 
 async def serve_relayed(transport: RelayHost, stream: FramedStream) -> None:
     """The target's side: a relay forwards a client's stream for one of our protocols."""
+    if transport.own_relays is not None and stream.peer not in transport.own_relays():
+        # only the relays this node chose carry streams to it: any connected peer could otherwise name a fresh
+        # origin per stream, and no per-client limit would ever bind
+        raise SchemaError(f"{stream.peer} is not a relay of this node")
     msg = await stream.recv(expect="relayed")
     origin = require(msg.body, "from", str)
     protocol = require(msg.body, "protocol", str)
@@ -204,13 +209,19 @@ def relay_routes(records: dict[str, list[str]]) -> dict[str, list[str]]:
     """{private peer: relay peer ids} from each peer's announced multiaddrs (``…/p2p/R/p2p-circuit/p2p/P``)."""
     routes: dict[str, list[str]] = {}
     for peer, maddrs in records.items():
-        relays = []
-        for maddr in maddrs:
-            head, sep, _ = str(maddr).partition("/p2p-circuit")
-            if sep and "/p2p/" in head:
-                relay = head.rsplit("/p2p/", 1)[1]
-                if relay and relay != peer and relay not in relays:
-                    relays.append(relay)
+        relays = relays_in(maddrs, peer)
         if relays:
             routes[peer] = relays
     return routes
+
+
+def relays_in(maddrs: list[str], peer: str) -> list[str]:
+    """The relay peer ids of ``peer``'s circuit multiaddrs (``…/p2p/R/p2p-circuit/p2p/P``), in order."""
+    relays: list[str] = []
+    for maddr in maddrs:
+        head, sep, _ = str(maddr).partition("/p2p-circuit")
+        if sep and "/p2p/" in head:
+            relay = head.rsplit("/p2p/", 1)[1]
+            if relay and relay != peer and relay not in relays:
+                relays.append(relay)
+    return relays

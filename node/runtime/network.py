@@ -28,7 +28,7 @@ from protocol import ids
 from protocol.hivemind_transport import Transport
 from protocol.peer_identity import IdentityError, OwnedRecordValidator, bind, load_identity, write_identity
 from protocol.ratelimit import RateLimits
-from protocol.relay import relay_routes
+from protocol.relay import relay_routes, relays_in
 from gossip.rendezvous import watch_records
 
 logger = logging.getLogger(__name__)
@@ -162,6 +162,8 @@ class NetworkThread:
                 self._watchdog = guard_child(child.pid)
             self.transport = Transport(self.p2p, on_bytes=on_bytes, on_error=on_error, swarm_key=swarm_key,
                                        idle_timeout=stream_timeout, limits=limits, identity=key)
+            me = self.p2p.peer_id.to_base58()
+            self.transport.own_relays = lambda: set(relays_in(self.reachability.relays, me))
             await self.transport.serve(ids.DIALBACK, reach.serve_dialback)
             await self.transport.enable_relays(serve_relay=relay_service and mode != "private")
             if data_channel is not None:

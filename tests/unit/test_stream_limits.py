@@ -5,7 +5,7 @@ import asyncio
 from protocol import ids
 from protocol.auth import hello_body
 from protocol.frames import decode_message, encode_frame, encode_message, read_frame
-from protocol.hivemind_transport import MAX_STREAMS_PER_PEER, REQUEST_RATES, Transport
+from protocol.hivemind_transport import MAX_RELAYED_STREAMS, MAX_STREAMS_PER_PEER, REQUEST_RATES, Transport
 from tests.helpers.memory_transport import canned_stream, ended_reader
 
 
@@ -48,24 +48,53 @@ def test_a_client_is_refused_past_its_stream_cap_and_others_are_not() -> None:
     assert transport._active == {}
 
 
-def test_a_relay_carrying_many_clients_is_not_capped_as_one_client() -> None:
+def test_a_relay_carrying_many_clients_is_capped_far_above_one_client() -> None:
+    """A relay's ``relayed`` streams carry many clients' requests (each capped again under its origin), so it
+    holds up to MAX_RELAYED_STREAMS; past that it is refused (it was never capped: any peer could open them)."""
     transport = Transport(_P2P())  # type: ignore[arg-type]
 
-    async def run() -> int:
+    async def run() -> tuple[int, str]:
         release = asyncio.Event()
 
         async def slow(stream) -> None:
             await release.wait()
 
         held = [asyncio.ensure_future(transport.handle(ids.RELAYED, slow, canned_stream(HELLO)[0], "the-relay"))
-                for _ in range(MAX_STREAMS_PER_PEER + 8)]
+                for _ in range(MAX_RELAYED_STREAMS)]
         await asyncio.sleep(0.05)
         open_now = transport._active[(ids.RELAYED, "the-relay")]
+        refused, sink = canned_stream(HELLO)
+        await transport.handle(ids.RELAYED, slow, refused, "the-relay")
         release.set()
         await asyncio.gather(*held)
-        return open_now
+        return open_now, decode_message(await read_frame(ended_reader(bytes(sink.data)))).body["code"]
 
-    assert asyncio.run(run()) == MAX_STREAMS_PER_PEER + 8
+    open_now, code = asyncio.run(run())
+    assert open_now == MAX_RELAYED_STREAMS > MAX_STREAMS_PER_PEER and code == "busy"
+
+
+def test_only_this_nodes_own_relays_may_carry_relayed_streams_to_it() -> None:
+    """Any connected peer could open ``relayed`` streams naming a fresh origin each (no per-client limit
+    binds then): a node takes them only from the relays that hold its reservations."""
+    from protocol.errors import SchemaError
+    from protocol.relay import serve_relayed
+
+    transport = Transport(_P2P())  # type: ignore[arg-type]
+    transport.own_relays = lambda: {"my-relay"}
+    relayed = encode_frame(encode_message("relayed", {"from": "origin", "protocol": ids.STATE}))
+
+    async def run(carrier: str) -> str:
+        stream, _ = canned_stream(relayed, peer=carrier)
+        try:
+            await serve_relayed(transport, stream)
+        except SchemaError as e:
+            return str(e)
+        except Exception as e:  # past the check: the (absent) handler or handshake fails
+            return type(e).__name__
+        return "served"
+
+    assert "not a relay of this node" in asyncio.run(run("stranger"))
+    assert "not a relay of this node" not in asyncio.run(run("my-relay"))
 
 
 def test_state_requests_are_rate_limited_per_client() -> None:
