@@ -30,6 +30,8 @@ _KEYS = {"dtype", "shape", "data"}
 def owned_tensor_map(tensor: torch.Tensor) -> dict[str, Any]:
     """A wire map over ``tensor``'s memory without copying; ``tensor`` must not be shared with anyone."""
     flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:  # one element sliced with a step is "contiguous" at any stride
+        flat = flat.as_strided((1,), (1,))
     if flat.numel() == 0:
         data: Any = b""
     else:

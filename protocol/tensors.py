@@ -42,6 +42,8 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     if flat.numel() == 0:
         return b""
+    if flat.stride(0) != 1:  # one element sliced with a step is "contiguous" at any stride
+        flat = flat.as_strided((1,), (1,))
     return flat.view(torch.uint8).numpy().tobytes()
 
 

@@ -376,3 +376,15 @@ def test_chunk_levels_refuse_negative_or_infinite_levels() -> None:
         forged[1, 1] = bad
         with pytest.raises(CodecError, match="levels"):
             chunk_levels.decode(codes, forged, 3, 8, "test")
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "q8", "topk:4/9"])
+def test_one_element_sliced_with_a_step_encodes(spec: str) -> None:
+    """``x[::2]`` of two values is one element at stride 2, which torch calls contiguous: viewing its bytes
+    raised (found by the property test)."""
+    from protocol.tensors import tensor_bytes
+
+    x = torch.tensor([1.541, 2.0])[::2]
+    assert x.stride() == (2,) and x.is_contiguous()
+    assert torch.allclose(decode(spec, x), x, atol=1e-3)
+    assert tensor_bytes(x) == tensor_bytes(torch.tensor([1.541]))
