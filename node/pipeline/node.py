@@ -139,7 +139,7 @@ class PipelineNode(NodeBase):
             self.trainer = PipelineTrainer(cfg=self.cfg, workload=self.workload, net=self.net, metrics=self.metrics,
                                            summary=self.summary, event=self.event, stop=self.stop, done=self._deadline_reached,
                                            announce=self._heartbeat, write_info=self._write_info, resume=resume,
-                                           save=self._checkpoint if self.cfg.checkpoint_dir is not None else None, reachable=self.live)
+                                           save=self._checkpoint if self.cfg.checkpoint_dir is not None else None)
             self.trainer.run()
         elif self.stage is not None:
             self._serve()
