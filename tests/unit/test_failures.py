@@ -44,25 +44,27 @@ def test_gather_counts_a_bug_while_fetching_as_internal_not_connection() -> None
     assert not got and failed == {"peer-a": "internal"}
 
 
-def test_requests_for_rounds_never_published_leave_no_bookkeeping_behind() -> None:
-    """A request may name any round: the rounds awaited are capped and forgotten when nobody publishes them."""
+async def _fetch(exchange: RoundExchange, round_no: int, peer: str) -> str:
+    """What ``exchange`` answers ``peer``'s fetch of ``round_no``: "served", or why it refused."""
     from protocol.errors import SchemaError
     from protocol.frames import encode_frame, encode_message
     from tests.helpers.memory_transport import canned_stream
 
+    stream, _ = canned_stream(encode_frame(encode_message("fetch", {"run_id": "run", "round": round_no, "codec": "none"})),
+                              peer=peer)
+    try:
+        await exchange._handle(stream)
+    except SchemaError as e:
+        return str(e)
+    return "served"
+
+
+def test_requests_for_rounds_never_published_leave_no_bookkeeping_behind() -> None:
+    """A request may name any round: the rounds awaited are capped and forgotten when nobody publishes them."""
     exchange = RoundExchange(MemoryTransport(reply=b""), "run", "none", [(4,)], serve_timeout=0.2)  # type: ignore[arg-type]
 
-    async def ask(round_no: int, peer: str) -> str:
-        stream, _ = canned_stream(encode_frame(encode_message("fetch", {"run_id": "run", "round": round_no, "codec": "none"})),
-                                  peer=peer)
-        try:
-            await exchange._handle(stream)
-        except SchemaError as e:
-            return str(e)
-        return "served"
-
     async def flood() -> list[str]:
-        return await asyncio.gather(*(ask(10**6 + i, f"peer{i}") for i in range(100)))
+        return await asyncio.gather(*(_fetch(exchange, 10**6 + i, f"peer{i}") for i in range(100)))
 
     answers = asyncio.run(flood())
     assert sum("too many rounds awaited" in a for a in answers) == 100 - 16
@@ -73,20 +75,7 @@ def test_requests_for_rounds_never_published_leave_no_bookkeeping_behind() -> No
 def test_one_client_asking_for_many_future_rounds_leaves_room_for_the_others() -> None:
     """One client used to fill the 16 awaited rounds itself, and every member's fetch of the next round was
     refused (the members fell back to fetching parts directly): now a client has 4 waits at once."""
-    from protocol.errors import SchemaError
-    from protocol.frames import encode_frame, encode_message
-    from tests.helpers.memory_transport import canned_stream
-
     exchange = RoundExchange(MemoryTransport(reply=b""), "run", "none", [(4,)], serve_timeout=0.5)  # type: ignore[arg-type]
-
-    async def ask(round_no: int, peer: str) -> str:
-        stream, sink = canned_stream(encode_frame(encode_message("fetch", {"run_id": "run", "round": round_no, "codec": "none"})),
-                                     peer=peer)
-        try:
-            await exchange._handle(stream)
-        except SchemaError as e:
-            return str(e)
-        return "served"
 
     async def publish_soon() -> None:
         await asyncio.sleep(0.2)
@@ -94,7 +83,8 @@ def test_one_client_asking_for_many_future_rounds_leaves_room_for_the_others() -
         exchange.publish(Contribution(0, 1, "fp", exchange.wire_of(0), blobs))
 
     async def attack() -> list[str]:
-        *answers, _ = await asyncio.gather(*(ask(10**6 + i, "attacker") for i in range(16)), ask(0, "member"), publish_soon())
+        *answers, _ = await asyncio.gather(*(_fetch(exchange, 10**6 + i, "attacker") for i in range(16)),
+                                           _fetch(exchange, 0, "member"), publish_soon())
         return answers
 
     answers = asyncio.run(attack())
