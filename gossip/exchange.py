@@ -45,7 +45,7 @@ from protocol.hivemind_transport import Transport
 logger = logging.getLogger(__name__)
 KEEP_ROUNDS = 3
 MAX_AWAITED_ROUNDS = 16  # rounds requests may wait for before this node publishes them (each holds an event)
-MAX_WAITS_PER_CLIENT = 4  # of those waits, one client's at once (an honest member waits for one round, two tables)
+MAX_ROUNDS_PER_CLIENT = 8  # of those rounds, how many one client may wait for at once (requests for one round count once)
 
 
 @dataclass
@@ -136,7 +136,7 @@ class RoundExchange:
         self._groups: dict[int, set[str]] = {}  # the members each round's rendezvous closed with (close_group)
         self._ready: dict[int, asyncio.Event] = {}
         self._waiting: dict[tuple[int, int], int] = {}  # (table, round) → requests waiting for it
-        self._client_waits: Counter[str] = Counter()  # authenticated client → its requests waiting now
+        self._client_waits: dict[str, Counter[tuple[int, int]]] = {}  # authenticated client → its waiting requests by (table, round)
         self._reduced: dict[int, ReducedShare | None] = {}
         self._reduced_ready: dict[int, asyncio.Event] = {}
         self._regrouped: dict[int, tuple[list[PartSpec], str]] = {}
@@ -170,28 +170,32 @@ class RoundExchange:
 
     async def _await_round(self, round_no: int, table: dict[int, asyncio.Event], what: str, client: str) -> None:
         """Wait up to the serve timeout until round ``round_no`` is published in ``table``. A request may
-        name any round, so the rounds being waited for are capped, and so are the waits of one ``client``
-        (the authenticated peer: one client asking for 16 future rounds used to fill the cap for everyone);
-        a round's event that nobody published is dropped when its last waiter gives up (no bookkeeping
-        grows with requests)."""
+        name any round, so the rounds being waited for are capped, and so are those one ``client`` (the
+        authenticated peer) waits for: one client asking for 16 future rounds used to fill the cap for
+        everyone. A round's event that nobody published is dropped when its last waiter gives up (no
+        bookkeeping grows with requests)."""
+        key = (id(table), round_no)
+        mine = self._client_waits.get(client, Counter())
         if round_no not in table or not table[round_no].is_set():
-            if self._client_waits[client] >= MAX_WAITS_PER_CLIENT:
-                raise SchemaError(f"{MAX_WAITS_PER_CLIENT} requests of yours already wait for rounds not published here")
+            if key not in mine and len(mine) >= MAX_ROUNDS_PER_CLIENT:
+                raise SchemaError(f"you already wait here for {MAX_ROUNDS_PER_CLIENT} rounds not published yet")
             if round_no not in table and sum(not e.is_set() for e in table.values()) >= MAX_AWAITED_ROUNDS:
                 raise SchemaError(f"too many rounds awaited at once; round {round_no} is not published here")
         event = self._event(round_no, table)
-        self._waiting[(id(table), round_no)] = self._waiting.get((id(table), round_no), 0) + 1
-        self._client_waits[client] += 1
+        self._waiting[key] = self._waiting.get(key, 0) + 1
+        self._client_waits.setdefault(client, Counter())[key] += 1
         try:
             await asyncio.wait_for(event.wait(), timeout=self.serve_timeout)
         except asyncio.TimeoutError:
             raise SchemaError(f"no {what} for round {round_no} within {self.serve_timeout:.0f}s") from None
         finally:
-            key = (id(table), round_no)
             self._waiting[key] -= 1
-            self._client_waits[client] -= 1
-            if not self._client_waits[client]:
-                del self._client_waits[client]
+            waits = self._client_waits[client]
+            waits[key] -= 1
+            if not waits[key]:
+                del waits[key]
+                if not waits:
+                    del self._client_waits[client]
             if not self._waiting[key]:
                 del self._waiting[key]
                 if not event.is_set() and table.get(round_no) is event:
