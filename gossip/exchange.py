@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -36,6 +35,7 @@ from compression import CodecError, ErrorFeedback, Payload, get_codec
 from compression.base import all_finite
 from compression.seeds import payload_seed
 from gossip.failures import failure_reason
+from gossip.round_waits import RoundWaits, event_in
 from gossip.transfer_rates import TransferRates
 from protocol import ids
 from protocol.errors import ProtocolError, SchemaError, TruncatedFrame
@@ -44,8 +44,6 @@ from protocol.hivemind_transport import Transport
 
 logger = logging.getLogger(__name__)
 KEEP_ROUNDS = 3
-MAX_AWAITED_ROUNDS = 16  # rounds requests may wait for before this node publishes them (each holds an event)
-MAX_ROUNDS_PER_CLIENT = 8  # of those rounds, how many one client may wait for at once (requests for one round count once)
 
 
 @dataclass
@@ -131,12 +129,10 @@ class RoundExchange:
     ) -> None:
         self.transport, self.run_id, self.wire = transport, run_id, wire
         self.layout: Layout = layout if callable(layout) else fixed_layout(wire, layout)
-        self.serve_timeout = serve_timeout
         self._contributions: dict[int, Contribution] = {}
         self._groups: dict[int, set[str]] = {}  # the members each round's rendezvous closed with (close_group)
         self._ready: dict[int, asyncio.Event] = {}
-        self._waiting: dict[tuple[int, int], int] = {}  # (table, round) → requests waiting for it
-        self._client_waits: dict[str, Counter[tuple[int, int]]] = {}  # authenticated client → its waiting requests by (table, round)
+        self._waits = RoundWaits(serve_timeout)  # requests for rounds not published yet (gossip.round_waits)
         self._reduced: dict[int, ReducedShare | None] = {}
         self._reduced_ready: dict[int, asyncio.Event] = {}
         self._regrouped: dict[int, tuple[list[PartSpec], str]] = {}
@@ -162,49 +158,10 @@ class RoundExchange:
     async def start(self) -> None:
         await self.transport.serve(ids.AVERAGE, self._handle)
 
-    def _event(self, round_no: int, table: dict[int, asyncio.Event] | None = None) -> asyncio.Event:
-        table = self._ready if table is None else table
-        if round_no not in table:
-            table[round_no] = asyncio.Event()
-        return table[round_no]
-
-    async def _await_round(self, round_no: int, table: dict[int, asyncio.Event], what: str, client: str) -> None:
-        """Wait up to the serve timeout until round ``round_no`` is published in ``table``. A request may
-        name any round, so the rounds being waited for are capped, and so are those one ``client`` (the
-        authenticated peer) waits for: one client asking for 16 future rounds used to fill the cap for
-        everyone. A round's event that nobody published is dropped when its last waiter gives up (no
-        bookkeeping grows with requests)."""
-        key = (id(table), round_no)
-        mine = self._client_waits.get(client, Counter())
-        if round_no not in table or not table[round_no].is_set():
-            if key not in mine and len(mine) >= MAX_ROUNDS_PER_CLIENT:
-                raise SchemaError(f"you already wait here for {MAX_ROUNDS_PER_CLIENT} rounds not published yet")
-            if round_no not in table and sum(not e.is_set() for e in table.values()) >= MAX_AWAITED_ROUNDS:
-                raise SchemaError(f"too many rounds awaited at once; round {round_no} is not published here")
-        event = self._event(round_no, table)
-        self._waiting[key] = self._waiting.get(key, 0) + 1
-        self._client_waits.setdefault(client, Counter())[key] += 1
-        try:
-            await asyncio.wait_for(event.wait(), timeout=self.serve_timeout)
-        except asyncio.TimeoutError:
-            raise SchemaError(f"no {what} for round {round_no} within {self.serve_timeout:.0f}s") from None
-        finally:
-            self._waiting[key] -= 1
-            waits = self._client_waits[client]
-            waits[key] -= 1
-            if not waits[key]:
-                del waits[key]
-                if not waits:
-                    del self._client_waits[client]
-            if not self._waiting[key]:
-                del self._waiting[key]
-                if not event.is_set() and table.get(round_no) is event:
-                    del table[round_no]
-
     def publish_reduced(self, round_no: int, share: ReducedShare | None) -> None:
         """Serve this owner's reduced parts of ``round_no`` (None: it has none, so askers stop waiting)."""
         self._reduced[round_no] = share
-        self._event(round_no, self._reduced_ready).set()
+        event_in(self._reduced_ready, round_no).set()
         for old in [r for r in self._reduced if r <= round_no - KEEP_ROUNDS]:
             self._reduced.pop(old, None)
             self._reduced_ready.pop(old, None)
@@ -212,7 +169,7 @@ class RoundExchange:
     def publish(self, contribution: Contribution) -> None:
         """Make this node's contribution for ``contribution.round`` available to its group."""
         self._contributions[contribution.round] = contribution
-        self._event(contribution.round).set()
+        event_in(self._ready, contribution.round).set()
         for old in [r for r in self._contributions if r <= contribution.round - KEEP_ROUNDS]:
             self._contributions.pop(old, None)
             self._ready.pop(old, None)
@@ -271,8 +228,8 @@ class RoundExchange:
         if wire != self.wire_of(round_no) and round_no > max(self._contributions, default=-1):  # not yet published
             # a grouped round's tag is set just before this node publishes the round: a member that found
             # its group first may ask before that (seen under load), so judge the wire once it is published
-            await self._await_round(round_no, self._reduced_ready if reduced else self._ready,
-                                    "reduced parts" if reduced else "contribution", stream.peer)
+            await self._waits.wait(self._reduced_ready if reduced else self._ready, round_no,
+                                   "reduced parts" if reduced else "contribution", stream.peer)
         if wire != self.wire_of(round_no):
             raise SchemaError(f"wire mismatch: this run averages round {round_no} with {self.wire_of(round_no)!r}, request asked for {wire!r}")
         selection = self._selection(msg.body, round_no)
@@ -282,7 +239,7 @@ class RoundExchange:
         latest = max(self._contributions, default=-1)
         if round_no <= latest - KEEP_ROUNDS:
             raise SchemaError(f"round {round_no} is over (this node is at round {latest})")
-        await self._await_round(round_no, self._ready, "contribution", stream.peer)
+        await self._waits.wait(self._ready, round_no, "contribution", stream.peer)
         c = self._contributions.get(round_no)
         if c is None:
             raise SchemaError(f"round {round_no} is over")
@@ -299,7 +256,7 @@ class RoundExchange:
     async def _serve_reduced(self, stream: FramedStream, round_no: int, selection: list[int] | None) -> None:
         if round_no not in self._reduced and round_no < max(self._contributions, default=-1):
             raise SchemaError(f"this node reduced no parts of round {round_no} and has moved on")  # it never will
-        await self._await_round(round_no, self._reduced_ready, "reduced parts", stream.peer)
+        await self._waits.wait(self._reduced_ready, round_no, "reduced parts", stream.peer)
         share = self._reduced.get(round_no)
         if share is None:
             raise SchemaError(f"this node reduces no parts of round {round_no}")

@@ -69,7 +69,7 @@ def test_requests_for_rounds_never_published_leave_no_bookkeeping_behind() -> No
     answers = asyncio.run(flood())
     assert sum("too many rounds awaited" in a for a in answers) == 100 - 16
     assert sum("no contribution for round" in a for a in answers) == 16
-    assert exchange._ready == {} and exchange._waiting == {} and not exchange._client_waits
+    assert exchange._ready == {} and exchange._waits.waiting == {} and not exchange._waits.clients
 
 
 def test_one_client_asking_for_many_future_rounds_leaves_room_for_the_others() -> None:

@@ -25,12 +25,12 @@ async def _trickle(reader: asyncio.StreamReader, data: bytes, pieces: int, pause
 
 
 def test_a_request_longer_than_the_idle_timeout_is_read_while_it_keeps_moving() -> None:
-    frame = encode_frame(encode_message("part", {"payload": bytes(200_000)}))  # 200 kB over ~1 s: 1.6 Mbit/s, 3× the idle timeout
+    frame = encode_frame(encode_message("part", {"payload": bytes(400_000)}))  # 400 kB over ~2 s: 1.6 Mbit/s, 2× the idle timeout
 
     async def run() -> str:
         reader = asyncio.StreamReader()
-        feeder = asyncio.ensure_future(_trickle(reader, frame, 20, 0.05))
-        msg = await asyncio.wait_for(_served(reader, idle=0.3).recv(), 10)
+        feeder = asyncio.ensure_future(_trickle(reader, frame, 40, 0.05))
+        msg = await asyncio.wait_for(_served(reader, idle=1.0).recv(), 10)
         await feeder
         return msg.kind
 
@@ -38,14 +38,14 @@ def test_a_request_longer_than_the_idle_timeout_is_read_while_it_keeps_moving() 
 
 
 def test_a_request_trickled_below_the_floor_rate_is_refused() -> None:
-    frame = encode_frame(encode_message("part", {"payload": bytes(100_000)}))  # 1 kB per 0.05 s: 0.16 Mbit/s, never idle 0.3 s
+    frame = encode_frame(encode_message("part", {"payload": bytes(100_000)}))  # 1 kB per 0.05 s: 0.16 Mbit/s, never idle 1 s
 
     async def run() -> None:
         reader = asyncio.StreamReader()
         feeder = asyncio.ensure_future(_trickle(reader, frame, 100, 0.05))
         try:
             with pytest.raises(StreamTimeout, match="slower than 1 Mbit/s"):
-                await asyncio.wait_for(_served(reader, idle=0.3).recv(), 10)
+                await asyncio.wait_for(_served(reader, idle=1.0).recv(), 10)
         finally:
             feeder.cancel()
 
@@ -65,9 +65,9 @@ def test_a_request_that_never_begins_or_stops_half_way_is_refused_after_the_idle
 
 
 def test_a_node_with_a_download_cap_below_the_floor_allows_twice_its_own_pace() -> None:
-    """A node capped at 0.4 Mbit/s reads a 30 kB request in ~0.6 s: past the floor's 0.24 s + idle, within
-    half its own rate's 1.2 s + idle."""
-    frame = encode_frame(encode_message("part", {"payload": bytes(30_000)}))
+    """A node capped at 0.4 Mbit/s reads a 120 kB request in ~2.4 s: past the idle timeout and past the
+    1 Mbit/s floor's 1 + 0.96 s, within half its own rate's 1 + 4.8 s."""
+    frame = encode_frame(encode_message("part", {"payload": bytes(120_000)}))
     rate = 50_000.0  # bytes/s: 0.4 Mbit/s
     assert rate < MIN_FRAME_RATE
 
@@ -75,7 +75,7 @@ def test_a_node_with_a_download_cap_below_the_floor_allows_twice_its_own_pace() 
         inner = asyncio.StreamReader()
         inner.feed_data(frame)
         paced = PacedReader(inner, TokenBucket(rate, burst=1024))
-        stream = FramedStream(paced, None, peer="client", idle_timeout=0.2)  # type: ignore[arg-type]
+        stream = FramedStream(paced, None, peer="client", idle_timeout=1.0)  # type: ignore[arg-type]
         return (await asyncio.wait_for(stream.recv(), 10)).kind
 
     assert asyncio.run(run()) == "part"
