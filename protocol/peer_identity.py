@@ -140,7 +140,7 @@ def owned_subkey(peer_id: str, validator: RSASignatureValidator) -> bytes:
 
 
 class OwnedRecordValidator(RSASignatureValidator):
-    """hivemind's RSA signature check plus the owner binding, expiration and subkey caps above."""
+    """hivemind's RSA signature check plus the owner binding, expiration and swarm-key checks above."""
 
     def __init__(self, private_key: RSAPrivateKey | None = None, max_ttl: float = MAX_RECORD_TTL_S,
                  max_subkeys: int = MAX_SUBKEYS, swarm_key: bytes | None = None) -> None:
