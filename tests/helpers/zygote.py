@@ -8,7 +8,9 @@ starts its own session, points stdout and stderr at its log, takes the environme
 given and runs ``python -m MODULE ARGS`` as a fresh interpreter would (the project's own modules are
 imported in the child, so a ``LOCOMESH_*`` variable read at import time still takes effect; Python's
 ``random`` is reseeded by the fork itself). Children are real processes with their own p2pd; only
-their parent is the zygote, which reaps them and reports each exit code.
+their parent is the zygote, which reaps them and reports each exit code. Reports name a child by the
+number of its request, never by its pid alone: with ``pid_max`` 32768 and torch's threads taking ids from
+the same space, a suite reuses pids, and a new daemon must not read an old one's exit code.
 
 ``LOCOMESH_TEST_EXEC=1`` starts every daemon with a plain ``exec`` instead (to rule the zygote out).
 """
@@ -45,7 +47,8 @@ def _serve() -> dict[str, Any] | None:
             pass
     report = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything the zygote itself prints goes to stderr, never into the report stream
-    children: set[int] = set()
+    children: dict[int, int] = {}  # pid -> the number of the request that started it
+    requests = 0
     pending = b""
     report.write("ready\n")
     while True:
@@ -64,13 +67,14 @@ def _serve() -> dict[str, Any] | None:
                 if pid == 0:
                     report.close()
                     return job
-                children.add(pid)
-                report.write(f"started {pid}\n")
-        for pid in list(children):
+                children[pid] = requests
+                report.write(f"started {requests} {pid}\n")
+                requests += 1
+        for pid, request in list(children.items()):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                children.discard(pid)
-                report.write(f"exit {pid} {os.waitstatus_to_exitcode(status)}\n")
+                del children[pid]
+                report.write(f"exit {request} {os.waitstatus_to_exitcode(status)}\n")
 
 
 def _become(job: dict[str, Any]) -> None:
@@ -101,13 +105,13 @@ class ForkedProcess:
     """What tests use of :class:`subprocess.Popen` (``pid``, ``poll``, ``wait``, ``send_signal``,
     ``returncode``) for a child of the zygote, whose exit the zygote reports."""
 
-    def __init__(self, zygote: "Zygote", pid: int) -> None:
-        self.zygote, self.pid = zygote, pid
+    def __init__(self, zygote: "Zygote", request: int, pid: int) -> None:
+        self.zygote, self.request, self.pid = zygote, request, pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self.zygote.exit_code(self.pid)
+            self.returncode = self.zygote.exit_code(self.request, self.pid)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -139,8 +143,9 @@ class Zygote:
         self.process = subprocess.Popen([sys.executable, "-m", "tests.helpers.zygote"], cwd=root, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, start_new_session=True)
         self.changed = threading.Condition()
-        self.exits: dict[int, int] = {}
-        self.started: list[int] = []
+        self.exits: dict[int, int] = {}  # request number -> exit code
+        self.started: dict[int, int] = {}  # request number -> pid
+        self.requests = 0
         self.spawning = threading.Lock()
         if self.process.stdout.readline().strip() != b"ready":  # type: ignore[union-attr]
             raise RuntimeError(f"the test zygote did not start (exit {self.process.poll()})")
@@ -149,20 +154,17 @@ class Zygote:
 
     def _read(self) -> None:
         for raw in self.process.stdout:  # type: ignore[union-attr]
-            kind, pid, *rest = raw.decode().split()
+            kind, request, value = raw.decode().split()
             with self.changed:
-                if kind == "started":
-                    self.started.append(int(pid))
-                else:
-                    self.exits[int(pid)] = int(rest[0])
+                (self.started if kind == "started" else self.exits)[int(request)] = int(value)
                 self.changed.notify_all()
         with self.changed:  # the zygote is gone: nothing more will be reported
             self.changed.notify_all()
 
-    def exit_code(self, pid: int) -> int | None:
+    def exit_code(self, request: int, pid: int) -> int | None:
         with self.changed:
-            if pid in self.exits:
-                return self.exits[pid]
+            if request in self.exits:
+                return self.exits[request]
         if self.process.poll() is not None and not Path(f"/proc/{pid}").exists():
             return -signal.SIGKILL  # reaped by init after the zygote died: its code is lost
         return None
@@ -175,11 +177,12 @@ class Zygote:
         with self.spawning, self.changed:
             self.process.stdin.write(json.dumps(job).encode() + b"\n")  # type: ignore[union-attr]
             self.process.stdin.flush()  # type: ignore[union-attr]
-            while not self.started:
+            request, self.requests = self.requests, self.requests + 1
+            while request not in self.started:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"the test zygote exited with {self.process.returncode}")
                 self.changed.wait(1.0)
-            return ForkedProcess(self, self.started.pop(0))
+            return ForkedProcess(self, request, self.started.pop(request))
 
     def close(self) -> None:
         if self.process.poll() is None:

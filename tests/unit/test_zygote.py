@@ -43,3 +43,28 @@ def test_a_signalled_child_reports_minus_the_signal_and_waits_time_out(zygote, t
     child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=30) == -signal.SIGTERM and child.returncode == -signal.SIGTERM
     child.kill()  # a finished child is left alone
+
+
+def test_a_child_that_reuses_an_old_childs_pid_does_not_read_its_exit_code(zygote, tmp_path):
+    """pid_max is 32768 here and torch's threads draw from the same ids, so a suite reuses pids: reports
+    name the request, and a new daemon on an old pid stays running until it exits itself."""
+    import os
+
+    old = zygote.spawn("tests.helpers.zygote_probe", ["3"], {}, tmp_path / "old.txt")
+    assert old.wait(timeout=30) == 3
+    last_pid = "/proc/sys/kernel/ns_last_pid"
+    if os.geteuid() != 0 or not os.access(last_pid, os.W_OK):
+        pytest.skip("steering the next pid needs root (/proc/sys/kernel/ns_last_pid)")
+    for attempt in range(50):
+        with open(last_pid, "w") as steer:
+            steer.write(str(old.pid - 1))
+        new = zygote.spawn("tests.helpers.zygote_probe", ["sleep"], {}, tmp_path / f"new{attempt}.txt")
+        if new.pid == old.pid:
+            break
+        new.kill()
+        new.wait(timeout=30)
+    else:
+        pytest.skip("another process took the steered pid 50 times")
+    assert new.poll() is None, "the new child read the old child's exit code"
+    new.send_signal(signal.SIGTERM)
+    assert new.wait(timeout=30) == -signal.SIGTERM and old.returncode == 3
