@@ -4,7 +4,11 @@ Every member runs the same function on the same inputs in the same (peer-id) ord
 obtain bit-identical results. A sample count is a peer's claim: it is capped at what the run allows
 a round (``max_samples``: the batch size × the most inner steps a round can hold) before it weighs
 or scales anything, so a peer that claims 10⁹ samples weighs as much as an honest one that did a
-full round, and its norm per sample is not made small by the lie. Norms are compared per (capped)
+full round, and its norm per sample is not made small by the lie. Where no such bound is known
+(pipeline stage replicas, whose share of the work the router decides), ``claim_factor`` caps every
+claim at that many times the round's lower-median claim instead: a bound every member computes
+alike from the same claims (a cap from what one member stepped itself would differ between members,
+and members that weigh alike would then step their φ apart). Norms are compared per (capped)
 sample (‖Δ‖ / samples), because an honest peer's update grows with the inner steps it took.
 
 - ``mean``: Σ wᵢΔᵢ / Σ wᵢ with wᵢ = samples.
@@ -74,6 +78,17 @@ def _lower_median(values: Sequence[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
+def claim_cap(samples: Sequence[int], max_samples: int | None = None, claim_factor: float | None = None) -> int | None:
+    """The most samples any one claim of a round with these ``samples`` claims may weigh: ``max_samples``,
+    and ``claim_factor`` × the lower median of the claims (both capped at ``max_samples`` first) where
+    given, at least 1 (a liar's claim of 0 samples must not zero every weight); None: no cap."""
+    cap = max_samples
+    if claim_factor is not None and samples:
+        relative = max(1, int(claim_factor * _lower_median([s if cap is None else min(s, cap) for s in samples])))
+        cap = relative if cap is None else min(cap, relative)
+    return cap
+
+
 def aggregate(
     peers: Sequence[str],
     updates: Sequence[Sequence[torch.Tensor]],
@@ -82,19 +97,22 @@ def aggregate(
     reject_ratio: float = 100.0,
     trim: float = 0.2,
     max_samples: int | None = None,
+    claim_factor: float | None = None,
 ) -> Aggregate:
     """Combine ``updates`` (one list of tensors per peer, all with the same shapes).
 
-    :param samples: the sample count each peer claims; capped at ``max_samples`` where given
+    :param samples: the sample count each peer claims; capped at ``claim_cap(samples, max_samples, claim_factor)``
     :param max_samples: the most samples a round of this run can hold (batch size × inner steps)
+    :param claim_factor: where given, no claim weighs more than this many times the lower-median claim
     """
     if method not in METHODS:
         raise ValueError(f"unknown aggregation {method!r}; choose one of {', '.join(METHODS)}")
     if not updates or not len(peers) == len(updates) == len(samples):
         raise ValueError("need one peer id, update and sample count per contribution")
-    capped = {p: s for p, s in zip(peers, samples) if max_samples is not None and s > max_samples}
-    if max_samples is not None:
-        samples = [min(s, max_samples) for s in samples]
+    cap = claim_cap(samples, max_samples, claim_factor)
+    capped = {p: s for p, s in zip(peers, samples) if cap is not None and s > cap}
+    if cap is not None:
+        samples = [min(s, cap) for s in samples]
     norms = {p: _norm(u) for p, u in zip(peers, updates)}
     per_sample = {p: norms[p] / max(1, s) for p, s in zip(peers, samples)}
     ref = _lower_median(list(per_sample.values()))

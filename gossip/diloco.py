@@ -297,11 +297,12 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
                                       [contributions[p].samples for p in used], self._weights_method(rnd, len(used)))
         result.failures.update(agg.dropped)
         result.contributors, result.norms, result.clipped, result.capped = agg.used, agg.norms, agg.clipped, agg.capped
-        result.samples = sum(self.claimed(contributions[p].samples) for p in agg.used)
+        claims = self.claimed({p: contributions[p].samples for p in used})
+        result.samples = sum(claims[p] for p in agg.used)
         result.update_norm = l2_norm(agg.update)
         others = [p for p in agg.used if p != self.peer_id]
         if self.keep_others and others and rnd.grouping is None:
-            weights = {p: self.claimed(contributions[p].samples) for p in others}
+            weights = {p: claims[p] for p in others}
             summed = [sum(weights[p] * contributions[p].decoded[i] for p in others) for i in range(len(agg.update))]
             result.others_sum = self.partition.join(summed, rnd.shapes)  # type: ignore[arg-type]
             result.others_samples = sum(weights.values())
@@ -330,12 +331,13 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         mine = owners[self.peer_id]
         update: dict[int, torch.Tensor] = {}
         share: ReducedShare | None = None
+        claims = self.claimed({p: contributions[p].samples for p in used})
         if mine:
             agg = await asyncio.to_thread(self.combine, used, [contributions[p].decoded for p in used],
                                           [contributions[p].samples for p in used], method)
             result.failures.update(agg.dropped)
             blobs, decoded = await asyncio.to_thread(self.exchange.encode_parts, round_no, mine, agg.update)
-            share = ReducedShare(round_no, sum(self.claimed(contributions[p].samples) for p in agg.used), agg.used, majority_fp,
+            share = ReducedShare(round_no, sum(claims[p] for p in agg.used), agg.used, majority_fp,
                                  dict(zip(mine, blobs)), dict(zip(mine, decoded)))
             update.update(share.decoded)
             result.contributors, result.norms, result.clipped, result.capped = agg.used, agg.norms, agg.clipped, agg.capped
@@ -348,7 +350,7 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         shares, failed = await self.exchange.gather(list(sources), round_no, 2 * fetch_timeout, reduced=sources,
                                                     retry_for=min(5.0, self.fetch_timeout / 4),
                                                     expected={o: size(parts) for o, parts in sources.items()})
-        scale = steps_scale([self.claimed(contributions[p].samples) for p in used], self.claimed(contributions[self.peer_id].samples))
+        scale = steps_scale(list(claims.values()), claims[self.peer_id])
         for owner, got in shares.items():
             assert isinstance(got, ReducedShare)
             if (reason := implausible_share(got, sources[owner], my_decoded, scale)) is not None:

@@ -10,13 +10,13 @@ DiLoCo (``gossip.diloco``) and NoLoCo (``gossip.noloco``) rounds build on it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 
-from gossip.aggregate import Aggregate, aggregate
+from gossip.aggregate import Aggregate, aggregate, claim_cap
 from gossip.byzantine import Attacker
 from gossip.deadline import AdaptiveDeadline
 from gossip.exchange import RoundExchange
@@ -63,6 +63,7 @@ class GroupAverager:
     back_off = False  # whether incomplete rounds in a row lengthen the rendezvous deadline (gossip.deadline)
     scorer: ContributionScorer | None = None  # screens whole updates by their loss before they are averaged
     speed: float = 0.0  # this member's measured tokens/s, announced in its rendezvous entries (set by the node)
+    claim_factor: float | None = None  # no claim weighs more than this × the round's lower-median claim (gossip.aggregate)
 
     def __init__(self, dht: DHTNode, validator: RSASignatureValidator, exchange: RoundExchange, run_id: str, peer_id: str,
                  outer: object, gather_timeout: float, fetch_timeout: float, partition: Partition, aggregation: str,
@@ -101,14 +102,17 @@ class GroupAverager:
         self.deadline.slack = max([capped, *measured])
         return capped
 
-    def claimed(self, samples: int) -> int:
-        """A member's sample count as it may weigh: its claim, capped at what a round of the run can hold."""
-        return samples if self.max_samples is None else min(samples, self.max_samples)
+    def claimed(self, claims: Mapping[str, int]) -> dict[str, int]:
+        """The members' sample counts as they may weigh: each claim capped as ``combine`` caps it (at what
+        a round of the run can hold and, with ``claim_factor``, relative to the claims of ``claims``)."""
+        cap = claim_cap(list(claims.values()), self.max_samples, self.claim_factor)
+        return {p: s if cap is None else min(s, cap) for p, s in claims.items()}
 
     def combine(self, peers: Sequence[str], updates: Sequence[Sequence[torch.Tensor]], samples: Sequence[int],
                 method: str | None = None) -> Aggregate:
-        """``gossip.aggregate`` with this run's aggregation (or ``method``) and sample cap."""
-        return aggregate(peers, updates, samples, method or self.aggregation, max_samples=self.max_samples)
+        """``gossip.aggregate`` with this run's aggregation (or ``method``) and sample caps."""
+        return aggregate(peers, updates, samples, method or self.aggregation, max_samples=self.max_samples,
+                         claim_factor=self.claim_factor)
 
     def contribute(self, delta: list[torch.Tensor], samples: int) -> tuple[list[torch.Tensor], int]:
         """What this member sends: its Δ and sample count, or, on a node told to attack (experiments

@@ -209,7 +209,7 @@ class NoLoCoAverager(GroupAverager):
             deadline_s=deadline,
             exchange_s=exchanged - gathered,
             duration_s=time.monotonic() - started,
-            samples=sum(self.claimed(contributions[p].samples) for p in used),
+            samples=sum(self.claimed({p: contributions[p].samples for p in members})[p] for p in used),
             norms=agg.norms,
             clipped=clipped,
             capped=agg.capped,

@@ -20,7 +20,6 @@ import copy
 import logging
 import math
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,9 +50,10 @@ from swarm.stage_worker import StageWorker
 from swarm.stages import Stage, model_seed, stage_flops_per_token, stage_run
 
 # A stage replica's sample count is its own claim (a liar's 1e18 owned every mean): it weighs at most
-# CLAIM_FACTOR times the most this replica stepped in one of its last CLAIM_WINDOW rounds (the router may
-# spread microbatches unevenly, within its 8x measured-rate bound).
-CLAIM_FACTOR, CLAIM_WINDOW = 8, 8
+# CLAIM_FACTOR times the round's lower-median claim (the router may spread microbatches unevenly, within
+# its 8x measured-rate bound). Every replica caps alike: a cap from what each stepped itself (the rule
+# before) differed between the two replicas of a round, which then weighed, and stepped φ, apart.
+CLAIM_FACTOR = 8
 
 logger = logging.getLogger("locomesh.pipeline")
 
@@ -92,7 +92,6 @@ class StageServer:
         self.counted = 0  # the worker's steps already in the summary
         self.schedule_step = 0  # where the next worker's lr schedule starts (the stage's, downloaded with its state)
         self.pending: tuple[concurrent.futures.Future, StageWorker] | None = None  # the round in flight
-        self.own_samples: deque[int] = deque(maxlen=CLAIM_WINDOW)  # samples this replica stepped in its recent rounds
         self.placement = OuterPlacement.choose(device, cfg.outer_device)  # where φ and the outer momentum live
         self.feedback: list[ErrorFeedback] | None = None  # error feedback of each wire part (lossy codecs)
         self.flops_per_token, self.peak_flops = 0.0, peak_flops(device, cfg.peak_tflops)
@@ -106,6 +105,7 @@ class StageServer:
                                        aggregation=cfg.aggregation, member_role="stage", max_group_size=cfg.max_group_size,
                                        weight_codec="none" if cfg.codec == "none" else "fp16")
         self.averager.reachable = reachable
+        self.averager.claim_factor = CLAIM_FACTOR
 
     def _new_outer(self) -> NesterovOuter:
         """The stage's outer optimizer; its warm-up's first round is set once the stage's rounds are known."""
@@ -356,11 +356,9 @@ class StageServer:
 
     def _start_round(self, epoch: int, worker: StageWorker) -> None:
         """Average this epoch's steps with the stage's other replicas. A replica's sample count is its
-        claim: it weighs at most ``CLAIM_FACTOR`` × the most this replica stepped in its recent rounds."""
+        claim: it weighs at most ``CLAIM_FACTOR`` × the round's lower-median claim."""
         theta = worker.snapshot(self.placement.device)
         samples, worker.samples = worker.samples, 0
-        self.own_samples.append(samples)
-        self.averager.max_samples = CLAIM_FACTOR * max(self.own_samples)
         self.pending = (self.net.submit(self.averager.run_round(epoch, self.phi, theta, samples, feedback=self.feedback)), worker)
 
     def _record_throughput(self, tokens_per_s: float) -> None:

@@ -17,7 +17,7 @@ def test_nodes_reduce_scatter_at_about_twice_the_payload(count, tmp_path, nodes)
     boot = a.multiaddr()
     nodes.extend(start_node(tmp_path, f"n{i}", args + ["--seed", str(i + 1)], [boot]) for i in range(1, count))
     for handle in nodes:
-        handle.wait(lambda i: len(full_rounds(i, count)) >= 4, 600, f"4 rounds that all {count} averaged")
+        handle.wait(lambda i: len(full_rounds(i, count)) >= 5, 600, f"5 rounds that all {count} averaged")
     payload = 4 * num_params(preset("nano"))
     ideal = 2 * (count - 1) / count  # each member sends its G − 1 shares out and the G − 1 reduced shares back
     infos = [h.info() for h in nodes]
@@ -27,10 +27,15 @@ def test_nodes_reduce_scatter_at_about_twice_the_payload(count, tmp_path, nodes)
         for r in rounds:  # docs/testing.md: ≤ 2.5× the payload whatever the size
             assert r["average_bytes_sent"] <= 2.5 * payload, (r, payload)
             assert r["average_bytes_received"] <= 2.5 * payload, (r, payload)
-        # on average within 15 % of 2(G − 1)/G: below what an all-gather of G ≥ 3 sends (G − 1 ≥ 2 payloads)
-        for kind in ("average_bytes_sent", "average_bytes_received"):
-            mean = sum(r[kind] for r in rounds) / len(rounds)
-            assert 0.85 * ideal * payload <= mean <= 1.15 * ideal * payload, (kind, mean / payload, ideal)
+        # on average within 15 % of 2(G − 1)/G: below what an all-gather of G ≥ 3 sends (G − 1 ≥ 2 payloads).
+        # What a member receives it fetches within its round; what it sends is served when others ask, and
+        # the G − 1 reduced parts others fetch after it wrote its record (up to half of 2(G − 1)/G) count in
+        # its next record: the window's sum may gain that at its start and lose it at its end.
+        received = sum(r["average_bytes_received"] for r in rounds) / payload
+        assert 0.85 * ideal * len(rounds) <= received <= 1.15 * ideal * len(rounds), (received, len(rounds), ideal)
+        sent = sum(r["average_bytes_sent"] for r in rounds) / payload
+        late = ideal / 2
+        assert 0.85 * ideal * len(rounds) - late <= sent <= 1.15 * ideal * len(rounds) + late, (sent, len(rounds), ideal)
     by_round = [{r["round"]: r["fingerprint"] for r in full_rounds(info, count)} for info in infos]
     shared = set.intersection(*(set(b) for b in by_round))
     assert shared, "no round that every node recorded as full"
