@@ -54,6 +54,7 @@ from gossip.partition import Partition
 from gossip.placement import to_host
 from gossip.reduce_scatter import assign_owners, implausible_share, is_dense, steps_scale, use_reduce_scatter
 from gossip.rendezvous import Reachable
+from gossip.screen_votes import agree_on_screen
 from gossip.votes import Tenure, vote
 from protocol.records import RoundEntry
 
@@ -309,14 +310,24 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         await self._apply(rnd, agg.update)
 
     async def _screen(self, rnd: _Round, contributions: dict[str, Contribution], result: RoundResult) -> list[str]:
-        """The contributors whose whole update does not raise the loss (``gossip.scores``)."""
+        """The contributors whose whole update does not raise the loss (``gossip.scores``), as the majority
+        of the judged members' verdicts has it (``gossip.screen_votes``): members whose screens differ (their
+        own data, their own hardware) still drop the same peers."""
         assert self.scorer is not None
         updates = {p: self.partition.join(contributions[p].decoded, rnd.shapes) for p in result.contributors}
         shown = await asyncio.to_thread(self.scorer, rnd.number, rnd.phi, updates)
         result.gains = shown.gains
-        result.failures.update(shown.dropped)
-        result.contributors = shown.kept
-        return shown.kept
+        if not shown.gains:  # too few to judge: nobody screens, nobody votes
+            return shown.kept
+        agreed = await agree_on_screen(self.dht, self.validator, self.run_id, rnd.number, self.peer_id, shown.peers,
+                                       shown.dropped, self.fetch_timeout)
+        if agreed.overruled:
+            logger.info("round %d: the members' majority overruled this member's screen on %s (%d verdicts read%s)", rnd.number,
+                        ", ".join(sorted(agreed.overruled)), agreed.verdicts, "" if agreed.decided else ", timed out undecided")
+        result.overruled = sorted(agreed.overruled)
+        result.failures.update({p: "harmful_update" for p in agreed.dropped})
+        result.contributors = [p for p in shown.peers if p not in agreed.dropped]
+        return result.contributors
 
     async def _reduce_scatter(self, round_no: int, owners: dict[str, list[int]], contributions: dict[str, Contribution],
                               my_decoded: list[torch.Tensor], used: list[str], majority_fp: str, result: RoundResult,

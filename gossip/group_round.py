@@ -46,6 +46,7 @@ class RoundResult:
     clipped: dict[str, float] = field(default_factory=dict)  # robust aggregation: members scaled down, by the factor kept
     capped: dict[str, int] = field(default_factory=dict)  # members whose claimed samples were cut: their claim
     gains: dict[str, float] = field(default_factory=dict)  # contribution screen: each member's loss gain (gossip.scores)
+    overruled: list[str] = field(default_factory=list)  # peers this member's screen judged otherwise than the voters' majority
     update_norm: float = 0.0
     others_sum: list[torch.Tensor] | None = None  # Σ_{j≠self} samples_j·Δ_j of the members used (eager updates)
     others_samples: int = 0
@@ -89,14 +90,16 @@ class GroupAverager:
         """Seconds a round moving ``payload`` bytes per member takes at least under the caps in play: this
         member sends its payload to, and receives one about as large from, each other member at its own
         caps; each capped member sends its payload to every other member at the cap it announced (a claim,
-        bounded by ``protocol.ratelimit.announced_seconds``). Fetch timeouts add it (0 when nobody is capped;
+        bounded by ``protocol.ratelimit.announced_seconds``, and by the rate measured from it). Fetch timeouts add it (0 when nobody is capped;
         the exchange adds the time each peer's answer needs at the rate measured from it). The next
         rendezvous deadline adds the larger of it and the time this round's payload takes at the slowest
         rate measured from a member (``gossip.transfer_rates``): members reach the next round that much later."""
         moved = payload * max(0, len(group) - 1)
-        theirs = [announced_seconds(moved, e.up_mbit, self.deadline.ceiling) for e in group if e.peer_id != self.peer_id]
-        capped = max([self.limits.seconds_for(moved, moved), *theirs])
         rates = getattr(self.exchange, "rates", None)
+        measured_of = (lambda peer: rates.rates.get(peer, 0.0)) if rates is not None else (lambda peer: 0.0)
+        theirs = [announced_seconds(moved, e.up_mbit, self.deadline.ceiling, measured_of(e.peer_id))
+                  for e in group if e.peer_id != self.peer_id]
+        capped = max([self.limits.seconds_for(moved, moved), *theirs])
         measured = [min(payload / rates.rates[e.peer_id], MAX_SLACK_FACTOR * self.deadline.ceiling)
                     for e in group if rates is not None and e.peer_id in rates.rates]
         self.deadline.slack = max([capped, *measured])

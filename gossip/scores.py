@@ -11,8 +11,10 @@ update applied alone, at step 1), on the same batch::
 
 A contribution whose gain is below −``harm`` × scale (it raises the loss by at least half of what a
 typical member's update changes it) or not finite is dropped from the round (``harmful_update``).
-The screen depends only on the round's inputs (φ, the decoded updates, a scoring batch every member
-draws alike), so every member drops the same peers and the replicas stay bit-identical.
+The screen depends on the round's inputs (φ, the decoded updates) and on a scoring batch each member
+draws alike from its own data on its own hardware: members with other data or arithmetic may judge
+a borderline update differently, so they drop what the majority of their verdicts drops
+(``gossip.screen_votes``) and the replicas stay bit-identical.
 
 Each member also keeps a decayed score per peer (``decay``; gains divided by the round's scale, so
 rounds compare): shown in ``node status``, the round records and the metrics. It does not weigh

@@ -34,13 +34,16 @@ def mbit_to_bytes_per_s(mbit: float) -> float:
     return mbit * 1e6 / 8
 
 
-def announced_seconds(nbytes: float, mbit: float, base_wait_s: float) -> float:
+def announced_seconds(nbytes: float, mbit: float, base_wait_s: float, measured_bytes_per_s: float = 0.0) -> float:
     """Seconds a peer that announced an upload cap of ``mbit`` (0: none) takes to send ``nbytes``, as this
-    node allows for it: the cap is floored at :data:`MIN_ANNOUNCED_MBIT` and the result capped at
-    :data:`ANNOUNCED_WAIT_FACTOR` × ``base_wait_s`` (the timeout it is added to)."""
+    node allows for it: the cap is floored at :data:`MIN_ANNOUNCED_MBIT`, counts as at least the rate this
+    node measured from the peer (``measured_bytes_per_s``, 0: never measured; a peer that sent faster than
+    it claims has shown its claim false), and the result is capped at :data:`ANNOUNCED_WAIT_FACTOR` ×
+    ``base_wait_s`` (the timeout it is added to)."""
     if mbit <= 0:
         return 0.0
-    return min(ANNOUNCED_WAIT_FACTOR * base_wait_s, nbytes / mbit_to_bytes_per_s(max(mbit, MIN_ANNOUNCED_MBIT)))
+    rate = max(mbit_to_bytes_per_s(max(mbit, MIN_ANNOUNCED_MBIT)), measured_bytes_per_s)
+    return min(ANNOUNCED_WAIT_FACTOR * base_wait_s, nbytes / rate)
 
 
 class TokenBucket:

@@ -142,3 +142,33 @@ class RoundEntry:
         if not 0 <= entry.tokens_per_s < float("inf"):
             raise SchemaError("round entry tokens_per_s must be a non-negative number")
         return entry
+
+
+MAX_VERDICT_PEERS = 256  # peers one screen verdict may name (a round's group is far smaller)
+
+
+def screen_key(run_id: str, round_no: int) -> str:
+    """DHT key under which each member of round ``round_no`` keeps its contribution-screen verdict."""
+    return f"locomesh.{run_id}.screen.{round_no}"
+
+
+@dataclass
+class ScreenVerdict:
+    """A member's verdict on round ``round``'s contributions (``gossip.screen_votes``): the peers whose
+    update its screen would drop."""
+
+    peer_id: str
+    round: int
+    dropped: list[str] = field(default_factory=list)
+
+    def to_value(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, value: Any) -> "ScreenVerdict":
+        if not isinstance(value, dict):
+            raise SchemaError(f"screen verdict must be a map, got {type(value).__name__}")
+        dropped = _typed(value, "dropped", list)
+        if len(dropped) > MAX_VERDICT_PEERS or not all(isinstance(p, str) and len(p) <= 128 for p in dropped):
+            raise SchemaError(f"screen verdict must name at most {MAX_VERDICT_PEERS} peer ids")
+        return cls(peer_id=_typed(value, "peer_id", str), round=_typed(value, "round", int), dropped=sorted(set(dropped)))

@@ -55,7 +55,8 @@ class Joiner:
                  event: Callable[..., None], stop: threading.Event, join_timeout: float,
                  held: Callable[[], dict[str, list[torch.Tensor]]] | None = None,
                  established: Callable[[str], bool] = lambda peer: False,
-                 answering: Callable[[set[str]], Awaitable[set[str]]] | None = None) -> None:
+                 answering: Callable[[set[str]], Awaitable[set[str]]] | None = None,
+                 measured: Callable[[str], float] = lambda peer: 0.0) -> None:
         self.net, self.run_id, self.peer_id, self.settings = net, run_id, peer_id, settings
         self.layout, self.adopt, self.announce, self.held = layout, adopt, announce, held
         self.metrics, self.event, self.stop, self.join_timeout = metrics, event, stop, join_timeout
@@ -63,6 +64,7 @@ class Joiner:
         self.established = established  # whether this node saw a peer in enough of its rounds (gossip.votes)
         self.answering = answering  # the peers among some that answer a probe (gossip.rendezvous.Reachable.check)
         self.dissenters: set[str] = set()  # peers already logged and counted for serving a state other than the majority's
+        self.measured = measured  # bytes/s this node measured from a peer's answers (0: never), which bound its announced cap
 
     def _trainers(self) -> list[Any]:
         peers = self.net.call(list_peers(self.net.dht, self.run_id), timeout=30)
@@ -207,11 +209,11 @@ class Joiner:
     def _capped_seconds(self, layout: Layout, sources: list[str]) -> float:
         """How long receiving a whole state of ``layout`` from ``sources`` (an even share each) takes at
         least under this node's ``--max-download-mbit`` and the upload caps the sources announced (claims,
-        bounded by ``protocol.ratelimit.announced_seconds``)."""
+        bounded by ``protocol.ratelimit.announced_seconds`` and by the rates measured from them)."""
         limits = getattr(self.net.transport, "limits", None) or RateLimits()
         size = sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for tensors in layout.values() for shape, dtype in tensors)
         share = size / max(1, len(sources))
-        theirs = [announced_seconds(share, self.up_caps.get(p, 0.0), STATE_TIMEOUT_S) for p in sources]
+        theirs = [announced_seconds(share, self.up_caps.get(p, 0.0), STATE_TIMEOUT_S, self.measured(p)) for p in sources]
         return max([limits.seconds_for(0, size), *theirs])
 
     def resync(self, peer: str | None, failed_round: int, members: Sequence[str] = ()) -> None:

@@ -134,7 +134,8 @@ class Daemon(NodeBase):
                              adopt=self._adopt, announce=self._heartbeat, metrics=self.metrics, event=self.event, stop=self.stop,
                              join_timeout=cfg.join_timeout,
                              held=lambda: {"params": self.phi, "outer_momentum": self.outer.state_tensors(self.phi)},
-                             established=self._established, answering=self.reachable.check)
+                             established=self._established, answering=self.reachable.check,
+                             measured=lambda peer: self.exchange.rates.rates.get(peer, 0.0))
         return [self.exchange, self.state_server, status]
 
     def _join(self) -> None:
@@ -341,7 +342,7 @@ class Daemon(NodeBase):
                   "norms": {p[-8:]: round(n, 6) for p, n in result.norms.items()}, "update_norm": round(result.update_norm, 6),
                   "aggregation": self.cfg.aggregation, "clipped": {p[-8:]: round(f, 4) for p, f in result.clipped.items()},
                   "capped": {p[-8:]: n for p, n in result.capped.items()}, "gains": {p[-8:]: round(g, 6) for p, g in result.gains.items()},
-                  "scheme": "reduce-scatter" if result.reduce_scatter else "all-gather", "groups": result.groups, "group_tag": result.group_tag}
+                  "overruled": [p[-8:] for p in result.overruled], "scheme": "reduce-scatter" if result.reduce_scatter else "all-gather", "groups": result.groups, "group_tag": result.group_tag}
         record["average_bytes_sent"], record["average_bytes_received"] = self.traffic_since_last("average")
         if not result.in_sync:
             m.outer_rounds.labels("failed").inc()

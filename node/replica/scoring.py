@@ -2,8 +2,9 @@
 round's agreed weights φ, and φ − Δ for each member's update Δ, on a scoring batch.
 
 The scoring batches are drawn from the training split with a seed every member shares
-(``SCORE_SEED``), so members score on the same text and drop the same contributions; the held-out
-split stays untouched. ``--contribution-scores auto`` (the default) scores in open swarms and not in
+(``SCORE_SEED``), so members on the same data score on the same text; members whose data or hardware
+differ still drop the same contributions by the majority of their verdicts (``gossip.screen_votes``).
+The held-out split stays untouched. ``--contribution-scores auto`` (the default) scores in open swarms and not in
 private ones (``--swarm-key``), where every member holds the key.
 """
 

@@ -192,6 +192,15 @@ def test_a_round_allows_the_time_its_transfers_take_at_the_caps_in_play() -> Non
     assert free.transfer_slack(1_000_000, liar) == pytest.approx(16.0)
     assert free.transfer_slack(10**12, liar) == pytest.approx(4 * 30.0)
     assert free.deadline.value == pytest.approx(30.0 + 4 * 30.0)
+    # ... and bounded by what this node measured: b's answers arrived at 100 MB/s, so its 1 Mbit/s claim
+    # counts as that rate: 2 MB (its payload to each of two members) at 100 MB/s
+    from gossip.transfer_rates import TransferRates
+
+    free.exchange.rates = TransferRates()
+    free.exchange.rates.observe("b", 100_000_000, 1.0)
+    assert free.transfer_slack(1_000_000, liar) == pytest.approx(0.02)
+    free.exchange.rates.rates["b"] = 1000.0  # measured slower than it claims: the claim stands
+    assert free.transfer_slack(1_000_000, slow_peer) == pytest.approx(16.0)
     assert RoundEntry.from_value(slow_peer[2].to_value()).up_mbit == 1.0
     assert RoundEntry.from_value({"peer_id": "old", "samples": 1, "codec": "fp16"}).up_mbit == 0.0  # older peers announce none
     with pytest.raises(Exception, match="up_mbit"):
@@ -265,5 +274,7 @@ def test_a_state_download_allows_for_the_joiners_and_the_sources_caps() -> None:
     free.up_caps["a"] = 1e-300  # a claim no link makes: the floor's 16 s, and never past 4 × the state timeout
     assert free._capped_seconds(layout, ["a"]) == pytest.approx(16.0)
     assert free._capped_seconds({"params": [((10**9, 250), torch.float32)]}, ["a"]) == pytest.approx(4 * 120.0)
+    free.measured = {"a": 4_000_000.0}.get  # a's round answers arrived at 4 MB/s: its claim counts as that
+    assert free._capped_seconds(layout, ["a"]) == pytest.approx(2_000_000 / 4_000_000.0)
     assert PeerRecord.from_value(PeerRecord("a", up_mbit=2.0).to_value()).up_mbit == 2.0
     assert PeerRecord.from_value({"peer_id": "old"}).up_mbit == 0.0
