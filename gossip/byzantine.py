@@ -16,6 +16,13 @@ attack rewrites one contribution: the update Δ a peer sends and the sample coun
 - ``concentrate``: for sparse payloads: the whole norm of its update on a few coordinates (the
   first 1 % of each tensor) pushed the wrong way.
 
+Two attacks leave the update alone and abuse the protocol around it (a modified peer inside the swarm):
+
+- ``cap``: announces an upload cap of 10⁻³⁰⁰ Mbit/s (``LYING_UP_MBIT``) in its rendezvous entries and
+  records, so that every member would wait ~10³⁰² s for its update.
+- ``future``: at each of its rounds, asks every member for its contributions to the next
+  ``FUTURE_ROUNDS`` rounds, holding the requests open (they once filled every member's wait pool).
+
 Where the honest updates are not known (a live attacker that has not read the round yet), ``alie``
 and ``ipm`` take the attacker's own honest update for μ and the spread of its own last updates for σ.
 """
@@ -29,7 +36,10 @@ from typing import Sequence
 
 import torch
 
-ATTACKS = ("samples", "scale", "sign", "noise", "alie", "ipm", "stale", "concentrate")
+ATTACKS = ("samples", "scale", "sign", "noise", "alie", "ipm", "stale", "concentrate", "cap", "future")
+PROTOCOL_ATTACKS = ("cap", "future")  # they leave the update alone
+LYING_UP_MBIT = 1e-300
+FUTURE_ROUNDS = 16
 DEFAULT_PARAM = {"scale": 50.0, "alie": 1.0, "ipm": 0.5, "stale": 5.0}
 MAX_STALE_LAG = 15  # the attacker keeps its last 16 updates: a longer lag silently became "sign"
 LYING_SAMPLES = 10**9
@@ -58,6 +68,12 @@ def parse_attacks(spec: str) -> list[tuple[str, float | None]]:
     return out
 
 
+def announced_up_mbit(spec: str | None, honest: float) -> float:
+    """The upload cap a node with attacks ``spec`` (None: none) announces: its ``honest`` one, or the
+    ``cap`` attack's lie."""
+    return LYING_UP_MBIT if spec and any(name == "cap" for name, _ in parse_attacks(spec)) else honest
+
+
 def _norm(update: Sequence[torch.Tensor]) -> float:
     return math.sqrt(sum(float(t.float().pow(2).sum()) for t in update))
 
@@ -79,6 +95,10 @@ class Attacker:
 
     def describe(self) -> str:
         return ",".join(name if p is None else f"{name}:{p:g}" for name, p in self.attacks)
+
+    def does(self, name: str) -> bool:
+        """Whether ``name`` is among this attacker's attacks."""
+        return any(n == name for n, _ in self.attacks)
 
     def contribution(self, delta: Sequence[torch.Tensor], samples: int,
                      honest: Sequence[Sequence[torch.Tensor]] | None = None) -> tuple[list[torch.Tensor], int]:

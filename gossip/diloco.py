@@ -171,6 +171,7 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
             await before_gather()
         group = await self._rendezvous(rnd)
         self.exchange.close_group(rnd.number, {e.peer_id for e in group})
+        self.ask_ahead(rnd.number, [e.peer_id for e in group])
         contributions, failures = await self._exchange(rnd, group)
         result = self._vote(rnd, group, contributions, failures)
         if rnd.owners is not None:

@@ -9,6 +9,7 @@ DiLoCo (``gossip.diloco``) and NoLoCo (``gossip.noloco``) rounds build on it.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -17,7 +18,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 
 from gossip.aggregate import Aggregate, aggregate, claim_cap
-from gossip.byzantine import Attacker
+from gossip.byzantine import FUTURE_ROUNDS, LYING_UP_MBIT, Attacker
 from gossip.deadline import AdaptiveDeadline
 from gossip.exchange import RoundExchange
 from gossip.partition import Partition
@@ -74,6 +75,7 @@ class GroupAverager:
         self.fetch_timeout, self.partition, self.aggregation = fetch_timeout, partition, aggregation
         self.max_samples, self.attacker = max_samples, attacker
         self.deadline = AdaptiveDeadline.for_timeout(gather_timeout, back_off=self.back_off)
+        self._asked_ahead: set[asyncio.Future] = set()  # the ``future`` attack's open requests
 
     @property
     def limits(self) -> RateLimits:
@@ -83,6 +85,8 @@ class GroupAverager:
     @property
     def up_mbit(self) -> float:
         """The upload cap this member announces in its rendezvous entries (0: none)."""
+        if self.attacker is not None and self.attacker.does("cap"):
+            return LYING_UP_MBIT
         up = self.limits.up
         return 0.0 if up is None else up.rate * 8 / 1e6
 
@@ -116,6 +120,26 @@ class GroupAverager:
         """``gossip.aggregate`` with this run's aggregation (or ``method``) and sample caps."""
         return aggregate(peers, updates, samples, method or self.aggregation, max_samples=self.max_samples,
                          claim_factor=self.claim_factor)
+
+    def ask_ahead(self, round_no: int, peers: Sequence[str]) -> None:
+        """Experiments only (the ``future`` attack, ``gossip.byzantine``): ask each of ``peers`` for its
+        contributions to the next ``FUTURE_ROUNDS`` rounds, leaving the requests open. Does nothing
+        on an honest node."""
+        if self.attacker is None or not self.attacker.does("future"):
+            return
+
+        async def ask(peer: str, ahead: int) -> None:
+            try:
+                await asyncio.wait_for(self.exchange.fetch(peer, ahead, None), timeout=2 * self.fetch_timeout)
+            except Exception:
+                pass  # refused or timed out: the attack only wants the request held
+
+        for peer in peers:
+            for ahead in range(round_no + 1, round_no + 1 + FUTURE_ROUNDS):
+                if peer != self.peer_id:
+                    task = asyncio.ensure_future(ask(peer, ahead))
+                    self._asked_ahead.add(task)
+                    task.add_done_callback(self._asked_ahead.discard)
 
     def contribute(self, delta: list[torch.Tensor], samples: int) -> tuple[list[torch.Tensor], int]:
         """What this member sends: its Δ and sample count, or, on a node told to attack (experiments

@@ -49,7 +49,11 @@ def vote(fingerprints: dict[str, str], round_no: int, me: str, tenure: Tenure | 
 
     Only ``me`` and peers ``tenure`` counts as established vote (every peer when ``tenure`` is None,
     or when none of those voting is established).
-    A tie goes to the fingerprint whose hash with the round number is smallest. Why not the smallest
+    A tie goes first to the fingerprint more of the other voters hold that took part in at least one of
+    this node's rounds without being established yet: a member that joined beside a peer that later
+    drifted (one that fetched nothing and averaged alone) held one established vote against its own, and
+    half the time resynced to the drifted state though the third member held its own φ. Peers never seen
+    in a round (free ids) break no tie. Then it goes to the fingerprint whose hash with the round number is smallest. Why not the smallest
     peer id, as before: ids are free to grind, so an attacker could always win ties. The hash is the
     same at every member (so tied honest members converge on one φ, as they did), and to win it an
     attacker must already hold as many established votes as the honest side, then grind a state
@@ -62,8 +66,14 @@ def vote(fingerprints: dict[str, str], round_no: int, me: str, tenure: Tenure | 
     counts: dict[str, int] = {}
     for fp in voters.values():
         counts[fp] = counts.get(fp, 0) + 1
+    seen: dict[str, int] = {}  # the tie-break: voters seen in a round here, but not (yet) established
+    for p, fp in fingerprints.items():
+        if p not in voters and tenure is not None and tenure.rounds(p) >= 1:
+            seen[fp] = seen.get(fp, 0) + 1
     best = max(counts.values())
-    agreed = min((fp for fp, n in counts.items() if n == best), key=lambda fp: _tie_rank(round_no, fp))
+    tied = [fp for fp, n in counts.items() if n == best]
+    most_seen = max(seen.get(fp, 0) for fp in tied)
+    agreed = min((fp for fp in tied if seen.get(fp, 0) == most_seen), key=lambda fp: _tie_rank(round_no, fp))
     holders = [p for p, fp in voters.items() if fp == agreed]
     holder = max(holders, key=lambda p: (p == me, tenure.rounds(p) if tenure else 0, p))
     return agreed, holder

@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any
 
+from gossip.byzantine import announced_up_mbit
 from gossip.rendezvous import Reachable, list_peers, publish_peer, reconnect_routing_table
 from node.config import read_swarm_key
 from node.errors import UserError
@@ -53,7 +54,7 @@ class NetworkPresence:
             "peer_id": s.peer_id, "role": self.role, "device": self.device.type, "model": cfg.model, "algorithm": self.algorithm,
             "compression": cfg.codec, "round": self.round, "loss": self._current_loss(), "maddrs": s.multiaddrs,
             "protocols": s.protocols, "version": package_version(), "protocol": protocol_version(),
-            "reachability": s.reachability, "up_mbit": cfg.max_upload_mbit or 0.0,
+            "reachability": s.reachability, "up_mbit": announced_up_mbit(cfg.attack, cfg.max_upload_mbit or 0.0),
             "started_at": time.time() - (time.monotonic() - self.started), **self._record_fields()})
         await reconnect_routing_table(net.dht, [info.peer_id for info in await net.p2p.list_peers()])
         for run_id in self._record_runs():

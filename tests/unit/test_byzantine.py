@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gossip.aggregate import METHODS, aggregate
-from gossip.byzantine import ATTACKS, LYING_SAMPLES, Attacker, parse_attacks
+from gossip.byzantine import ATTACKS, LYING_SAMPLES, PROTOCOL_ATTACKS, Attacker, parse_attacks
 from gossip.outer import weighted_mean
 from node.config import NodeConfig
 
@@ -51,7 +51,7 @@ def _attacked(attack: str, n_honest: int, sparse: bool = False) -> tuple[list[li
 ROBUST_DENSE = ("centered-clip", "trimmed-mean")  # median-clip bounds norms only: a sign flip passes it
 
 
-@pytest.mark.parametrize("attack", [a if a not in ("scale",) else "scale:50" for a in ATTACKS if a != "concentrate"])
+@pytest.mark.parametrize("attack", [a if a not in ("scale",) else "scale:50" for a in ATTACKS if a not in ("concentrate", *PROTOCOL_ATTACKS)])
 @pytest.mark.parametrize("method", ROBUST_DENSE)
 def test_one_attacker_of_four_moves_a_robust_aggregate_no_further_than_an_honest_peer(attack: str, method: str) -> None:
     honest, sent, samples, peers = _attacked(attack, 3)
@@ -170,3 +170,15 @@ def test_attacks_are_for_replicas_only() -> None:
         NodeConfig(attack="sign", stages=2, model="micro")
     with pytest.raises(ValueError, match="--attack"):
         NodeConfig(attack="sign", algorithm="zo")
+
+
+def test_protocol_attacks_leave_the_update_alone_and_lie_around_it() -> None:
+    from gossip.byzantine import LYING_UP_MBIT, announced_up_mbit
+
+    attacker = Attacker(parse_attacks("cap,future"))
+    delta = [torch.ones(3)]
+    sent, samples = attacker.contribution(delta, 7)
+    assert torch.equal(sent[0], delta[0]) and samples == 7
+    assert attacker.does("cap") and attacker.does("future") and not attacker.does("sign")
+    assert announced_up_mbit("cap", 5.0) == LYING_UP_MBIT and announced_up_mbit("sign", 5.0) == 5.0
+    assert announced_up_mbit(None, 0.0) == 0.0

@@ -53,3 +53,18 @@ def test_tenure_is_bounded():
     for i in range(100):
         tenure.observe([f"p{i}"], i)
     assert len(tenure.seen) == 10 and "p99" in tenure.seen
+
+
+def test_a_tie_of_established_votes_goes_to_the_state_more_members_seen_here_hold():
+    """Seen live (a modified member that fetched nothing and averaged alone): b had averaged with the
+    drifted z for 4 rounds and with a for 2, so only b's own vote and z's counted, a tie, and b resynced
+    to z's state in half the rounds though a held b's φ. a, seen in b's rounds, now breaks the tie;
+    ids never seen in a round do not."""
+    tenure = _tenure({"z": 4, "a": 2})
+    assert all(vote({"b": "honest", "a": "honest", "z": "drifted"}, r, "b", tenure)[0] == "honest" for r in range(32))
+    sybils = {f"s{i}": "drifted" for i in range(5)}  # never seen in a round here
+    picks = {vote({"b": "honest", "z": "drifted", **sybils}, r, "b", tenure)[0] for r in range(32)}
+    assert picks == {"honest", "drifted"}, "fresh ids moved the tie"
+    # a seen but unestablished peer never outweighs established votes
+    tenure = _tenure({"z": 4, "y": 4, "a": 2})
+    assert vote({"b": "honest", "a": "honest", "z": "drifted", "y": "drifted"}, 3, "b", tenure)[0] == "drifted"
