@@ -1,6 +1,6 @@
 """A modified member inside a live swarm of three, against a clean swarm of the same three seeds.
 
-    python -m benchmarks.hostile_member [--model tiny] [--max-steps 300] [--seeds 0,1]
+    python -m benchmarks.hostile_member [--model tiny] [--max-steps 1000] [--seeds 0,1,2]
         [--attacks cap,future,samples] [--extra "--batch-size 2 --threads 1"] --out benchmarks/results/hostile_member.json
 
 Each run is one ``node swarm --nodes 3`` of real daemons on loopback, with a fresh checkpoint folder; node i
@@ -79,7 +79,9 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         gaps.append((h - c) / c)
         out["per_seed"][str(seed)] = {"clean_val": round(c, 4), "hostile_val": round(h, 4), "gap": round(gaps[-1], 4),
                                       "hostile_joint_rounds": [p["joint_rounds"] for p in hostile["peers"]],
+                                      "clean_max_deadline_s": max(p["max_deadline_s"] or 0 for p in clean["peers"]),
                                       "hostile_max_deadline_s": max(p["max_deadline_s"] or 0 for p in hostile["peers"]),
+                                      "clean_joint_rounds": [p["joint_rounds"] for p in clean["peers"]],
                                       "hostile_honest_failures": sum(p["honest_failures"] for p in hostile["peers"])}
     if gaps:
         out["worst_gap"] = round(max(gaps), 4)
@@ -90,9 +92,9 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--max-steps", type=int, default=300)
+    parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--timeout", type=float, default=600.0, help="--duration of each swarm: a bound, not the stop")
-    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--attacks", default="cap,future,samples")
     parser.add_argument("--extra", default="--batch-size 2 --threads 1 --eval-batches 8")
     parser.add_argument("--out", type=Path, required=True)
