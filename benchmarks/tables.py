@@ -59,6 +59,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "convergence": train.convergence,
     "forging": train.forging,
     "heterogeneous": train.heterogeneous,
+    "hostile_member": train.hostile_member,
     "quick_suite": net.quick_suite,
     "gpu_loop": gpu.gpu_loop,
     "gpu_replicas": gpu.gpu_replicas,

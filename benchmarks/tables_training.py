@@ -352,3 +352,27 @@ def heterogeneous(r: Results) -> str:
             f"as a share of the fixed-H run's time (peer 0): {', '.join(reached) or 'no curve'}.")
     header = ["scenario", "H", "seed", "training", "waiting", "steps per round", "held-out loss", "tokens"]
     return r.caption("heterogeneous.json", what=what) + "\n\n" + table(header, rows)
+
+
+def hostile_member(r: Results) -> str:
+    """A modified member in a swarm of three against a clean swarm (benchmarks/hostile_member.py)."""
+    d = r.load("hostile_member.json")
+    o = d["options"]
+    rows = []
+    for run in d["runs"]:
+        if "error" in run:
+            rows.append([run["mode"], str(run["seed"]), "failed", "", "", "", ""])
+            continue
+        peers = run["peers"]
+        rows.append([run["mode"], str(run["seed"]), " / ".join(loss(p["val_loss"]) for p in peers),
+                     " / ".join(f"{p['joint_rounds']} of {p['outer_rounds']}" for p in peers),
+                     f"{max(p['max_deadline_s'] or 0 for p in peers):.1f} s", str(sum(p["honest_failures"] for p in peers)),
+                     str(sum(p["out_of_sync"] for p in peers))])
+    s = d["summary"]
+    what = (f"3 daemons of `{o['model']}` on loopback, one 2-core machine, `{o['extra']}`, {o['max_steps']} inner steps each "
+            f"(equal tokens), a fresh checkpoint folder per run; `hostile`: node 2 runs `--attack {o['attacks']}`. Columns "
+            "for the two honest peers (0 / 1): held-out loss at the end, rounds they averaged together in sync, the longest "
+            "rendezvous deadline, failures naming an honest peer, rounds out of sync. Worst gap of the honest peers' mean "
+            f"held-out loss, hostile against clean: {100 * s.get('worst_gap', float('nan')):+.1f} % (bar: within 5 %).")
+    header = ["run", "seed", "held-out loss", "rounds together", "longest deadline", "honest failures", "out of sync"]
+    return r.caption("hostile_member.json", what=what) + "\n\n" + table(header, rows)
