@@ -1,14 +1,15 @@
 """A modified member inside a live swarm of three, against a clean swarm of the same three seeds.
 
     python -m benchmarks.hostile_member [--model tiny] [--max-steps 1000] [--seeds 0,1,2]
-        [--attacks cap,future,samples] [--extra "--batch-size 2 --threads 1"] --out benchmarks/results/hostile_member.json
+        [--attacks "cap,samples;future"] [--extra "--batch-size 2 --threads 1"] --out benchmarks/results/hostile_member.json
 
 Each run is one ``node swarm --nodes 3`` of real daemons on loopback, with a fresh checkpoint folder; node i
-has seed S + i and stops after ``--max-steps`` inner steps (equal tokens in both runs of a seed). In the
-``hostile`` run node 2 is the modified peer (``--byzantine 2:ATTACKS``, ``gossip.byzantine``); the default
-attacks leave its update honest and abuse the protocol around it: an upload cap of 10⁻³⁰⁰ Mbit/s in its
-entries and records, requests for every member's next 16 rounds at each of its rounds, and a claim of 10⁹
-samples. A ``pair`` run has the two honest peers alone (what they reach without the third peer's work:
+has seed S + i and stops after ``--max-steps`` inner steps (equal tokens in every run of a seed). In an
+``attack:A`` run (one per ``;``-separated set in ``--attacks``) node 2 is the modified peer
+(``--byzantine 2:A``, ``gossip.byzantine``); the default sets leave its update honest and abuse the
+protocol around it: ``cap,samples`` (an upload cap of 10⁻³⁰⁰ Mbit/s in its entries and records, and a
+claim of 10⁹ samples) and ``future`` (requests for every member's next 16 rounds at each of its
+rounds). A ``pair`` run has the two honest peers alone (what they reach without the third peer's work:
 a member whose requests are refused averages alone, and its updates no longer count). Per run and
 honest peer (nodes 0 and 1): the held-out loss at the end, rounds, the rounds both honest peers
 averaged together in sync, the longest rendezvous deadline, out-of-sync rounds and failures naming an
@@ -37,12 +38,12 @@ HONEST = (0, 1)
 
 def run(args: argparse.Namespace, mode: str, seed: int, folder: Path) -> dict[str, Any]:
     name = f"{mode}-{seed}"
-    report = folder / f"{name}.json"
+    report = folder / f"{name.replace(':', '-').replace(',', '-')}.json"
     cmd = [sys.executable, "-m", "node", "swarm", "--nodes", str(2 if mode == "pair" else NODES), "--model", args.model, "--duration", str(args.timeout),
-           "--max-steps", str(args.max_steps), "--seed", str(seed), "--report", str(report), "--checkpoint-dir", str(folder / name),
-           "--run-id", f"hostile-{name}", *shlex.split(args.extra)]
-    if mode == "hostile":
-        cmd += ["--byzantine", f"2:{args.attacks}"]
+           "--max-steps", str(args.max_steps), "--seed", str(seed), "--report", str(report), "--checkpoint-dir", str(folder / report.stem),
+           "--run-id", f"hostile-{report.stem}", *shlex.split(args.extra)]
+    if mode.startswith("attack:"):
+        cmd += ["--byzantine", f"2:{mode.removeprefix('attack:')}"]
     started = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout * 2 + 300)
     wall = time.monotonic() - started
@@ -68,34 +69,32 @@ def peer(n: dict[str, Any], honest_ids: set[str]) -> dict[str, Any]:
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per attack set and seed: the honest peers' mean held-out loss against the clean run and the pair."""
     by = {(r["mode"], r["seed"]): r for r in runs if "error" not in r}
-    seeds = sorted({s for _, s in by})
-    out: dict[str, Any] = {"per_seed": {}}
-    gaps: list[float] = []
-    pair_gaps: list[float] = []
-    for seed in seeds:
-        clean, hostile, pair = by.get(("clean", seed)), by.get(("hostile", seed)), by.get(("pair", seed))
-        if clean is None or hostile is None:
-            continue
-        c = statistics.mean(p["val_loss"] for p in clean["peers"])
-        h = statistics.mean(p["val_loss"] for p in hostile["peers"])
-        two = statistics.mean(p["val_loss"] for p in pair["peers"]) if pair is not None else None
-        gaps.append((h - c) / c)
-        if two is not None:
-            pair_gaps.append((h - two) / two)
-        out["per_seed"][str(seed)] = {"clean_val": round(c, 4), "hostile_val": round(h, 4), "gap": round(gaps[-1], 4),
-                                      "pair_val": None if two is None else round(two, 4),
-                                      "gap_to_pair": None if two is None else round((h - two) / two, 4),
-                                      "hostile_joint_rounds": [p["joint_rounds"] for p in hostile["peers"]],
-                                      "clean_max_deadline_s": max(p["max_deadline_s"] or 0 for p in clean["peers"]),
-                                      "hostile_max_deadline_s": max(p["max_deadline_s"] or 0 for p in hostile["peers"]),
-                                      "clean_joint_rounds": [p["joint_rounds"] for p in clean["peers"]],
-                                      "hostile_honest_failures": sum(p["honest_failures"] for p in hostile["peers"])}
-    if gaps:
-        out["worst_gap"] = round(max(gaps), 4)
-        out["within_5_percent"] = max(gaps) <= 0.05
-    if pair_gaps:
-        out["worst_gap_to_pair"] = round(max(pair_gaps), 4)
+
+    def honest_val(mode: str, seed: int) -> float | None:
+        run = by.get((mode, seed))
+        return None if run is None else statistics.mean(p["val_loss"] for p in run["peers"])
+
+    out: dict[str, Any] = {}
+    for mode in sorted({m for m, _ in by if m.startswith("attack:")}):
+        per_seed, to_clean, to_pair = {}, [], []
+        for seed in sorted({s for m, s in by if m == mode}):
+            h, c, two = honest_val(mode, seed), honest_val("clean", seed), honest_val("pair", seed)
+            peers = by[(mode, seed)]["peers"]
+            row = {"val": round(h, 4), "clean_val": None if c is None else round(c, 4), "pair_val": None if two is None else round(two, 4),
+                   "joint_rounds": [p["joint_rounds"] for p in peers], "max_deadline_s": max(p["max_deadline_s"] or 0 for p in peers),
+                   "honest_failures": sum(p["honest_failures"] for p in peers)}
+            if c is not None:
+                to_clean.append((h - c) / c)
+                row["gap"] = round(to_clean[-1], 4)
+            if two is not None:
+                to_pair.append((h - two) / two)
+                row["gap_to_pair"] = round(to_pair[-1], 4)
+            per_seed[str(seed)] = row
+        out[mode] = {"per_seed": per_seed, "worst_gap": round(max(to_clean), 4) if to_clean else None,
+                     "within_5_percent": max(to_clean) <= 0.05 if to_clean else None,
+                     "worst_gap_to_pair": round(max(to_pair), 4) if to_pair else None}
     return out
 
 
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--timeout", type=float, default=600.0, help="--duration of each swarm: a bound, not the stop")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--attacks", default="cap,future,samples")
+    parser.add_argument("--attacks", default="cap,samples;future", help="attack sets of node 2, separated by ';'")
     parser.add_argument("--extra", default="--batch-size 2 --threads 1 --eval-batches 8")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="hostile-member-") as tmp:
         for seed in [int(s) for s in args.seeds.split(",") if s]:
-            for mode in ("clean", "hostile", "pair"):
+            for mode in ("clean", "pair", *(f"attack:{a}" for a in args.attacks.split(";") if a)):
                 runs.append(run(args, mode, seed, Path(tmp)))
                 print(json.dumps({k: v for k, v in runs[-1].items() if k not in ("peers", "attacker")}), flush=True)
     summary = summarise(runs)

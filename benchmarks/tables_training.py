@@ -368,11 +368,12 @@ def hostile_member(r: Results) -> str:
                      " / ".join(f"{p['joint_rounds']} of {p['outer_rounds']}" for p in peers),
                      f"{max(p['max_deadline_s'] or 0 for p in peers):.1f} s", str(sum(p["honest_failures"] for p in peers)),
                      str(sum(p["out_of_sync"] for p in peers))])
-    s = d["summary"]
+    gaps = "; ".join(f"`{mode.removeprefix('attack:')}`: {100 * v['worst_gap']:+.1f} % against clean, {100 * v['worst_gap_to_pair']:+.1f} % "
+                     "against the pair" for mode, v in d["summary"].items() if v.get("worst_gap") is not None and v.get("worst_gap_to_pair") is not None)
     what = (f"3 daemons of `{o['model']}` on loopback, one 2-core machine, `{o['extra']}`, {o['max_steps']} inner steps each "
-            f"(equal tokens), a fresh checkpoint folder per run; `hostile`: node 2 runs `--attack {o['attacks']}`. Columns "
-            "for the two honest peers (0 / 1): held-out loss at the end, rounds they averaged together in sync, the longest "
-            "rendezvous deadline, failures naming an honest peer, rounds out of sync. Worst gap of the honest peers' mean "
-            f"held-out loss, hostile against clean: {100 * s.get('worst_gap', float('nan')):+.1f} % (bar: within 5 %).")
+            "(equal tokens), a fresh checkpoint folder per run; `attack:A`: node 2 runs `--attack A`; `pair`: the two honest "
+            "peers alone. Columns for the two honest peers (0 / 1): held-out loss at the end, rounds they averaged together in "
+            "sync, the longest rendezvous deadline, failures naming an honest peer, rounds out of sync. Worst gap of the honest "
+            f"peers' mean held-out loss over the seeds (bar: within 5 % of the clean run): {gaps}.")
     header = ["run", "seed", "held-out loss", "rounds together", "longest deadline", "honest failures", "out of sync"]
     return r.caption("hostile_member.json", what=what) + "\n\n" + table(header, rows)
