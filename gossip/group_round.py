@@ -94,8 +94,9 @@ class GroupAverager:
         """Seconds a round moving ``payload`` bytes per member takes at least under the caps in play: this
         member sends its payload to, and receives one about as large from, each other member at its own
         caps; each capped member sends its payload to every other member at the cap it announced (a claim,
-        bounded by ``protocol.ratelimit.announced_seconds``, and by the rate measured from it). Fetch timeouts add it (0 when nobody is capped;
-        the exchange adds the time each peer's answer needs at the rate measured from it). The next
+        bounded by ``protocol.ratelimit.announced_seconds``, and by the rate measured from it). Fetch timeouts
+        add it (0 when nobody is capped; the exchange adds the time each peer's answer needs at the rate
+        measured from it). The next
         rendezvous deadline adds the larger of it and the time this round's payload takes at the slowest
         rate measured from a member (``gossip.transfer_rates``): members reach the next round that much later."""
         moved = payload * max(0, len(group) - 1)

@@ -53,11 +53,11 @@ def vote(fingerprints: dict[str, str], round_no: int, me: str, tenure: Tenure | 
     this node's rounds without being established yet: a member that joined beside a peer that later
     drifted (one that fetched nothing and averaged alone) held one established vote against its own, and
     half the time resynced to the drifted state though the third member held its own φ. Peers never seen
-    in a round (free ids) break no tie. Then it goes to the fingerprint whose hash with the round number is smallest. Why not the smallest
-    peer id, as before: ids are free to grind, so an attacker could always win ties. The hash is the
-    same at every member (so tied honest members converge on one φ, as they did), and to win it an
-    attacker must already hold as many established votes as the honest side, then grind a state
-    whose fingerprint ranks first, again every round. The holder named is the established one seen
+    in a round (free ids) break no tie. Then it goes to the fingerprint whose hash with the round number
+    is smallest. Why not the smallest peer id, as before: ids are free to grind, so an attacker could
+    always win ties. The hash is the same at every member (so tied honest members converge on one φ, as
+    they did), and to win it an attacker must already hold as many established votes as the honest side,
+    then grind a state whose fingerprint ranks first, again every round. The holder named is the established one seen
     in most rounds (the state it serves is checked against the majority's digests anyway).
     """
     voters = {p: fp for p, fp in fingerprints.items() if p == me or tenure is None or tenure.established(p)}
