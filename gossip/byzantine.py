@@ -23,12 +23,21 @@ Two attacks leave the update alone and abuse the protocol around it (a modified 
 - ``future``: at each of its rounds, asks every member for its contributions to the next
   ``FUTURE_ROUNDS`` rounds, holding the requests open (they once filled every member's wait pool).
 
+One attack is a pipeline trainer's (``--role trainer``; a stage replica takes the others, ``samples``
+above all):
+
+- ``activations:K``: from its ``ATTACK_AFTER_MICROBATCHES``-th microbatch on (once the servers' scale
+  checks know the honest scale), the trainer multiplies the activations it sends to stages 1 … S−1 by
+  K (10⁶ by default), so stage servers see implausible inputs in a row (they once made a server's
+  shared scale check forget its scale).
+
 Where the honest updates are not known (a live attacker that has not read the round yet), ``alie``
 and ``ipm`` take the attacker's own honest update for μ and the spread of its own last updates for σ.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,11 +45,15 @@ from typing import Sequence
 
 import torch
 
-ATTACKS = ("samples", "scale", "sign", "noise", "alie", "ipm", "stale", "concentrate", "cap", "future")
-PROTOCOL_ATTACKS = ("cap", "future")  # they leave the update alone
+logger = logging.getLogger(__name__)
+
+ATTACKS = ("samples", "scale", "sign", "noise", "alie", "ipm", "stale", "concentrate", "cap", "future", "activations")
+PROTOCOL_ATTACKS = ("cap", "future", "activations")  # they leave the update alone
+TRAINER_ATTACKS = ("activations",)  # a pipeline trainer's; the others are a replica's or a stage replica's
 LYING_UP_MBIT = 1e-300
 FUTURE_ROUNDS = 16
-DEFAULT_PARAM = {"scale": 50.0, "alie": 1.0, "ipm": 0.5, "stale": 5.0}
+ATTACK_AFTER_MICROBATCHES = 20
+DEFAULT_PARAM = {"scale": 50.0, "alie": 1.0, "ipm": 0.5, "stale": 5.0, "activations": 1e6}
 MAX_STALE_LAG = 15  # the attacker keeps its last 16 updates: a longer lag silently became "sign"
 LYING_SAMPLES = 10**9
 
@@ -96,9 +109,23 @@ class Attacker:
     def describe(self) -> str:
         return ",".join(name if p is None else f"{name}:{p:g}" for name, p in self.attacks)
 
+    @classmethod
+    def from_spec(cls, spec: str | None, seed: int = 0) -> "Attacker | None":
+        """The attacker of ``--attack SPEC`` (None without one: never a default), saying so in the log."""
+        if spec is None:
+            return None
+        attacker = cls(parse_attacks(spec), seed=seed)
+        logger.warning("this node ATTACKS the swarm: it sends %s instead of its honest update (--attack, an experiment)",
+                       attacker.describe())
+        return attacker
+
     def does(self, name: str) -> bool:
         """Whether ``name`` is among this attacker's attacks."""
         return any(n == name for n, _ in self.attacks)
+
+    def param(self, name: str) -> float | None:
+        """The parameter of attack ``name`` (None: not among its attacks, or it takes none)."""
+        return next((p for n, p in self.attacks if n == name), None)
 
     def contribution(self, delta: Sequence[torch.Tensor], samples: int,
                      honest: Sequence[Sequence[torch.Tensor]] | None = None) -> tuple[list[torch.Tensor], int]:

@@ -65,6 +65,8 @@ class PipelineClient:
         self.microbatches = 0
         self.scales: dict[str, ScaleCheck] = {}  # per stage, request and answer tensor: the recent scales
         self.implausible = 0  # answers refused for their shape, scale or loss (the peer is banned, the call retried)
+        self.sent_scale = 1.0  # experiments only (--attack activations:K): activations sent to stages 1 … S−1 are multiplied by it
+        self.sent_scale_after = 0  # ... from this many microbatches on
 
     def _answer_problem(self, stage: int, kind: str, x: torch.Tensor, out: dict, flags: dict) -> str | None:
         """Why a stage's answer cannot be used (wrong shape, activations far off the scale of its recent
@@ -105,7 +107,9 @@ class PipelineClient:
                 raise PipelineStepFailed(str(e), stage) from None
             try:
                 started = time.monotonic()
-                out = await call_stage(self.transport, peer, self.run_id, stage, kind, x, codec=self.codec, timeout=self.timeout, **kw)
+                scaled = self.sent_scale != 1.0 and self.microbatches > self.sent_scale_after and torch.is_floating_point(x)
+                sent = x * self.sent_scale if scaled else x
+                out = await call_stage(self.transport, peer, self.run_id, stage, kind, sent, codec=self.codec, timeout=self.timeout, **kw)
                 problem = self._answer_problem(stage, kind, x, out, {k: kw[k] for k in ("embed", "head") if k in kw})
                 if problem is None:
                     tokens = x.shape[0] * x.shape[1] if x.dim() >= 2 else x.numel()  # [B, T] ids or [B, T, D] activations

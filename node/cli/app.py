@@ -131,7 +131,7 @@ def swarm(
     node_args: Annotated[Optional[list[str]], typer.Option("--node-args", help="Extra join options for one node, as INDEX:OPTIONS (repeatable), e.g. '1:--slowdown 3'")] = None,
     chaos: Annotated[Optional[list[str]], typer.Option("--chaos", help="Fault injection (repeatable): kill:stage=S:at=60s, kill:node=I:at=T, kill:random:every=45s (SIGKILL)")] = None,
     restart_killed: Annotated[Optional[float], typer.Option("--restart-killed", help="Restart killed nodes after this many seconds (default: leave them dead)")] = None,
-    byzantine: Annotated[Optional[list[str]], typer.Option("--byzantine", help="Experiments: node I attacks the swarm, as I:ATTACK[,ATTACK] (repeatable), e.g. '1:scale:50' or '2:alie'; attacks: samples, scale:K, sign, noise, alie, ipm, stale, concentrate, cap, future")] = None,
+    byzantine: Annotated[Optional[list[str]], typer.Option("--byzantine", help="Experiments: node I attacks the swarm, as I:ATTACK[,ATTACK] (repeatable), e.g. '1:scale:50' or '2:alie'; attacks: samples, scale:K, sign, noise, alie, ipm, stale, concentrate, cap, future; activations:K for a pipeline trainer")] = None,
 ) -> None:
     """Launch N daemons on loopback (any `node join` option is passed to each), show progress, write a report.
 

@@ -45,8 +45,8 @@ def check_combinations(cfg: Any) -> None:
         raise ValueError("--overlap-mode eager estimates a group average: use it with diloco or sparseloco")
     if cfg.fragments > 1 and cfg.algorithm == "noloco":
         raise ValueError("--fragments works with diloco and sparseloco; noloco sends whole models (use --fragments 1)")
-    if cfg.attack is not None and (cfg.stages > 1 or cfg.algorithm == "zo"):
-        raise ValueError("--attack rewrites a replica's pseudo-gradient: use it with diloco, noloco or sparseloco and --stages 1")
+    if cfg.attack is not None:
+        _attack_refusals(cfg)
     if cfg.contribution_scores == "on" and (cfg.stages > 1 or cfg.algorithm not in ("diloco", "sparseloco")):
         raise ValueError("--contribution-scores on screens whole-model updates of diloco and sparseloco replicas (--stages 1); "
                          "use auto or off")
@@ -79,6 +79,22 @@ def check_combinations(cfg: Any) -> None:
     if cfg.fragments > steps:
         raise ValueError(f"--fragments {cfg.fragments} needs at least as many inner steps per round, got {steps}")
 
+
+
+def _attack_refusals(cfg: Any) -> None:
+    """Where ``--attack`` (experiments) applies: a replica's or a stage replica's round (not zo), or, for
+    ``activations``, a pipeline trainer."""
+    from gossip.byzantine import TRAINER_ATTACKS, parse_attacks
+
+    names = {name for name, _ in parse_attacks(cfg.attack)}
+    trainer = names & set(TRAINER_ATTACKS)
+    if cfg.algorithm == "zo":
+        raise ValueError("--attack rewrites a pseudo-gradient round or a pipeline trainer's requests: not --algorithm zo")
+    if trainer and (cfg.stages == 1 or cfg.role != "trainer" or names - trainer):
+        raise ValueError(f"--attack {', '.join(sorted(trainer))} is a pipeline trainer's: use it alone with --stages > 1 --role trainer")
+    if not trainer and cfg.stages > 1 and cfg.role != "stage":
+        raise ValueError("--attack in a pipeline rewrites a stage replica's round: use it with --role stage "
+                         "(a trainer takes activations:K)")
 
 
 def _pipeline_refusals(cfg: Any) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from compression import ErrorFeedback, feedback_state, load_feedback_state
+from gossip.byzantine import Attacker
 from gossip.diloco import DiLoCoAverager
 from gossip.group_round import RoundResult
 from gossip.exchange import RoundExchange
@@ -103,7 +104,8 @@ class StageServer:
         self.averager = DiLoCoAverager(net.dht, net.validator, self.exchange, first, summary.peer_id, self.outer,
                                        gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout,
                                        aggregation=cfg.aggregation, member_role="stage", max_group_size=cfg.max_group_size,
-                                       weight_codec="none" if cfg.codec == "none" else "fp16")
+                                       weight_codec="none" if cfg.codec == "none" else "fp16",
+                                       attacker=Attacker.from_spec(cfg.attack, seed=cfg.seed))  # experiments only
         self.averager.reachable = reachable
         self.averager.claim_factor = CLAIM_FACTOR
 

@@ -24,6 +24,7 @@ from node.config import NodeConfig
 from node.runtime.workload import Workload
 from node.runtime.metrics import NodeMetrics
 from node.runtime.network import NetworkThread
+from gossip.byzantine import ATTACK_AFTER_MICROBATCHES, Attacker
 from swarm.models.presets import ModelConfig
 from swarm.microbatch import PipelineClient, PipelineStepFailed
 from swarm.router import Router
@@ -64,6 +65,9 @@ class PipelineTrainer:
         batches = self.batches = self.workload.train_batches(cfg.batch_size, cfg.seed)
         client = self.client = PipelineClient(self.net.transport, cfg.run_id, cfg.stages, self.router, cfg.activation_compression,
                                               timeout=cfg.averaging_timeout, plus=cfg.checkfree_plus, d_model=self.model_cfg.d_model)
+        attacker = Attacker.from_spec(cfg.attack, seed=cfg.seed)  # experiments only: activations:K
+        client.sent_scale = (attacker.param("activations") or 1.0) if attacker is not None else 1.0
+        client.sent_scale_after = ATTACK_AFTER_MICROBATCHES
         self._resume_data()
         self._wait_for_stages()
         if self.resume is not None:

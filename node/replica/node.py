@@ -38,7 +38,7 @@ from gossip.noloco import NoLoCoAverager
 from gossip.outer import NesterovOuter, NoLoCoOuter
 from gossip.placement import OuterPlacement
 from gossip.state_transfer import DownloadedState, StateServer, StateSnapshot
-from gossip.byzantine import Attacker, parse_attacks
+from gossip.byzantine import Attacker
 from node.config import BY_REPLICAS, NodeConfig
 from node.replica.joiner import Joiner
 from node.replica.pacing import RoundPacer
@@ -106,11 +106,7 @@ class Daemon(NodeBase):
         self.exchange = RoundExchange(net.transport, cfg.run_id, self.plan.wire(), self.plan.layout, serve_timeout=cfg.averaging_timeout * 2)
         self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.inner_step)
         self.reachable = self.reachable_members()
-        attacker = None
-        if cfg.attack is not None:  # experiments only (node swarm --byzantine): never a default
-            attacker = Attacker(parse_attacks(cfg.attack), seed=cfg.seed)
-            logger.warning("this node ATTACKS the swarm: it sends %s instead of its honest update (--attack, an experiment)",
-                           attacker.describe())
+        attacker = Attacker.from_spec(cfg.attack, seed=cfg.seed)  # experiments only (node swarm --byzantine)
         if isinstance(self.outer, NoLoCoOuter):
             self.averager: DiLoCoAverager | NoLoCoAverager = NoLoCoAverager(
                 net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, group_size=cfg.group_size, partition=self.plan.partition,

@@ -6,41 +6,19 @@ comes from outside the round, counts for nothing."""
 import asyncio
 import time
 
-from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 from gossip.screen_votes import agree_on_screen, publish_verdict
-from protocol.peer_identity import bind, identified_p2p, owned_subkey
+from protocol.peer_identity import owned_subkey
 from protocol.records import ScreenVerdict, screen_key
+from tests.helpers.dht_swarm import start_dhts, stop_dhts
 
 RUN = "screen-votes"
 
 
-async def _swarm(count: int):
-    p2ps, dhts, validators = [], [], []
-    for _ in range(count):
-        initial = [str(a) for a in await p2ps[0].get_visible_maddrs()] if p2ps else []
-        p2p, validator = await identified_p2p(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        dht = await DHTNode.create(p2p=p2p, initial_peers=initial, record_validator=validator)
-        bind(dht, validator)
-        p2ps.append(p2p)
-        dhts.append(dht)
-        validators.append(validator)
-    for dht in dhts:
-        await dht.find_nearest_nodes([dht.node_id])
-    return p2ps, dhts, validators
-
-
-async def _close(p2ps, dhts) -> None:
-    for dht in dhts:
-        await dht.shutdown()
-    for p2p in p2ps:
-        await p2p.shutdown()
-
-
 def test_members_with_different_screens_drop_the_same_peers_and_a_silent_voter_stalls_nobody():
     async def go():
-        p2ps, dhts, validators = await _swarm(5)
+        p2ps, dhts, validators = await start_dhts(5)
         try:
             a, b, c, z, outsider = [d.peer_id.to_base58() for d in dhts]
             voters = [a, b, c, z]
@@ -65,6 +43,6 @@ def test_members_with_different_screens_drop_the_same_peers_and_a_silent_voter_s
                                          agree_on_screen(dhts[1], validators[1], RUN, 2, b, [a, b, z], set(), 3.0))
             assert [r.dropped for r in split] == [set(), set()] and not any(r.decided for r in split), split
         finally:
-            await _close(p2ps, dhts)
+            await stop_dhts(p2ps, dhts)
 
     asyncio.run(go())

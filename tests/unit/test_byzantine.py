@@ -165,11 +165,18 @@ def test_round_sample_cap_follows_the_run() -> None:
     assert NodeConfig(batch_size=8, inner_steps="auto", round_steps=10).max_round_samples == 8 * 10 * 20
 
 
-def test_attacks_are_for_replicas_only() -> None:
-    with pytest.raises(ValueError, match="--attack"):
+def test_attacks_are_for_replicas_stage_replicas_and_pipeline_trainers() -> None:
+    with pytest.raises(ValueError, match="--attack in a pipeline rewrites a stage replica's round"):
         NodeConfig(attack="sign", stages=2, model="micro")
     with pytest.raises(ValueError, match="--attack"):
         NodeConfig(attack="sign", algorithm="zo")
+    assert NodeConfig(attack="samples", stages=2, role="stage", stage=1, model="micro").attack == "samples"
+    assert NodeConfig(attack="activations:1000", stages=2, role="trainer", model="micro").attack == "activations:1000"
+    for wrong in ({"stages": 1}, {"stages": 2, "role": "stage", "stage": 0}, {"stages": 2, "role": "auto"}):
+        with pytest.raises(ValueError, match="a pipeline trainer's"):
+            NodeConfig(attack="activations", model="micro", **wrong)
+    with pytest.raises(ValueError, match="a pipeline trainer's"):
+        NodeConfig(attack="activations,sign", stages=2, role="trainer", model="micro")
 
 
 def test_protocol_attacks_leave_the_update_alone_and_lie_around_it() -> None:

@@ -97,7 +97,7 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "zo_lr": (0.01, ("refused", "--zo-eps and --zo-lr are the steps of --algorithm zo")),
     "zo_seed_pool": (4, ("refused", "--zo-seed-pool is used by --algorithm zo")),
     "min_peers": (2, ("refused", "--min-peers holds whole-model replicas (--stages 1)")),
-    "attack": ("sign", ("refused", "--attack rewrites a replica's pseudo-gradient")),
+    "attack": ("samples", ("applied", [(SERVER, "attacker=Attacker.from_spec(cfg.attack"), (TRAINER, "Attacker.from_spec(cfg.attack")])),
     "contribution_scores": ("on", ("refused", "--contribution-scores on screens whole-model updates")),
     # the pipeline's own
     "stages": (2, ("applied", [(NODE, "cfg.stages")])),
@@ -124,7 +124,7 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "active_hours": ("22-07", ("applied", [(CLI, "supervising = cfg.active_hours is not None")])),
     "log_level": ("debug", ("applied", [(CLI, "cfg.log_level")])),
 }
-COMPANIONS = {"stage": {"role": "stage"}, "micro_batch_size": {"batch_size": 4}, "lr_schedule": {"max_steps": 100}}  # what a value needs to be valid at all
+COMPANIONS = {"stage": {"role": "stage"}, "attack": {"role": "stage"}, "micro_batch_size": {"batch_size": 4}, "lr_schedule": {"max_steps": 100}}  # what a value needs to be valid at all
 
 
 def test_every_setting_is_classified_for_pipelines() -> None:
