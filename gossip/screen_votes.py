@@ -22,6 +22,7 @@ verdicts); the fingerprint vote settles that, as before.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -99,7 +100,7 @@ async def agree_on_screen(dht: DHTNode, validator: RSASignatureValidator, run_id
         logger.warning("round %d: could not store this member's screen verdict: %s", round_no, e)
     deadline = time.monotonic() + timeout
     verdicts: dict[str, set[str]] = {peer_id: own}
-    for attempt in range(1_000_000):
+    for attempt in itertools.count():  # until every outcome is decided or the deadline passes
         try:
             verdicts.update(await read_verdicts(dht, run_id, round_no))
         except Exception as e:

@@ -20,8 +20,11 @@ the checkpoint holds.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from node.config import NodeConfig
 from node.runtime.resume import ResumeRefused
@@ -29,6 +32,8 @@ from swarm.models.presets import ModelConfig
 from swarm.stages import block_range
 
 FIX = "use --fresh (moves it aside) or another --checkpoint-dir"
+
+logger = logging.getLogger("locomesh.pipeline")
 
 
 def asked(cfg: NodeConfig) -> dict[str, Any]:
@@ -98,3 +103,15 @@ def check_cut(directory: Path, state: dict[str, Any], model_cfg: ModelConfig, st
                 f"{' with --checkfree-plus replicas' if cut.get('plus') else ''}")
 
     raise ResumeRefused(f"checkpoint in {directory} holds {show(theirs)}; this node cuts it as {show(mine)}: {FIX}")
+
+
+def resumes_stage(path: Path, saved: dict[str, Any], index: int, module: torch.nn.Module) -> bool:
+    """Whether a stage server's checkpoint entries ``saved`` (read from ``path``) can resume stage ``index``
+    served by ``module``: the same stage, tensors of the same shapes (else it says why in the log)."""
+    if int(saved["index"]) != index:
+        logger.info("not resuming %s: it holds stage %s, this node now serves stage %d", path, saved["index"], index)
+        return False
+    if [tuple(t.shape) for t in saved["theta"]] != [tuple(p.shape) for p in module.parameters()]:
+        logger.warning("checkpoint %s holds tensors of other shapes than stage %d; ignoring it", path, index)
+        return False
+    return True

@@ -37,7 +37,7 @@ from gossip.rendezvous import Reachable, list_peers
 from gossip.state_sources import SourcePlan, plan_sources, rank_candidates
 from gossip.state_transfer import StateServer, StateSnapshot, download_state, meta_int
 from node.config import NodeConfig
-from node.pipeline.checkpoint import stage_cut
+from node.pipeline.checkpoint import resumes_stage, stage_cut
 from node.runtime.metrics import NodeMetrics
 from node.runtime.mfu import peak_flops, record_throughput
 from node.runtime.network import NetworkThread
@@ -184,16 +184,7 @@ class StageServer:
     def _own_checkpoint(self, index: int, module: Stage) -> tuple[Path, dict[str, Any]] | None:
         """The node's checkpoint of stage ``index`` (taken once: a later move never goes back to it)."""
         own, self.resume = self.resume, None
-        if own is None:
-            return None
-        saved = own[1]["stage"]
-        if int(saved["index"]) != index:
-            logger.info("not resuming %s: it holds stage %s, this node now serves stage %d", own[0], saved["index"], index)
-            return None
-        if [tuple(t.shape) for t in saved["theta"]] != [tuple(p.shape) for p in module.parameters()]:
-            logger.warning("checkpoint %s holds tensors of other shapes than stage %d; ignoring it", own[0], index)
-            return None
-        return own
+        return own if own is not None and resumes_stage(own[0], own[1]["stage"], index, module) else None
 
     def _load_own(self, module: Stage, saved: dict[str, Any]) -> None:
         with torch.no_grad():
