@@ -11,6 +11,14 @@ alike from the same claims (a cap from what one member stepped itself would diff
 and members that weigh alike would then step their φ apart). Norms are compared per (capped)
 sample (‖Δ‖ / samples), because an honest peer's update grows with the inner steps it took.
 
+The robust methods also bound a claim by what its update shows (:func:`supported_claims`): no claim
+weighs more than ``SUPPORT_FACTOR`` × the samples its norm stands for at the round's lower-median norm
+per sample, and none is cut below the round's lower-median claim. Under time pacing a round may hold up to 20 × the median's steps, so the run's cap alone let a
+member that claims 10⁹ samples with an honest update take ~90 % of a round of three; now it weighs at
+most twice an honest peer of its norm. An honest peer that took k times the median's steps has an
+update about √k (independent steps) to k (aligned steps) times as long, so its claim stands up to
+k = 4 whole, and a faster peer's weight is cut to 2√k × the median's, never refused.
+
 - ``mean``: Σ wᵢΔᵢ / Σ wᵢ with wᵢ = samples.
 - ``centered-clip``: centered clipping (Karimireddy, He, Jaggi, ICML 2021): start at the
   coordinate-wise median v of the updates and iterate v ← v + Σᵢ wᵢ(xᵢ − v)·min(1, τ/‖xᵢ − v‖) / Σ wᵢ
@@ -55,6 +63,7 @@ from gossip.outer import l2_norm, weighted_mean
 METHODS = ("mean", "sparse-mean", "centered-clip", "sparse-clip", "median-clip", "trimmed-mean")
 ROBUST = ("centered-clip", "sparse-clip", "median-clip", "trimmed-mean")  # bounded influence of any one update
 CLIP_ITERATIONS = 3
+SUPPORT_FACTOR = 2.0  # a claim weighs at most this many times the samples its norm stands for (robust methods)
 
 
 @dataclass
@@ -89,6 +98,20 @@ def claim_cap(samples: Sequence[int], max_samples: int | None = None, claim_fact
     return cap
 
 
+def supported_claims(norms: Sequence[float], samples: Sequence[int], factor: float = SUPPORT_FACTOR) -> list[int]:
+    """Each claim bounded by the samples its update's norm stands for, never below the lower-median
+    claim m: max(m, ``factor`` × ‖Δᵢ‖ / r), r the lower median of ‖Δᵢ‖ / min(claimᵢ, m). Claims enter r
+    at most at m, so an inflated claim cannot make its own norm per sample the reference, and a claim of
+    1 with a huge norm cuts no honest claim below m. Unchanged when no norm is positive."""
+    m = _lower_median(samples) if samples else 0
+    per_sample = [x for x in (n / max(1, min(s, m)) for n, s in zip(norms, samples)) if x > 0]
+    if not per_sample:
+        return list(samples)
+    ref = _lower_median(per_sample)
+    bounds = [factor * n / ref for n in norms]
+    return [min(s, max(m, math.ceil(b))) if b < s else s for b, s in zip(bounds, samples)]  # (a NaN bound cuts nothing)
+
+
 def aggregate(
     peers: Sequence[str],
     updates: Sequence[Sequence[torch.Tensor]],
@@ -114,6 +137,10 @@ def aggregate(
     if cap is not None:
         samples = [min(s, cap) for s in samples]
     norms = {p: _norm(u) for p, u in zip(peers, updates)}
+    if method in ROBUST:
+        supported = supported_claims([norms[p] for p in peers], samples)
+        capped.update({p: claim for p, claim, s in zip(peers, samples, supported) if s < claim and p not in capped})
+        samples = supported
     per_sample = {p: norms[p] / max(1, s) for p, s in zip(peers, samples)}
     ref = _lower_median(list(per_sample.values()))
     dropped: dict[str, str] = {}

@@ -29,6 +29,12 @@ class DerivedSettings:
         return SPARSE_CODEC if self.algorithm == "sparseloco" else "none"
 
     @property
+    def judges_states(self) -> bool:
+        """Whether a resync judges a state that no majority vouches for by its loss before adopting it
+        (``node.replica.scoring.StateJudge``): in open swarms whose replicas hold one φ (DiLoCo, SparseLoCo)."""
+        return self.algorithm in ("diloco", "sparseloco") and self.swarm_key is None
+
+    @property
     def scores_contributions(self) -> bool:
         """Whether rounds screen each update by its loss (``gossip.scores``): asked for (DiLoCo or SparseLoCo;
         NoLoCo averages weights in pairs and zo sends seeds, not updates), or by default in an open swarm

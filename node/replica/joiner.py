@@ -33,6 +33,10 @@ from node.errors import JoinRefused
 logger = logging.getLogger("locomesh.node")
 STATE_TIMEOUT_S = 120.0  # a whole state download, plus what --max-download-mbit adds
 
+
+class StateRefused(Exception):
+    """A downloaded state this node's judge refused to adopt (``Joiner.judge``: it scores far worse than its own)."""
+
 Layout = dict[str, list[tuple[tuple[int, ...], torch.dtype]]]
 
 
@@ -48,6 +52,8 @@ class Joiner:
     :param announce: publishes this node's DHT record at once (so a round's members wait for a joiner)
     :param event: records a node event
     :param held: the state this node holds now, by group (a join skips the groups a peer holds identically)
+    :param judge: why a downloaded state must not replace this node's own in a resync (None: it may), e.g.
+        ``node.replica.scoring.StateJudge``; a vote can still pick a hostile member's state (a start-up tie)
     """
 
     def __init__(self, *, net: NetworkThread, run_id: str, peer_id: str, settings: dict[str, Any], layout: Callable[[], Layout],
@@ -56,7 +62,8 @@ class Joiner:
                  held: Callable[[], dict[str, list[torch.Tensor]]] | None = None,
                  established: Callable[[str], bool] = lambda peer: False,
                  answering: Callable[[set[str]], Awaitable[set[str]]] | None = None,
-                 measured: Callable[[str], float] = lambda peer: 0.0) -> None:
+                 measured: Callable[[str], float] = lambda peer: 0.0,
+                 judge: Callable[[DownloadedState], str | None] | None = None) -> None:
         self.net, self.run_id, self.peer_id, self.settings = net, run_id, peer_id, settings
         self.layout, self.adopt, self.announce, self.held = layout, adopt, announce, held
         self.metrics, self.event, self.stop, self.join_timeout = metrics, event, stop, join_timeout
@@ -65,6 +72,7 @@ class Joiner:
         self.answering = answering  # the peers among some that answer a probe (gossip.rendezvous.Reachable.check)
         self.dissenters: set[str] = set()  # peers already logged and counted for serving a state other than the majority's
         self.measured = measured  # bytes/s this node measured from a peer's answers (0: never), which bound its announced cap
+        self.judge = judge
 
     def _trainers(self) -> list[Any]:
         peers = self.net.call(list_peers(self.net.dht, self.run_id), timeout=30)
@@ -86,10 +94,13 @@ class Joiner:
 
     def _first(self, plan: SourcePlan, what: str,
                accept: Callable[[DownloadedState], bool] = lambda got: True) -> DownloadedState | None:
-        """The first download of ``plan`` that succeeds and that ``accept`` takes (each is adopted as it arrives)."""
+        """The first download of ``plan`` that succeeds and that ``accept`` takes (each is adopted as it arrives,
+        unless the judge refuses one that no majority vouches for first: :class:`StateRefused` is raised)."""
         for sources in plan.attempts:
             try:
-                got = self.download_from(sources, trusted=plan.trusted)
+                got = self.download_from(sources, trusted=plan.trusted, judged=plan.trusted is None)
+            except StateRefused:
+                raise
             except Exception as e:
                 logger.warning("%s from %s failed: %s", what, ",".join(sources), e)
                 continue
@@ -167,11 +178,13 @@ class Joiner:
                    + ("the checkpoint" if resumed else "scratch"))
         return False
 
-    def download_from(self, peer: str | list[str], offer_held: bool = False, trusted: dict[str, str] | None = None) -> DownloadedState:
+    def download_from(self, peer: str | list[str], offer_held: bool = False, trusted: dict[str, str] | None = None,
+                      judged: bool = False) -> DownloadedState:
         """Download a peer's state, check its settings and adopt it; a progress bar on a terminal, else
         a log line per quarter. ``offer_held``: tell the peer what this node holds, so identical groups
         are not sent (worth it on joining: a node started from the run's seed or resumed at the swarm's round).
-        ``trusted``: the group digests the state must match (the majority's)."""
+        ``trusted``: the group digests the state must match (the majority's). ``judged``: the judge sees the
+        state before it is adopted (a state that replaces a trained one; a joiner's own may be untrained)."""
         logged = [-1]
         bar = None
         if sys.stderr.isatty():
@@ -202,6 +215,10 @@ class Joiner:
         mismatch = settings_mismatch(self.settings, got.snapshot.meta)
         if mismatch:
             raise JoinRefused(f"run {self.run_id!r} trains with {mismatch}; restart with the swarm's settings")
+        why = self.judge(got) if judged and self.judge is not None else None
+        if why:
+            self.metrics.state_downloads.labels("refused").inc()
+            raise StateRefused(f"state of {got.peer} at round {got.snapshot.round}: {why}")
         self.adopt(got)
         self.metrics.state_downloads.labels("ok").inc()
         return got
@@ -237,7 +254,12 @@ class Joiner:
             except Exception as e:
                 logger.warning("could not ask the round's members for their state's digests: %s", e)
                 plan = SourcePlan([[peer]] if attempt == tries - 1 else [])
-            got = self._first(plan, "resync", accept=lambda got: got.snapshot.round > failed_round)
+            try:
+                got = self._first(plan, "resync", accept=lambda got: got.snapshot.round > failed_round)
+            except StateRefused as e:  # keep this node's own φ: the next round's vote decides again
+                logger.warning("not resyncing: %s", e)
+                self.event("resync_refused", peer=peer, round=failed_round, reason=str(e))
+                return
             if got is not None:
                 self.event("resynced", peer=got.peer, round=got.snapshot.round, fingerprint=got.snapshot.fingerprint,
                            verified="majority" if plan.trusted is not None else "own_header")
@@ -276,7 +298,12 @@ class Joiner:
         except Exception as e:
             logger.warning("could not ask the peers of round %d for their state's digests: %s", target, e)
             plan = SourcePlan([[source]])
-        got = self._first(plan, f"rejoining round {target}")
+        try:
+            got = self._first(plan, f"rejoining round {target}")
+        except StateRefused as e:
+            logger.warning("not rejoining round %d: %s", target, e)
+            self.event("resync_refused", peer=source, round=target, reason=str(e))
+            return None
         if got is None:
             return None
         self.event("caught_up", peer=got.peer, round=got.snapshot.round, direction=direction)

@@ -37,13 +37,14 @@ from gossip.fragments import fragment_of_round, merge_fragment
 from gossip.noloco import NoLoCoAverager
 from gossip.outer import NesterovOuter, NoLoCoOuter
 from gossip.placement import OuterPlacement
+from gossip.scores import ContributionScorer
 from gossip.state_transfer import DownloadedState, StateServer, StateSnapshot
 from gossip.byzantine import Attacker
 from node.config import BY_REPLICAS, NodeConfig
 from node.replica.joiner import Joiner
 from node.replica.pacing import RoundPacer
 from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
-from node.replica.scoring import build_scorer
+from node.replica.scoring import StateJudge, build_model_loss
 from node.runtime.base import NodeBase
 from node.runtime.local_training import LocalTrainer
 from node.runtime.mfu import flops_per_token, peak_flops, record_throughput
@@ -106,7 +107,7 @@ class Daemon(NodeBase):
         self.exchange = RoundExchange(net.transport, cfg.run_id, self.plan.wire(), self.plan.layout, serve_timeout=cfg.averaging_timeout * 2)
         self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.inner_step)
         self.reachable = self.reachable_members()
-        attacker = Attacker.from_spec(cfg.attack, seed=cfg.seed)  # experiments only (node swarm --byzantine)
+        attacker, judge = Attacker.from_spec(cfg.attack, seed=cfg.seed), None  # attacker: experiments only (node swarm --byzantine)
         if isinstance(self.outer, NoLoCoOuter):
             self.averager: DiLoCoAverager | NoLoCoAverager = NoLoCoAverager(
                 net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, group_size=cfg.group_size, partition=self.plan.partition,
@@ -121,8 +122,10 @@ class Daemon(NodeBase):
                 weight_codec=self.plan.phi_codec, max_samples=cfg.max_round_samples, attacker=attacker,
             )
             self.averager.reachable = self.reachable
-            if cfg.scores_contributions and cfg.fragments == 1:  # a fragment's φ is not a model to score
-                self.averager.scorer = build_scorer(self.model_cfg, self.workload, self.device)
+            scoring = build_model_loss(self.model_cfg, self.workload, self.device) if cfg.scores_contributions and cfg.fragments == 1 else None
+            if scoring is not None:  # (a fragment's φ is not a model to score)
+                self.averager.scorer = ContributionScorer(scoring.loss_for)
+            judge = StateJudge(lambda: scoring or build_model_loss(self.model_cfg, self.workload, self.device), lambda: self.phi) if cfg.judges_states else None
         self.rounds = RoundRunner(net=net, averager=self.averager, eager=cfg.overlap and cfg.overlap_mode == "eager",
                                   before_gather=self._heartbeat, stop=self.stop, final_timeout=2 * cfg.averaging_timeout + 30,
                                   placement=self.placement)
@@ -131,7 +134,7 @@ class Daemon(NodeBase):
                              join_timeout=cfg.join_timeout,
                              held=lambda: {"params": self.phi, "outer_momentum": self.outer.state_tensors(self.phi)},
                              established=self._established, answering=self.reachable.check,
-                             measured=lambda peer: self.exchange.rates.rates.get(peer, 0.0))
+                             measured=lambda peer: self.exchange.rates.rates.get(peer, 0.0), judge=judge)
         return [self.exchange, self.state_server, status]
 
     def _join(self) -> None:

@@ -56,6 +56,7 @@ class NodeMetrics:
         for result in ("ok", "failed"):
             self.state_downloads.labels(result)
             self.pipeline_steps.labels(result)
+        self.state_downloads.labels("refused")
         self.stage.set(-1)
         self.mfu.set(float("nan"))
         for method in ("checkfree", "copy-plus", "unrecoverable"):

@@ -1,9 +1,13 @@
 """Robust aggregation: honest groups are unaffected, poisoned updates move the model no more than an honest one."""
 
+import math
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from gossip.aggregate import aggregate
+from gossip.aggregate import aggregate, supported_claims
 from gossip.outer import weighted_mean
 
 
@@ -79,9 +83,36 @@ def test_norms_compare_per_sample_so_short_rounds_are_not_outliers():
 def test_claimed_samples_are_capped_in_median_clip():
     u, v = _updates(2, seed=5)
     agg = aggregate(["a", "b", "z"], [u, u, v], [8, 8, 10**9], "median-clip")
-    # z claims a billion samples but weighs at most 4 × the lower median (32 of 48)
+    # z claims a billion samples but weighs at most 4 × the lower median (32), and at most twice the
+    # samples its norm stands for at the others' norm per sample (‖v‖ / (‖u‖ / 8))
+    w = min(32, math.ceil(2 * _norm(v) / (_norm(u) / 8)))
+    assert agg.capped == {"z": 10**9} and w < 32
     for got, x, y in zip(agg.update, u, v):
-        torch.testing.assert_close(got, (x + 2 * y) / 3)
+        torch.testing.assert_close(got, (16 * x + w * y) / (16 + w))
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e3), st.integers(0, 10**9)), min_size=1, max_size=9))
+def test_a_supported_claim_is_never_cut_below_the_lower_median_claim(rows):
+    norms, claims = [n for n, _ in rows], [c for _, c in rows]
+    m = sorted(claims)[(len(claims) - 1) // 2]
+    for claim, got in zip(claims, supported_claims(norms, claims)):
+        assert min(claim, m) <= got <= claim
+
+
+@given(base=st.integers(1, 500), speedups=st.lists(st.floats(1.0, 4.0), min_size=1, max_size=7), norm=st.floats(1e-4, 10.0))
+def test_honest_claims_up_to_4x_the_slowest_stand_whole(base, speedups, norm):
+    """Honest peers whose updates grow at least as √steps (independent steps) keep their whole claims
+    while the fastest took at most 4 × the slowest's steps."""
+    claims = [base] + [max(1, int(base * k)) for k in speedups]
+    norms = [norm * math.sqrt(c / base) for c in claims]
+    assert supported_claims(norms, claims) == claims
+
+
+@given(honest=st.integers(2, 8), claim=st.integers(1, 10**4), lie=st.integers(1, 10**12))
+def test_a_claim_with_an_honest_norm_weighs_at_most_twice_an_honest_peer(honest, claim, lie):
+    norms, claims = [1.0] * (honest + 1), [claim] * honest + [lie]
+    assert supported_claims(norms, claims)[-1] <= max(lie if lie <= claim else 0, 2 * claim + 1)  # (+1: rounding up)
+    assert supported_claims(norms, claims)[:-1] == [claim] * honest
 
 
 def test_unknown_method():

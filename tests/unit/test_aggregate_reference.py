@@ -79,6 +79,15 @@ def _reference(peers, updates, samples, method, reject_ratio=100.0, trim=0.2, ma
     capped = {p: s for p, s in zip(peers, samples) if max_samples is not None and s > max_samples}
     samples = [min(s, max_samples) if max_samples is not None else s for s in samples]
     norms = [_norm(u) for u in updates]
+    if method in ("centered-clip", "sparse-clip", "median-clip", "trimmed-mean"):
+        # a claim weighs at most twice the samples its norm stands for, never below the lower-median claim
+        m = _lower_median(samples)
+        positive = [n / max(1, min(s, m)) for n, s in zip(norms, samples) if n > 0]
+        if positive:
+            r = _lower_median(positive)
+            support = [max(m, math.ceil(2.0 * n / r)) for n in norms]
+            capped.update({p: s for p, s, c in zip(peers, samples, support) if c < s and p not in capped})
+            samples = [min(s, c) for s, c in zip(samples, support)]
     per_sample = [n / max(1, s) for n, s in zip(norms, samples)]
     ref = _lower_median(per_sample)
     kept = [i for i in range(len(peers)) if not (ref > 0 and per_sample[i] > reject_ratio * ref)]

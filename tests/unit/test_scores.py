@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossip.scores import ContributionScorer, PeerScores, Screen, screen
+from gossip.state_transfer import DownloadedState, StateSnapshot
 from node.config import NodeConfig
-from node.replica.scoring import SCORE_SEED, ModelLoss, score_rows, scoring_batches
+from node.replica.scoring import SCORE_SEED, ModelLoss, StateJudge, far_worse, score_rows, scoring_batches
 from node.data.byte_corpus import load_embedded_corpus
 from node.data.bytes import ByteBatches
 from swarm.models.presets import PRESETS
@@ -118,11 +119,38 @@ def test_model_loss_evaluates_phi_and_phi_minus_an_update() -> None:
     assert scorer.peers.snapshot()["wild"]["harmful_rounds"] == 1
 
 
+def test_a_state_judge_refuses_a_state_far_worse_than_its_own_and_takes_an_honest_neighbour() -> None:
+    cfg = PRESETS["nano"]
+    batches = scoring_batches(ByteBatches(data=load_embedded_corpus().train, batch_size=score_rows(cfg.context),
+                                          context=cfg.context, seed=SCORE_SEED))
+    loss = ModelLoss(cfg, batches, torch.device("cpu"))
+    torch.manual_seed(0)
+    own = [p.detach().clone() for p in loss.model.parameters()]
+    judge = StateJudge(lambda: loss, lambda: own)
+
+    def state(params: list[torch.Tensor]) -> DownloadedState:
+        return DownloadedState(StateSnapshot(round=4, tensors={"params": params}, fingerprint="fp"), 0, "peer", 0)
+
+    assert judge(state([p + 1e-4 * torch.randn_like(p) for p in own])) is None  # a neighbour's φ: a round's difference
+    scaled = judge(state([p + 50 * 0.02 * torch.randn_like(p) for p in own]))  # φ + 50·Δ: a scaling attacker's own φ
+    assert scaled is not None and "scoring batch" in scaled
+    assert judge(state([p * float("nan") for p in own])) is not None
+
+
+@given(own=st.floats(0, 20), theirs=st.floats(0, 20))
+def test_far_worse_allows_a_margin_of_half_a_nat_or_a_tenth(own: float, theirs: float) -> None:
+    refused = far_worse(own, theirs) is not None
+    assert refused == (theirs > own + max(0.5, 0.1 * own))
+    assert far_worse(own, math.nan) is not None and far_worse(own, math.inf) is not None
+
+
 def test_scores_are_on_by_default_in_open_swarms_whose_rounds_gather_whole_updates() -> None:
     assert NodeConfig(algorithm="sparseloco").scores_contributions
     assert not NodeConfig(algorithm="diloco").scores_contributions  # dense centered-clip rounds reduce-scatter
     assert NodeConfig(algorithm="diloco", aggregate="median-clip").scores_contributions
-    assert NodeConfig(algorithm="diloco", compression="topk:64/4096+q2").scores_contributions  # sparse: all-gather
+    assert NodeConfig(algorithm="diloco", compression="topk:64/4096+q2").scores_contributions
+    assert NodeConfig(algorithm="diloco").judges_states and NodeConfig(algorithm="sparseloco").judges_states
+    assert not NodeConfig(algorithm="noloco").judges_states  # sparse: all-gather
     assert not NodeConfig(algorithm="noloco").scores_contributions
     with pytest.raises(ValueError, match="--contribution-scores on screens whole-model updates"):
         NodeConfig(algorithm="noloco", contribution_scores="on")

@@ -217,6 +217,28 @@ def test_a_resync_with_one_member_takes_its_state(net: LoopNet) -> None:
     assert len(adopted) == 1 and events[-1][1] == {"peer": "only", "round": ROUND + 1, "fingerprint": "fp", "verified": "own_header"}
 
 
+def test_a_resync_to_a_state_no_majority_vouches_for_keeps_its_own_when_the_judge_refuses_it(net: LoopNet) -> None:
+    """A start-up tie: the vote can pick any member's φ, a hostile one's included (a scaling attacker that
+    averaged alone). The judge sees it before adoption; the node keeps its own φ and does not retry."""
+    net.serve("chosen", OTHER, round_no=ROUND + 1)
+    joiner, adopted, events = _joiner(net, {})
+    judged: list[str] = []
+    joiner.judge = lambda got: judged.append(got.peer) or "it scores 12 against 3.4"
+    joiner.resync("chosen", ROUND, members=["chosen"])
+    assert adopted == [] and judged == ["chosen"]
+    assert events[-1][0] == "resync_refused" and "it scores 12 against 3.4" in events[-1][1]["reason"]
+    assert joiner.metrics.state_downloads.labels("refused")._value.get() == 1
+
+
+def test_a_state_the_round_majority_vouches_for_is_not_judged(net: LoopNet) -> None:
+    for peer in ("a", "b"):
+        net.serve(peer, HONEST, round_no=ROUND + 1)
+    joiner, adopted, _ = _joiner(net, {})
+    joiner.judge = lambda got: pytest.fail("a majority's state was judged")
+    joiner.resync("a", ROUND, members=["a", "b", "joiner"])
+    assert len(adopted) == 1 and _same(adopted[0], HONEST)
+
+
 def test_a_catch_up_downloads_the_target_rounds_majority(net: LoopNet) -> None:
     net.serve("liar", OTHER, round_no=ROUND)
     for peer in ("a", "b"):
