@@ -37,14 +37,13 @@ from gossip.fragments import fragment_of_round, merge_fragment
 from gossip.noloco import NoLoCoAverager
 from gossip.outer import NesterovOuter, NoLoCoOuter
 from gossip.placement import OuterPlacement
-from gossip.scores import ContributionScorer
 from gossip.state_transfer import DownloadedState, StateServer, StateSnapshot
 from gossip.byzantine import Attacker
 from node.config import BY_REPLICAS, NodeConfig
 from node.replica.joiner import Joiner
 from node.replica.pacing import RoundPacer
 from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
-from node.replica.scoring import StateJudge, build_model_loss
+from node.replica.scoring import build_screening
 from node.runtime.base import NodeBase
 from node.runtime.local_training import LocalTrainer
 from node.runtime.mfu import flops_per_token, peak_flops, record_throughput
@@ -122,10 +121,7 @@ class Daemon(NodeBase):
                 weight_codec=self.plan.phi_codec, max_samples=cfg.max_round_samples, attacker=attacker,
             )
             self.averager.reachable = self.reachable
-            scoring = build_model_loss(self.model_cfg, self.workload, self.device) if cfg.scores_contributions and cfg.fragments == 1 else None
-            if scoring is not None:  # (a fragment's φ is not a model to score)
-                self.averager.scorer = ContributionScorer(scoring.loss_for)
-            judge = StateJudge(lambda: scoring or build_model_loss(self.model_cfg, self.workload, self.device), lambda: self.phi) if cfg.judges_states else None
+            self.averager.scorer, judge = build_screening(cfg, self.model_cfg, self.workload, self.device, lambda: self.phi)
         self.rounds = RoundRunner(net=net, averager=self.averager, eager=cfg.overlap and cfg.overlap_mode == "eager",
                                   before_gather=self._heartbeat, stop=self.stop, final_timeout=2 * cfg.averaging_timeout + 30,
                                   placement=self.placement)

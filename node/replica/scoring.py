@@ -89,3 +89,16 @@ def build_model_loss(model_cfg: Any, workload: Any, device: torch.device) -> Mod
     """The scoring model copy of a node training ``model_cfg`` on ``workload`` (for a
     :class:`ContributionScorer` and a :class:`StateJudge`)."""
     return ModelLoss(model_cfg, scoring_batches(workload.train_batches(score_rows(model_cfg.context), SCORE_SEED)), device)
+
+
+def build_screening(cfg: Any, model_cfg: Any, workload: Any, device: torch.device,
+                    own: Callable[[], Sequence[torch.Tensor]]) -> tuple[ContributionScorer | None, StateJudge | None]:
+    """A replica node's contribution scorer (``cfg.scores_contributions``, in whole-model rounds: a fragment's
+    φ is not a model to score) and resync judge (``cfg.judges_states``), sharing one model copy where both run."""
+    def model_loss() -> ModelLoss:
+        return build_model_loss(model_cfg, workload, device)
+
+    scoring = model_loss() if cfg.scores_contributions and cfg.fragments == 1 else None
+    scorer = ContributionScorer(scoring.loss_for) if scoring is not None else None
+    judge = StateJudge(model_loss if scoring is None else lambda: scoring, own) if cfg.judges_states else None
+    return scorer, judge
