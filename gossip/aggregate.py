@@ -76,6 +76,7 @@ class Aggregate:
     norms: dict[str, float] = field(default_factory=dict)
     capped: dict[str, int] = field(default_factory=dict)  # peers whose claimed samples were cut: their claim
     clipped: dict[str, float] = field(default_factory=dict)  # robust methods: peers scaled down, by the factor kept
+    weights: dict[str, int] = field(default_factory=dict)  # the samples each used peer weighed by (its claim, capped)
 
 
 def _norm(update: Sequence[torch.Tensor]) -> float:
@@ -187,7 +188,8 @@ def aggregate(
             stacked = torch.stack([t.float() for t in tensors])  # (n, ...)
             ordered = stacked.sort(dim=0).values
             out.append(ordered[b : n - b].mean(dim=0))
-    return Aggregate(update=out, used=peers_k, dropped=dropped, norms=norms, capped=capped, clipped=clip_factors)
+    return Aggregate(update=out, used=peers_k, dropped=dropped, norms=norms, capped=capped, clipped=clip_factors,
+                     weights=dict(zip(peers_k, samples_k)))
 
 
 def _median_center(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

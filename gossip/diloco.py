@@ -347,6 +347,9 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         if mine:
             agg = await asyncio.to_thread(self.combine, used, [contributions[p].decoded for p in used],
                                           [contributions[p].samples for p in used], method)
+            # the claims as they weighed on these parts (bounded by what the updates show): a lying claim must
+            # not widen the bound on the other owners' parts (steps_scale) either
+            claims.update(agg.weights)
             result.failures.update(agg.dropped)
             blobs, decoded = await asyncio.to_thread(self.exchange.encode_parts, round_no, mine, agg.update)
             share = ReducedShare(round_no, sum(claims[p] for p in agg.used), agg.used, majority_fp,

@@ -122,7 +122,9 @@ def steps_scale(samples: Sequence[int], mine: int) -> float:
     took different numbers of steps (``--inner-steps auto``): the sample-weighted mean of the members'
     sample counts over this member's own, at least 1 (an update grows about linearly with the steps behind
     it: a member 6× slower saw aggregates 4–5× its own norm). The counts are claims capped at what a round
-    can hold, so a liar widens the bound by that cap at most."""
+    can hold and, where this member reduced parts, as they weighed there (at most twice the samples each
+    update's norm stands for: ``gossip.aggregate.supported_claims``), so a liar's claim of 10⁹ samples
+    widens the bound about as much as an honest peer twice its speed would."""
     total = sum(samples)
     if mine <= 0 or total <= 0:
         return 1.0

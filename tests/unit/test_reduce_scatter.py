@@ -179,6 +179,36 @@ def test_an_owner_that_serves_a_scaled_reduction_is_not_applied(monkeypatch):
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(m["phi"], honest[0]["phi"]))
 
 
+def test_a_lying_claim_does_not_widen_the_bound_on_a_hostile_owners_share(monkeypatch):
+    """The owner that serves 50x its reduction also claims 10⁹ samples (no run cap here). The bound on an
+    owner's share grows with the members' claims (``steps_scale``); taken as claimed, the lie widened it
+    ~10⁸-fold and the scaled share was applied. Claims now count as they weighed on this member's own
+    parts (at most twice the samples each update's norm stands for), and the share is refused."""
+    from compression import get_codec
+    from gossip.exchange import ReducedShare
+
+    network = Network()
+    phi, members = diloco_members(4, network, SHAPES, "none", PART_NUMEL, seed=11, samples=[8, 10**9, 8, 8])
+    liar = members[1]
+    for m in members:
+        m["averager"].aggregation = "centered-clip"
+
+    def scaled(round_no, share, original=liar["exchange"].publish_reduced):
+        if share is not None:
+            blobs = {i: get_codec("none").encode(50 * t).to_bytes() for i, t in share.decoded.items()}
+            share = ReducedShare(share.round, share.samples, share.contributors, share.fingerprint, blobs, share.decoded)
+        original(round_no, share)
+
+    liar["exchange"].publish_reduced = scaled
+    results = _run_round(members, monkeypatch)
+    honest = [(m, r) for m, r in zip(members, results) if m is not liar]
+    for m, r in honest:
+        assert r.failures.get(liar["peer"]) == "reduce_implausible", r.failures
+        assert r.capped.get(liar["peer"]) == 10**9, r.capped  # cut where this member reduced parts
+    for m, _ in honest[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(m["phi"], honest[0][0]["phi"]))
+
+
 def test_an_honest_share_is_plausible_and_a_scaled_one_is_not():
     from gossip.exchange import ReducedShare
     from gossip.reduce_scatter import OWNER_NORM_BOUND, implausible_share
