@@ -299,7 +299,7 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
                                       [contributions[p].samples for p in used], self._weights_method(rnd, len(used)))
         result.failures.update(agg.dropped)
         result.contributors, result.norms, result.clipped, result.capped = agg.used, agg.norms, agg.clipped, agg.capped
-        claims = self.claimed({p: contributions[p].samples for p in used})
+        claims = self.claimed({p: contributions[p].samples for p in used}) | agg.weights  # as they weighed
         result.samples = sum(claims[p] for p in agg.used)
         result.update_norm = l2_norm(agg.update)
         others = [p for p in agg.used if p != self.peer_id]
