@@ -149,23 +149,27 @@ def test_wire_partition_per_codec():
         assert not wire_partition(codec, shapes).flat
 
 
-def test_an_owner_that_serves_a_scaled_reduction_is_not_applied(monkeypatch):
-    """A hostile owner reduces honestly but serves 50x its result: the others find its share implausible
-    against their own update on those parts, reduce those parts themselves and end at the honest mean."""
+def _serve_scaled_reductions(owner: dict) -> None:
+    """``owner`` reduces honestly but serves 50x its result."""
     from compression import get_codec
     from gossip.exchange import ReducedShare
 
-    network = Network()
-    phi, members = diloco_members(4, network, SHAPES, "none", PART_NUMEL, seed=11)
-    liar = members[1]
-
-    def scaled(round_no, share, original=liar["exchange"].publish_reduced):
+    def scaled(round_no, share, original=owner["exchange"].publish_reduced):
         if share is not None:
             blobs = {i: get_codec("none").encode(50 * t).to_bytes() for i, t in share.decoded.items()}
             share = ReducedShare(share.round, share.samples, share.contributors, share.fingerprint, blobs, share.decoded)
         original(round_no, share)
 
-    liar["exchange"].publish_reduced = scaled
+    owner["exchange"].publish_reduced = scaled
+
+
+def test_an_owner_that_serves_a_scaled_reduction_is_not_applied(monkeypatch):
+    """A hostile owner reduces honestly but serves 50x its result: the others find its share implausible
+    against their own update on those parts, reduce those parts themselves and end at the honest mean."""
+    network = Network()
+    phi, members = diloco_members(4, network, SHAPES, "none", PART_NUMEL, seed=11)
+    liar = members[1]
+    _serve_scaled_reductions(liar)
     results = _run_round(members, monkeypatch)
     expected = weighted_mean([m["delta"] for m in members], [m["samples"] for m in members])
     honest = [m for m in members if m is not liar]
@@ -184,22 +188,12 @@ def test_a_lying_claim_does_not_widen_the_bound_on_a_hostile_owners_share(monkey
     owner's share grows with the members' claims (``steps_scale``); taken as claimed, the lie widened it
     ~10⁸-fold and the scaled share was applied. Claims now count as they weighed on this member's own
     parts (at most twice the samples each update's norm stands for), and the share is refused."""
-    from compression import get_codec
-    from gossip.exchange import ReducedShare
-
     network = Network()
-    phi, members = diloco_members(4, network, SHAPES, "none", PART_NUMEL, seed=11, samples=[8, 10**9, 8, 8])
+    _, members = diloco_members(4, network, SHAPES, "none", PART_NUMEL, seed=11, samples=[8, 10**9, 8, 8])
     liar = members[1]
     for m in members:
         m["averager"].aggregation = "centered-clip"
-
-    def scaled(round_no, share, original=liar["exchange"].publish_reduced):
-        if share is not None:
-            blobs = {i: get_codec("none").encode(50 * t).to_bytes() for i, t in share.decoded.items()}
-            share = ReducedShare(share.round, share.samples, share.contributors, share.fingerprint, blobs, share.decoded)
-        original(round_no, share)
-
-    liar["exchange"].publish_reduced = scaled
+    _serve_scaled_reductions(liar)
     results = _run_round(members, monkeypatch)
     honest = [(m, r) for m, r in zip(members, results) if m is not liar]
     for m, r in honest:
