@@ -13,11 +13,12 @@ sample (‖Δ‖ / samples), because an honest peer's update grows with the inne
 
 The robust methods also bound a claim by what its update shows (:func:`supported_claims`): no claim
 weighs more than ``SUPPORT_FACTOR`` × the samples its norm stands for at the round's lower-median norm
-per sample, and none is cut below the round's lower-median claim. Under time pacing a round may hold up to 20 × the median's steps, so the run's cap alone let a
-member that claims 10⁹ samples with an honest update take ~90 % of a round of three; now it weighs at
-most twice an honest peer of its norm. An honest peer that took k times the median's steps has an
-update about √k (independent steps) to k (aligned steps) times as long, so its claim stands up to
-k = 4 whole, and a faster peer's weight is cut to 2√k × the median's, never refused.
+per sample, and none is cut below the round's lower-median claim. Under time pacing a round may hold
+up to 20 × the median's steps, so the run's cap alone let a member that claims 10⁹ samples with an
+honest update take ~90 % of a round of three; now it weighs at most twice an honest peer of its norm.
+An honest peer that took k times the median's steps has an update about √k (independent steps) to k
+(aligned steps) times as long, so its claim stands up to k = 4 whole, and a faster peer's weight is
+cut to 2√k × the median's, never refused.
 
 - ``mean``: Σ wᵢΔᵢ / Σ wᵢ with wᵢ = samples.
 - ``centered-clip``: centered clipping (Karimireddy, He, Jaggi, ICML 2021): start at the

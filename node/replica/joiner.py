@@ -37,6 +37,7 @@ STATE_TIMEOUT_S = 120.0  # a whole state download, plus what --max-download-mbit
 class StateRefused(Exception):
     """A downloaded state this node's judge refused to adopt (``Joiner.judge``: it scores far worse than its own)."""
 
+
 Layout = dict[str, list[tuple[tuple[int, ...], torch.dtype]]]
 
 
