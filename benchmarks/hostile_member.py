@@ -101,7 +101,7 @@ def run(args: argparse.Namespace, mode: str, seed: int, folder: Path) -> dict[st
 
 
 def peer(n: dict[str, Any], honest_ids: set[str]) -> dict[str, Any]:
-    rounds = n.get("rounds", [])
+    rounds = [r for r in n.get("rounds", []) if "in_sync" in r]  # averaging rounds (a pipeline trainer has none)
     short = {p[-8:] for p in honest_ids}
     joint = [r for r in rounds if r["in_sync"] and short <= set(r.get("members", []))]
     return {
@@ -109,7 +109,7 @@ def peer(n: dict[str, Any], honest_ids: set[str]) -> dict[str, Any]:
         "joint_rounds": len(joint), "out_of_sync": sum(not r["in_sync"] for r in rounds),
         "max_deadline_s": max((r["deadline_s"] for r in rounds), default=None),
         "honest_failures": sum(1 for r in rounds for p in r.get("failures", {}) if p in honest_ids),
-        "tokens": rounds[-1]["tokens"] if rounds else 0,
+        "tokens": rounds[-1].get("tokens", 0) if rounds else 0,
     }
 
 
