@@ -57,8 +57,10 @@ def vote(fingerprints: dict[str, str], round_no: int, me: str, tenure: Tenure | 
     is smallest. Why not the smallest peer id, as before: ids are free to grind, so an attacker could
     always win ties. The hash is the same at every member (so tied honest members converge on one φ, as
     they did), and to win it an attacker must already hold as many established votes as the honest side,
-    then grind a state whose fingerprint ranks first, again every round. The holder named is the established one seen
-    in most rounds (the state it serves is checked against the majority's digests anyway).
+    then grind a state whose fingerprint ranks first, again every round (and, in a run's first rounds,
+    where nobody is established yet, a resync judges a state no majority vouches for before it adopts
+    it: ``node.replica.scoring.StateJudge``). The holder named is the established one seen in most
+    rounds (the state it serves is checked against the majority's digests anyway).
     """
     voters = {p: fp for p, fp in fingerprints.items() if p == me or tenure is None or tenure.established(p)}
     if len(voters) == 1 and me in voters:  # no established peer voted: everyone counts (see the module doc)
