@@ -21,6 +21,10 @@ payload's MB/s (bytes a peer sent and received in the round ÷ round time), whet
 had every peer (``complete``), CPU seconds per peer per round (the Python process and its p2pd), and
 ``transient_mb``: the peak resident memory of a peer during a round beyond what it held before (its
 model state: φ and θ), its p2pd included. Peaks are reset before each round (``/proc/PID/clear_refs``).
+That misses what a process keeps between rounds (the wire parts it still serves, the heap malloc keeps),
+so ``held_mb`` is the peak of a steady round beyond the resident memory before the first round (the
+process, φ and θ, p2pd): for locomesh it includes the outer momentum (1 × the fp32 payload), which the
+first round creates.
 Peers are processes, so the numbers include everything a daemon pays, on a machine where the
 peers share its cores: on a 2-core machine the N peers and their p2pd compete for CPU (and for memory
 bandwidth), so from 4 peers on the round time is mostly the sum of the peers' CPU seconds over the
@@ -87,6 +91,7 @@ class Meter:
 
     def __init__(self) -> None:
         self.pids = [os.getpid()] + _descendants(os.getpid())
+        self.baseline: int | None = None  # resident kB before the first round: the process, φ (and θ), p2pd
 
     def start(self) -> None:
         for pid in self.pids:
@@ -95,11 +100,13 @@ class Meter:
             except OSError:
                 pass
         self.rss = sum(_status_kb(p, "VmRSS") for p in self.pids)
+        if self.baseline is None:
+            self.baseline = self.rss
         self.cpu = sum(_cpu_s(p) for p in self.pids)
 
     def stop(self) -> dict[str, float]:
         peak = sum(max(_status_kb(p, "VmHWM"), _status_kb(p, "VmRSS")) for p in self.pids)
-        return {"transient_mb": (peak - self.rss) / 1024, "rss_mb": peak / 1024,
+        return {"transient_mb": (peak - self.rss) / 1024, "held_mb": (peak - (self.baseline or 0)) / 1024, "rss_mb": peak / 1024,
                 "cpu_s": sum(_cpu_s(p) for p in self.pids) - self.cpu}
 
 
@@ -304,6 +311,8 @@ def summarize(system: str, n: int, numel: int, dtype: str, rounds: int, rows: li
         "transient_mb": max(r["transient_mb"] for r in steady),
         "transient_x_payload": max(r["transient_mb"] for r in steady) * 1e6 / payload,
         "rss_mb": max(r["rss_mb"] for r in steady),
+        "held_mb": max(r["held_mb"] for r in steady),
+        "held_x_payload": max(r["held_mb"] for r in steady) * 1e6 / payload,
     })
     for key in ("gather_s", "exchange_s"):
         if key in steady[0]:
@@ -339,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{system:9s} {n} peers {numel / 1e6:6.0f}M {dtype}: round {row.get('round_s', float('nan')):.3f}s "
                           f"{row.get('mb_per_s', float('nan')):7.0f} MB/s, complete {row.get('complete_rounds')}/{args.rounds - 1}, "
                           f"transient {row.get('transient_mb', float('nan')):.0f} MB ({row.get('transient_x_payload', float('nan')):.1f}x), "
+                          f"held {row.get('held_mb', float('nan')):.0f} MB ({row.get('held_x_payload', float('nan')):.1f}x), "
                           f"cpu {row.get('cpu_s', float('nan')):.2f}s [{time.monotonic() - t:.0f}s]", flush=True)
     print(f"report: {args.out}")
     return 0

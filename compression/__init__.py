@@ -10,7 +10,7 @@ Modules: ``base`` (Codec interface), ``payload`` (wire form), ``registry`` (spec
 (error feedback); codecs ``dense`` (none/fp16/bf16), ``quantize`` (q8/q4/q2), ``rotation``
 (rot1/2/4/8), ``blockwise`` (int8-block), ``topk``, ``dct``, ``seeded`` (seed projection),
 ``activations`` (subspace); helpers ``bitpack``, ``chunking``, ``hadamard`` (randomized Hadamard
-transform, seeded signs), ``wire`` (tensor fields), ``msgpack_view`` (zero-copy msgpack), ``memory``
+transform, seeded signs), ``wire`` (tensor fields), ``memory``
 (huge-page friendly buffers), ``flat``, ``errors``.
 """
 

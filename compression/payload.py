@@ -2,7 +2,7 @@
 
 Wire format: one msgpack map ``{"c": spec, "v": version, "s": [shape], "f": {name: value}}``. Field
 values are msgpack scalars, short lists of numbers, or tensor wire maps (``protocol.tensors`` format).
-Packing and parsing go through :mod:`compression.msgpack_view`, so tensor data is copied once when
+Packing and parsing go through :mod:`protocol.msgpack_view`, so tensor data is copied once when
 packed and never when parsed (a parsed payload's ``data`` fields are read-only memoryviews).
 :meth:`Payload.from_bytes` checks everything that does not depend on the codec (sizes, types, tensor
 map consistency); the codec's ``decode`` then checks lengths and ranges against the payload's shape.
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from compression.errors import CodecError
-from compression.msgpack_view import pack, unpack
+from protocol.msgpack_view import pack, unpack
 from compression.wire import check_tensor_map, is_tensor_map
 from protocol.errors import SchemaError
 from protocol.tensors import check_shape

@@ -167,6 +167,7 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         delta = await asyncio.to_thread(lambda: to_host(pseudo_gradient(phi, theta)))  # codecs and the wire work on the CPU
         await self._choose_group(rnd)
         await self._publish(rnd, delta, feedback)
+        del delta  # the wire parts hold what was sent: Δ itself is not kept through the exchange
         if before_gather is not None:
             await before_gather()
         group = await self._rendezvous(rnd)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -43,7 +43,9 @@ from protocol.frames import FramedStream, require, require_token
 from protocol.hivemind_transport import Transport
 
 logger = logging.getLogger(__name__)
-KEEP_ROUNDS = 3
+# rounds a node serves: its latest and the one before, for a member that finished that rendezvous later.
+# Each kept round holds its wire parts (a dense round: the whole payload), so no more than that.
+KEEP_ROUNDS = 2
 
 
 @dataclass
@@ -160,7 +162,8 @@ class RoundExchange:
 
     def publish_reduced(self, round_no: int, share: ReducedShare | None) -> None:
         """Serve this owner's reduced parts of ``round_no`` (None: it has none, so askers stop waiting)."""
-        self._reduced[round_no] = share
+        # kept to serve: the wire parts (the owner's round holds its decoded values while it needs them)
+        self._reduced[round_no] = None if share is None else replace(share, decoded={})
         event_in(self._reduced_ready, round_no).set()
         for old in [r for r in self._reduced if r <= round_no - KEEP_ROUNDS]:
             self._reduced.pop(old, None)
@@ -168,7 +171,8 @@ class RoundExchange:
 
     def publish(self, contribution: Contribution) -> None:
         """Make this node's contribution for ``contribution.round`` available to its group."""
-        self._contributions[contribution.round] = contribution
+        # kept to serve: the wire parts only (decoded values of a lossy codec are a float32 copy of the model)
+        self._contributions[contribution.round] = replace(contribution, decoded=[])
         event_in(self._ready, contribution.round).set()
         for old in [r for r in self._contributions if r <= contribution.round - KEEP_ROUNDS]:
             self._contributions.pop(old, None)
@@ -280,7 +284,7 @@ class RoundExchange:
             msg = await stream.recv(expect="part")
             if require(msg.body, "i", int) != i:
                 raise SchemaError(f"part {msg.body.get('i')} arrived where part {i} was expected")
-            blob = require(msg.body, "payload", bytes)
+            blob = require(msg.body, "payload", (bytes, memoryview))  # (a view of the frame: protocol.frames)
             # off the loop: it serves others and reads the next part meanwhile
             decoded.append(await asyncio.to_thread(_decode_part, blob, i, specs[i], stream.max_frame))
             parts.append(blob)

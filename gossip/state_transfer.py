@@ -283,7 +283,7 @@ async def _download_stripe(transport: Transport, peer: str, request: dict[str, A
         for name, i, offset, length in stripe_of(plan, *stripe):
             msg = await stream.recv(expect="chunk")
             got = (require(msg.body, "g", str), require(msg.body, "t", int), require(msg.body, "offset", int))
-            data = require(msg.body, "data", bytes)
+            data = require(msg.body, "data", (bytes, memoryview))
             if got != (name, i, offset) or len(data) != length:
                 raise SchemaError(f"chunk {got} of {len(data)} bytes arrived where {name!r}[{i}] at offset {offset} "
                                   f"({length} bytes) was due")

@@ -253,7 +253,7 @@ class StepCode:
 
 def expand(round_no: int, peer: str, codes: bytes | Sequence[int]) -> list[StepCode]:
     """A member's round of codes (step t = position t) as step messages."""
-    values = unpack_codes(codes) if isinstance(codes, (bytes, bytearray)) else list(codes)
+    values = unpack_codes(codes) if isinstance(codes, (bytes, bytearray, memoryview)) else list(codes)
     return [StepCode(round_no, t, peer, c) for t, c in enumerate(values)]
 
 

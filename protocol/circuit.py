@@ -76,10 +76,16 @@ class FrameCipher:
         out.append(encryptor.tag)
         return out
 
-    def open(self, data: bytes, peer: str) -> bytes:
+    def open(self, data: bytes | bytearray, peer: str) -> bytes | memoryview:
+        """The frame's plaintext. A ``bytearray`` (a frame read into its own buffer) is opened in place:
+        the result is a view of its first bytes, with no second buffer of the frame's size."""
         nonce = self._received.to_bytes(12, "big")
         self._received += 1
         try:
+            if isinstance(data, bytearray) and len(data) >= TAG_BYTES:
+                plain = memoryview(data)[: len(data) - TAG_BYTES]
+                self._receive.decrypt_into(nonce, data, None, plain)
+                return plain
             return self._receive.decrypt(nonce, data, None)
         except InvalidTag:
             raise AuthError(f"a frame {self.what} from {peer} failed its end-to-end check: it was altered, "

@@ -82,7 +82,7 @@ def tensor_from_wire(
         raise SchemaError(f"tensor shape {list(shape)} does not match the expected {list(expected_shape)}")
     if expected_dtype is not None and dtype != expected_dtype:
         raise SchemaError(f"tensor dtype {name} does not match the expected {dtype_name(expected_dtype)}")
-    if not isinstance(data, (bytes, bytearray)):
+    if not isinstance(data, (bytes, bytearray, memoryview)):
         raise SchemaError("tensor data must be bytes")
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = math.prod(shape)

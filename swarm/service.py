@@ -41,7 +41,7 @@ def encode_activation(t: torch.Tensor, codec: str) -> bytes:
 
 
 def decode_activation(blob: Any, codec: str, shape: tuple[int, ...] | None, max_numel: int) -> torch.Tensor:
-    if not isinstance(blob, (bytes, bytearray)):
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise SchemaError("activation must be a codec payload (bytes)")
     try:
         payload = Payload.from_bytes(blob, max_bytes=max_numel * 8 + 65536, max_numel=max_numel, expected_shape=shape)

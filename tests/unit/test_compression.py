@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from compression import SPEC_FORMS, CodecError, ErrorFeedback, Payload, get_codec
-from compression.msgpack_view import pack, unpack
+from protocol.msgpack_view import pack, unpack
 from protocol.errors import SchemaError
 from tests.helpers.codec_checks import assert_encode_leaves_input_alone
 

@@ -44,13 +44,13 @@ def test_gather_counts_a_bug_while_fetching_as_internal_not_connection() -> None
     assert not got and failed == {"peer-a": "internal"}
 
 
-async def _fetch(exchange: RoundExchange, round_no: int, peer: str) -> str:
+async def _fetch(exchange: RoundExchange, round_no: int, peer: str, wire: str = "none") -> str:
     """What ``exchange`` answers ``peer``'s fetch of ``round_no``: "served", or why it refused."""
     from protocol.errors import SchemaError
     from protocol.frames import encode_frame, encode_message
     from tests.helpers.memory_transport import canned_stream
 
-    stream, _ = canned_stream(encode_frame(encode_message("fetch", {"run_id": "run", "round": round_no, "codec": "none"})),
+    stream, _ = canned_stream(encode_frame(encode_message("fetch", {"run_id": "run", "round": round_no, "codec": wire})),
                               peer=peer)
     try:
         await exchange._handle(stream)
@@ -148,3 +148,22 @@ def test_a_peer_outside_the_group_a_round_closed_with_is_refused_the_contributio
     exchange.close_group(0, {"self", "member"})
     assert asyncio.run(ask("member")) == "served"
     assert "closed without late" in asyncio.run(ask("late"))
+
+
+def test_a_node_serves_its_last_two_rounds_and_keeps_only_their_wire_parts() -> None:
+    """A dense round's parts are the whole payload, so each round kept to serve costs its size: a node keeps
+    its latest round and the one before (for a member that finished that rendezvous later), without the
+    decoded values (a lossy codec's are a float32 copy of the model), and refuses older rounds."""
+    exchange = RoundExchange(MemoryTransport(reply=b""), "run", "q8", [(4096,)])  # type: ignore[arg-type]
+
+    async def serve_three_rounds() -> list[str]:
+        for r in range(3):
+            blobs, decoded = exchange.encode(r, [torch.randn(4096)])
+            mine = Contribution(r, 1, "fp", exchange.wire_of(r), blobs, "me", decoded)
+            exchange.publish(mine)
+            assert len(mine.decoded) == 1  # the caller's round still holds its own decoded values
+        assert all(not c.decoded for c in exchange._contributions.values())
+        return [await _fetch(exchange, r, "peer", "q8") for r in range(3)]
+
+    assert [("over" in a) for a in asyncio.run(serve_three_rounds())] == [True, False, False]
+

@@ -1,4 +1,4 @@
-"""A small msgpack reader/writer that never copies ``bin`` blobs.
+"""A small msgpack reader/writer that never copies ``bin`` blobs (codec payloads, and frames that carry bulk).
 
 msgpack-python copies every ``bin`` value into a new ``bytes`` on both packing and unpacking; for a
 100 MB tensor field those copies (and the page faults of the fresh buffers) cost more than the codec
@@ -67,11 +67,22 @@ def _header(n: int, fix: int, tag16: bytes, tag32: bytes) -> bytes:
     return tag16 + struct.pack(">H", n) if n < 1 << 16 else tag32 + struct.pack(">I", n)
 
 
-def unpack(data: bytes | bytearray | memoryview, *, max_items: int = 1 << 16) -> Any:
-    """Decode one msgpack object filling all of ``data``; ``bin`` values come back as memoryviews."""
+class TooManyObjects(ValueError):
+    """The data decodes to more objects than the caller allows."""
+
+
+def unpack(data: bytes | bytearray | memoryview, *, max_items: int = 1 << 16, max_depth: int = _MAX_DEPTH,
+           max_objects: int | None = None) -> Any:
+    """Decode one msgpack object filling all of ``data``; ``bin`` values come back as read-only memoryviews.
+
+    :param max_items: longest array or map
+    :param max_depth: deepest nesting of arrays and maps
+    :param max_objects: most values in all (containers, keys and elements), checked as each is read, so
+        hostile data costs at most that many steps (:class:`TooManyObjects` past it)
+    """
     view = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
     view = view.toreadonly()
-    reader = _Reader(view, max_items)
+    reader = _Reader(view, max_items, max_depth, max_objects)
     obj = reader.read(0)
     if reader.pos != len(view):
         raise ValueError(f"{len(view) - reader.pos} trailing bytes after the msgpack object")
@@ -79,10 +90,11 @@ def unpack(data: bytes | bytearray | memoryview, *, max_items: int = 1 << 16) ->
 
 
 class _Reader:
-    __slots__ = ("buf", "pos", "max_items")
+    __slots__ = ("buf", "pos", "max_items", "max_depth", "budget")
 
-    def __init__(self, buf: memoryview, max_items: int) -> None:
-        self.buf, self.pos, self.max_items = buf, 0, max_items
+    def __init__(self, buf: memoryview, max_items: int, max_depth: int, max_objects: int | None) -> None:
+        self.buf, self.pos, self.max_items, self.max_depth = buf, 0, max_items, max_depth
+        self.budget = float("inf") if max_objects is None else max_objects
 
     def take(self, n: int) -> memoryview:
         end = self.pos + n
@@ -102,8 +114,11 @@ class _Reader:
         return n
 
     def read(self, depth: int) -> Any:
-        if depth > _MAX_DEPTH:
+        if depth > self.max_depth:
             raise ValueError("msgpack nesting is too deep")
+        self.budget -= 1
+        if self.budget < 0:
+            raise TooManyObjects("msgpack data holds more objects than allowed")
         b = self.unpack(">B")
         if b <= 0x7F:
             return b
