@@ -52,7 +52,7 @@ from gossip.groups import group_tag
 from gossip.outer import NesterovOuter, l2_norm, pseudo_gradient
 from gossip.partition import Partition
 from gossip.placement import to_host
-from gossip.reduce_scatter import assign_owners, implausible_share, is_dense, steps_scale, use_reduce_scatter
+from gossip.reduce_scatter import assign_owners, bounded_unseen, implausible_share, is_dense, steps_scale, use_reduce_scatter
 from gossip.rendezvous import Reachable
 from gossip.screen_votes import agree_on_screen
 from gossip.votes import Tenure, vote
@@ -358,6 +358,8 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
             update.update(share.decoded)
             result.contributors, result.norms, result.clipped, result.capped = agg.used, agg.norms, agg.clipped, agg.capped
             result.samples = share.samples
+        else:  # no update was seen here: claims are bounded by the round's median instead of by norms
+            claims = bounded_unseen(claims)
         self.exchange.publish_reduced(round_no, share)
         sources = {o: parts for o, parts in owners.items() if o != self.peer_id and parts}
         # an owner waits for every member's parts before it serves, so its answer may take a whole fetch

@@ -43,9 +43,7 @@ from protocol.frames import FramedStream, require, require_token
 from protocol.hivemind_transport import Transport
 
 logger = logging.getLogger(__name__)
-# rounds a node serves: its latest and the one before, for a member that finished that rendezvous later.
-# Each kept round holds its wire parts (a dense round: the whole payload), so no more than that.
-KEEP_ROUNDS = 2
+KEEP_ROUNDS = 2  # rounds served: the latest and the one before (each holds its parts: a dense round's are the model's size)
 
 
 @dataclass
@@ -133,6 +131,7 @@ class RoundExchange:
         self.layout: Layout = layout if callable(layout) else fixed_layout(wire, layout)
         self._contributions: dict[int, Contribution] = {}
         self._groups: dict[int, set[str]] = {}  # the members each round's rendezvous closed with (close_group)
+        self._served: dict[int, set[str]] = {}  # the members each kept round was served to, whole
         self._ready: dict[int, asyncio.Event] = {}
         self._waits = RoundWaits(serve_timeout)  # requests for rounds not published yet (gossip.round_waits)
         self._reduced: dict[int, ReducedShare | None] = {}
@@ -178,6 +177,17 @@ class RoundExchange:
             self._contributions.pop(old, None)
             self._ready.pop(old, None)
             self._groups.pop(old, None)
+            self._served.pop(old, None)
+        self._release_served()
+
+    def _release_served(self) -> None:
+        """Stop keeping a past round every other member of its group has downloaded whole: nobody else may
+        ask for it (the group closed), and a dense round's parts are the size of the model."""
+        latest = max(self._contributions, default=-1)
+        me = self.transport.peer_id
+        for r in [r for r in self._contributions if r < latest and r in self._groups]:
+            if self._groups[r] - {me} <= self._served.get(r, set()):
+                del self._contributions[r]
 
     def close_group(self, round_no: int, members: set[str]) -> None:
         """This node's rendezvous of ``round_no`` closed with ``members``: a peer outside them that asks for
@@ -256,6 +266,9 @@ class RoundExchange:
         )
         for i in chosen:
             await stream.send("part", {"i": i, "payload": c.parts[i]})
+        if selection is None:
+            self._served.setdefault(round_no, set()).add(stream.peer)
+            self._release_served()
 
     async def _serve_reduced(self, stream: FramedStream, round_no: int, selection: list[int] | None) -> None:
         if round_no not in self._reduced and round_no < max(self._contributions, default=-1):

@@ -19,12 +19,13 @@ from the members' contributions, as it does when an owner is gone.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from compression import get_codec
 from compression.topk import TopKCompression
+from gossip.aggregate import claim_cap
 from gossip.exchange import ReducedShare
 from gossip.outer import l2_norm
 from gossip.partition import DEFAULT_PART_NUMEL, Partition
@@ -115,6 +116,18 @@ def round_bytes(payload: int, group_size: int, reduce_scatter: bool) -> int:
 # members' contributions (the fallback for a failed owner), so an honest share wrongly refused costs bytes,
 # not correctness.
 OWNER_NORM_BOUND = 4.0
+
+
+UNSEEN_CLAIM_FACTOR = 4.0
+
+
+def bounded_unseen(claims: Mapping[str, int], factor: float = UNSEEN_CLAIM_FACTOR) -> dict[str, int]:
+    """Claims of updates this member never saw (it reduced no parts, so no norm bounds them), as they may
+    widen :func:`steps_scale`: each at most ``factor`` × the lower-median claim. An honest member up to
+    ``factor`` × the median's speed keeps its claim; a liar's 10⁹ widens the bound as a member ``factor`` ×
+    faster would (a share it refuses wrongly costs bytes: its parts are fetched from the members)."""
+    cap = claim_cap(list(claims.values()), claim_factor=factor)
+    return {p: s if cap is None else min(s, cap) for p, s in claims.items()}
 
 
 def steps_scale(samples: Sequence[int], mine: int) -> float:

@@ -167,3 +167,30 @@ def test_a_node_serves_its_last_two_rounds_and_keeps_only_their_wire_parts() -> 
 
     assert [("over" in a) for a in asyncio.run(serve_three_rounds())] == [True, False, False]
 
+
+
+def test_a_past_round_every_member_downloaded_is_released_and_one_still_owed_is_kept() -> None:
+    """A past round's parts (a dense round: the model's size) were kept two rounds whoever still needed them:
+    once every other member of its closed group has downloaded it whole, nobody may ask again."""
+    exchange = RoundExchange(MemoryTransport(reply=b""), "run", "none", [(4,)])  # type: ignore[arg-type]
+    me = exchange.transport.peer_id
+
+    def publish(r: int) -> None:
+        blobs, _ = exchange.encode(r, [torch.zeros(4)])
+        exchange.publish(Contribution(r, 1, "fp", exchange.wire_of(r), blobs))
+
+    async def rounds() -> None:
+        publish(0)
+        exchange.close_group(0, {me, "a", "b"})
+        assert await _fetch(exchange, 0, "a") == "served"
+        publish(1)
+        exchange.close_group(1, {me, "a"})
+        assert 0 in exchange._contributions  # "b" has not downloaded round 0 yet
+        assert await _fetch(exchange, 0, "b") == "served"
+        assert 0 not in exchange._contributions  # every member has it: released at once
+        assert await _fetch(exchange, 1, "a") == "served"
+        assert 1 in exchange._contributions  # the latest round stays until the next is published
+        publish(2)
+        assert 1 not in exchange._contributions and 2 in exchange._contributions
+
+    asyncio.run(rounds())

@@ -234,3 +234,44 @@ def test_a_member_that_took_fewer_steps_allows_for_the_longer_updates_of_faster_
     assert implausible_share(scaled, [0], own, slow) is not None
     cap = 20 * 64
     assert steps_scale([cap, cap, 64], 64) <= cap / 64  # a liar's claims are capped before they get here
+
+
+def test_a_member_that_reduced_no_parts_bounds_the_claims_it_never_saw_by_their_median() -> None:
+    """A member that owns no parts saw no other update, so no norm bounds a claim there: taken as claimed
+    (up to the run's cap), a liar's 10⁹ widened ``steps_scale`` ~18-fold and a share scaled that much passed.
+    Claims are now bounded at 4x the lower-median claim: honest members up to 4x the median's speed keep
+    their claims, and the liar widens the bound as a member 4x faster would."""
+    from gossip.reduce_scatter import UNSEEN_CLAIM_FACTOR, bounded_unseen, steps_scale
+
+    cap = 20 * 64  # what the run's cap left of the lie
+    lied = {"me": 64, "honest": 64, "liar": cap}
+    assert steps_scale(list(lied.values()), 64) > 18
+    bounded = bounded_unseen(lied)
+    assert bounded == {"me": 64, "honest": 64, "liar": int(UNSEEN_CLAIM_FACTOR * 64)}
+    assert steps_scale(list(bounded.values()), 64) <= 3.0
+    fast = {"me": 64, "a": 400, "b": 400}  # two members 6x faster than this one: their median is theirs
+    assert bounded_unseen(fast) == fast
+    assert bounded_unseen({}) == {} and bounded_unseen({"a": 0, "b": 0}) == {"a": 0, "b": 0}
+
+
+def test_a_member_that_owns_no_parts_refuses_a_liars_scaled_share(monkeypatch):
+    """Two parts among four members: two members reduce nothing and only see the owners' shares. The owner
+    that serves 50x its reduction claims 10⁹ samples; taken as claimed, that lie let the scaled share pass
+    at the members that own no parts (their bound grew with the claims), and their φ left the others'."""
+    network = Network()
+    shapes = [(256,), (256,)]
+    _, members = diloco_members(4, network, shapes, "none", PART_NUMEL, seed=12, samples=[8, 8, 8, 8])
+    owners = assign_owners([256, 256], sorted(m["peer"] for m in members))
+    liar = next(m for m in members if owners[m["peer"]])
+    liar["samples"] = 10**9
+    bystanders = [m for m in members if not owners[m["peer"]]]
+    assert len(bystanders) == 2
+    for m in members:
+        m["averager"].aggregation = "centered-clip"
+    _serve_scaled_reductions(liar)
+    results = dict(zip((m["peer"] for m in members), _run_round(members, monkeypatch)))
+    for m in bystanders:
+        assert results[m["peer"]].failures.get(liar["peer"]) == "reduce_implausible", results[m["peer"]].failures
+    honest = [m for m in members if m is not liar]
+    for m in honest[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(m["phi"], honest[0]["phi"]))
