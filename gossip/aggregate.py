@@ -213,15 +213,18 @@ def _centered_clip(updates: Sequence[Sequence[torch.Tensor]], weights: Sequence[
 
     tau = _lower_median(distances(center))
     factors = [1.0] * n
+    step = [torch.empty_like(c) for c in center]  # one buffer for every iteration, and the centre moves in place
     for _ in range(iterations):
         dist = distances(center)
         scales = [min(1.0, tau / d) if d > 0 else 1.0 for d in dist]
         factors = [min(f, s) for f, s in zip(factors, scales)]
-        step = [torch.zeros_like(c) for c in center]
+        for acc in step:
+            acc.zero_()
         for u, w, s in zip(updates, weights, scales):
             for acc, t, c in zip(step, u, center):
                 acc.add_(t.to(torch.float32) - c, alpha=float(w) * s / total)
-        center = [c + d for c, d in zip(center, step)]
+        for c, d in zip(center, step):
+            c.add_(d)
     return center, factors
 
 
