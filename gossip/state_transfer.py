@@ -77,8 +77,18 @@ class StateServer:
     async def start(self) -> None:
         await self.transport.serve(ids.STATE, self._handle)
 
-    def publish(self, snapshot: StateSnapshot) -> None:
+    def publish(self, snapshot: StateSnapshot | None) -> None:
+        """Serve ``snapshot`` from now on (None: nothing, until the next)."""
         self.snapshot = snapshot
+        self._digests = None  # (it refers to the snapshot it was computed for, and would keep it alive)
+
+    def renew(self, build: Callable[[], StateSnapshot]) -> None:
+        """Serve ``build()`` instead of the current snapshot, letting the current one go first: a snapshot is a
+        copy of the model's state (φ and momentum), and two of them side by side were a round's peak. A joiner
+        that asks meanwhile hears there is no state yet and asks another source; downloads under way keep
+        the snapshot they started with."""
+        self.publish(None)
+        self.publish(build())
 
     async def digests(self, snap: StateSnapshot) -> dict[str, str]:
         """Content digest of each tensor group of ``snap`` (computed once per snapshot, on first ask,

@@ -224,12 +224,12 @@ def estimate(cfg: NodeConfig, model_cfg: Any, device: str, free: tuple[int, int 
             rows.append(Row(f"error-feedback residual ({cfg.codec})", "RAM", p4))
         rows.append(Row(f"round buffers (Δ, decoded mean, {cfg.codec} payload)", "RAM", 2 * p4 + _payload_bytes(cfg.codec, params)))
         if stage is None:
-            # what a replica serves joiners is a copy of the round's φ (and momentum), renewed after every round; at the
-            # round's end the next copy (or the checkpoint's φ and θ) exists beside it for a moment
+            # what a replica serves joiners is a copy of the round's φ (and momentum), renewed after every round (the
+            # old copy goes first: gossip.state_transfer.StateServer.renew); a checkpoint copies φ and θ beside it
             held = p4 * (2 if momentum else 1)
             rows.append(Row(f"state served to joiners (φ{' + momentum' if momentum else ''}, copied each round)", "RAM", held))
-            rows.append(Row("round-end copies (the next state for joiners; a checkpoint's φ and θ)", "RAM",
-                            max(held, 2 * p4 if cfg.checkpoint_dir is not None else 0)))
+            if cfg.checkpoint_dir is not None:
+                rows.append(Row("a checkpoint's copies of φ and θ", "RAM", 2 * p4))
     if device == "cuda":
         rows.append(Row("CUDA context, workspaces, allocator slack", "VRAM", int(CUDA_SLACK * vram_total)))
     where = f"stage {stage[0]} of {stage[1]}" if stage else "whole model"

@@ -304,7 +304,7 @@ class StageServer:
 
     def publish_state(self) -> None:
         """Offer the stage's averaged weights and outer momentum to replicas that join or move in."""
-        self.state_server.publish(StateSnapshot(
+        self.state_server.renew(lambda: StateSnapshot(
             round=self.round,
             tensors={"params": [t.to("cpu", copy=True) for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
             fingerprint=fingerprint(self.phi),

@@ -376,14 +376,13 @@ class Daemon(NodeBase):
                     result.round, len(result.contributors), len(result.group), result.duration_s, result.gather_s, self.last_loss)
 
     def _publish_snapshot(self) -> None:
-        snap = StateSnapshot(
+        self.state_server.renew(lambda: StateSnapshot(
             round=self.round,
             tensors={"params": [t.to("cpu", copy=True) for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
             fingerprint=fingerprint(self.phi),
             meta={**run_settings(self.cfg), "error_feedback_decay": self.cfg.feedback_decay(),
                   SCHEDULE_STEP: self.trainer.steps - self.inner_step},
-        )
-        self.state_server.publish(snap)
+        ))
 
     # ---- throughput ----------------------------------------------------------------------------
     def _start_throughput(self) -> None:

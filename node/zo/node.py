@@ -276,7 +276,7 @@ class ZONode(NodeBase):
 
     def _publish_snapshot(self) -> None:
         self.snapshot_round = self.round
-        self.state_server.publish(StateSnapshot(
+        self.state_server.renew(lambda: StateSnapshot(
             round=self.round, tensors={"params": [p.detach().to("cpu", torch.float32).clone() for p in self.params]},
             fingerprint=self.fp, meta=self._meta()))
 
