@@ -173,7 +173,8 @@ class RoundExchange:
         # kept to serve: the wire parts only (decoded values of a lossy codec are a float32 copy of the model)
         self._contributions[contribution.round] = replace(contribution, decoded=[])
         event_in(self._ready, contribution.round).set()
-        for old in [r for r in self._contributions if r <= contribution.round - KEEP_ROUNDS]:
+        rounds = set(self._contributions) | set(self._ready) | set(self._groups) | set(self._served)  # (released or not)
+        for old in [r for r in rounds if r <= contribution.round - KEEP_ROUNDS]:
             self._contributions.pop(old, None)
             self._ready.pop(old, None)
             self._groups.pop(old, None)

@@ -168,7 +168,6 @@ def test_a_node_serves_its_last_two_rounds_and_keeps_only_their_wire_parts() -> 
     assert [("over" in a) for a in asyncio.run(serve_three_rounds())] == [True, False, False]
 
 
-
 def test_a_past_round_every_member_downloaded_is_released_and_one_still_owed_is_kept() -> None:
     """A past round's parts (a dense round: the model's size) were kept two rounds whoever still needed them:
     once every other member of its closed group has downloaded it whole, nobody may ask again."""
@@ -192,5 +191,7 @@ def test_a_past_round_every_member_downloaded_is_released_and_one_still_owed_is_
         assert 1 in exchange._contributions  # the latest round stays until the next is published
         publish(2)
         assert 1 not in exchange._contributions and 2 in exchange._contributions
+        publish(3)  # round 0's bookkeeping (released early) goes with its age
+        assert 0 not in exchange._ready and 0 not in exchange._groups and 0 not in exchange._served
 
     asyncio.run(rounds())
