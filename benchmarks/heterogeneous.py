@@ -7,7 +7,8 @@
 Each run is one ``node swarm`` of 4 real daemons on loopback with a fresh checkpoint folder; node i has seed
 S + i. Speeds come from ``--slowdown``: ``--base-slowdown`` B gives the peers B, B, 2B and 4B, so the four
 of them ask for 1.9 cores at most and the 2-core machine does not decide the speeds (B = 2; at B = 1
-the fast peers would compete for the CPU). Scenarios, each in both modes:
+the fast peers would compete for the CPU). Modes (``--modes``): ``fixed``, ``auto`` and ``overlap`` (``auto`` with
+``--overlap``: the round runs beside the next round's inner steps). Scenarios, each in every mode asked for:
 
 - ``speeds``: the four speeds for ``--duration`` seconds;
 - ``churn`` (``--churn-seeds``): the same, and peer 1 slows down a further 4× a third into the run
@@ -40,7 +41,8 @@ from typing import Any
 
 from benchmarks import results_io
 
-MODES = {"fixed": ["--inner-steps", "by-replicas"], "auto": ["--inner-steps", "auto"]}
+MODES = {"fixed": ["--inner-steps", "by-replicas"], "auto": ["--inner-steps", "auto"],
+         "overlap": ["--inner-steps", "auto", "--overlap"]}
 NODES = 4
 
 
@@ -81,11 +83,13 @@ def peer(n: dict[str, Any]) -> dict[str, Any]:
     rounds = n.get("rounds", [])
     train_s = n.get("train_s") or 0.0
     gather = sum(r["gather_s"] for r in rounds)
+    blocked = n.get("comm_wait_s", 0.0)
     start = rounds[0]["t"] - rounds[0]["duration_s"] if rounds else 0.0
     share = (lambda x: round(x / train_s, 4)) if train_s else (lambda x: None)
     return {
         "exit_code": n["exit_code"], "steps": n["steps"], "outer_rounds": n["outer_rounds"], "train_s": round(train_s, 2),
-        "training": share(n.get("inner_s", 0.0)), "waiting": share(gather), "exchanging": share(max(n.get("comm_wait_s", 0.0) - gather, 0.0)),
+        # an overlapped round's rendezvous runs beside training: only the time the loop was blocked counts
+        "training": share(n.get("inner_s", 0.0)), "waiting": share(min(gather, blocked)), "exchanging": share(max(blocked - gather, 0.0)),
         "steps_per_round": statistics.median(r["steps"] for r in rounds) if rounds else None,
         "out_of_sync": sum(not r["in_sync"] for r in rounds), "val_loss": n["val_loss"],
         "tokens": rounds[-1]["tokens"] if rounds else 0,
@@ -101,9 +105,10 @@ def time_to(curve: list[list[float]], target: float) -> float | None:
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    modes = list(dict.fromkeys(r["mode"] for r in runs))
     ok = [r for r in runs if "error" not in r]
     for scenario in sorted({r["scenario"] for r in ok}):
-        for mode in MODES:
+        for mode in modes:
             mine = [r for r in ok if r["scenario"] == scenario and r["mode"] == mode]
             if not mine:
                 continue
@@ -116,7 +121,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "tokens": statistics.mean(sum(p["tokens"] for p in r["peers"]) for r in mine),
                 "out_of_sync": sum(p["out_of_sync"] for r in mine for p in r["peers"]),
             }
-            if mode == "auto":
+            if mode != "fixed":
                 fractions = []
                 for r in mine:
                     fixed = next((f for f in ok if (f["scenario"], f["mode"], f["seed"]) == (scenario, "fixed", r["seed"])), None)
@@ -145,23 +150,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--churn-seeds", default="0")
     parser.add_argument("--base-slowdown", type=float, default=2.0)
     parser.add_argument("--eval-every", type=int, default=1)
+    parser.add_argument("--homogeneous", action=argparse.BooleanOptionalAction, default=True,
+                        help="per seed, a homogeneous swarm to the auto run's tokens")
+    parser.add_argument("--modes", default="fixed,auto", help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--extra", default="--batch-size 2 --threads 1 --eval-batches 8")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := [m for m in modes if m not in MODES]:
+        parser.error(f"--modes: unknown {', '.join(unknown)} (known: {', '.join(MODES)})")
     meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.heterogeneous", *argv])
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="heterogeneous-") as tmp:
         folder = Path(tmp)
         for seed in [int(s) for s in args.seeds.split(",") if s]:
-            for mode in MODES:
+            for mode in modes:
                 runs.append(run(args, "speeds", mode, seed, folder))
                 print(json.dumps({k: v for k, v in runs[-1].items() if k != "peers"}), flush=True)
-            auto = runs[-1]
-            if "error" not in auto:
+            auto = next((r for r in runs if (r["scenario"], r["mode"], r["seed"]) == ("speeds", "auto", seed)), None)
+            if args.homogeneous and auto is not None and "error" not in auto:
                 steps = round(statistics.mean(p["steps"] for p in auto["peers"]))
                 runs.append(run(args, "homogeneous", "auto", seed, folder, max_steps=steps))
         for seed in [int(s) for s in args.churn_seeds.split(",") if s]:
-            for mode in MODES:
+            for mode in modes:
                 runs.append(run(args, "churn", mode, seed, folder))
     summary = summarise(runs)
     results_io.write(args.out, {"options": vars(args) | {"out": str(args.out)}, "runs": runs, "summary": summary}, meta)

@@ -10,7 +10,7 @@ import torch
 
 from compression import memory
 from compression.base import Codec, check_finite, finite_range
-from compression.payload import DEFAULT_MAX_PAYLOAD_BYTES, Payload
+from compression.payload import Payload
 from compression.wire import owned_tensor_map, read_tensor
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -29,7 +29,7 @@ class NoCompression(Codec):
             # one copy in all, and the payload never aliases the input
             check_finite(x)
             draft = Payload(self.spec, self.version, tuple(x.shape), {"x": owned_tensor_map(x)})
-            return Payload.from_bytes(draft.to_bytes(), max_bytes=DEFAULT_MAX_PAYLOAD_BYTES << 4, max_numel=None)
+            return Payload.packed(draft, "x")
         out = memory.empty(x.shape, torch.float32)
         out.copy_(x)  # a private float32 copy, whatever the input's dtype and layout
         check_finite(out)

@@ -57,7 +57,7 @@ def check_tensor_map(value: Any, where: str) -> None:
         raise CodecError(f"{where}: {e}") from None
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError(f"{where}: tensor data must be bytes, got {type(data).__name__}")
-    itemsize = torch.empty((), dtype=WIRE_DTYPES[name]).element_size()
+    itemsize = WIRE_DTYPES[name].itemsize
     need = math.prod(shape) * itemsize
     have = len(data) if not isinstance(data, memoryview) else data.nbytes
     if have != need:

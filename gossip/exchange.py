@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
@@ -87,6 +88,11 @@ class ReducedShare:
     fingerprint: str
     parts: dict[int, bytes]
     decoded: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+# parts of at most this many values are decoded on the event loop (well under a millisecond with any codec); a
+# small model's ~240 parts each paid a thread hop before, which on 2 busy cores cost more than the decode
+INLINE_DECODE_NUMEL = 1 << 16
 
 
 def _decode_part(blob: bytes, i: int, spec: PartSpec, max_bytes: int) -> torch.Tensor:
@@ -299,8 +305,10 @@ class RoundExchange:
             if require(msg.body, "i", int) != i:
                 raise SchemaError(f"part {msg.body.get('i')} arrived where part {i} was expected")
             blob = require(msg.body, "payload", (bytes, memoryview))  # (a view of the frame: protocol.frames)
-            # off the loop: it serves others and reads the next part meanwhile
-            decoded.append(await asyncio.to_thread(_decode_part, blob, i, specs[i], stream.max_frame))
+            if math.prod(specs[i].shape) <= INLINE_DECODE_NUMEL:  # a thread hop costs more than decoding a small part
+                decoded.append(_decode_part(blob, i, specs[i], stream.max_frame))
+            else:  # off the loop: it serves others and reads the next part meanwhile
+                decoded.append(await asyncio.to_thread(_decode_part, blob, i, specs[i], stream.max_frame))
             parts.append(blob)
         self.rates.observe(peer, stream.bytes_received - before, time.monotonic() - started)
         return parts, decoded

@@ -231,3 +231,25 @@ def test_unknown_or_malformed_specs_list_the_valid_forms() -> None:
 @pytest.mark.parametrize("spec", ALL_SPECS)
 def test_inputs_are_not_modified_and_payloads_do_not_alias_them(spec: str) -> None:
     assert_encode_leaves_input_alone(get_codec(spec), torch.randn(64, 70))
+
+
+@pytest.mark.parametrize("numel", [0, 1, 63, 64, 16383, 16384, 20000])
+def test_a_packed_payload_equals_its_parse_without_parsing(numel: int) -> None:
+    """``Payload.packed`` (the dense fp32 fast path) hands out a view of the packed bytes at the tensor's
+    place, for every msgpack bin header (8, 16 and 32-bit lengths): the same fields a parse would give,
+    read-only, not aliasing the input; a draft laid out otherwise is parsed instead, to the same result."""
+    from compression.wire import owned_tensor_map
+
+    x = torch.randn(numel)
+    draft = Payload("none", 1, (numel,), {"x": owned_tensor_map(x)})
+    packed = Payload.packed(draft, "x")
+    parsed = Payload.from_bytes(packed.to_bytes(), max_numel=None)
+    assert packed.fields["x"]["dtype"] == parsed.fields["x"]["dtype"] and packed.fields["x"]["shape"] == [numel]
+    assert bytes(packed.fields["x"]["data"]) == bytes(parsed.fields["x"]["data"]) == x.numpy().tobytes()
+    assert packed.fields["x"]["data"].readonly
+    before = x.clone()
+    x.add_(1.0)
+    assert torch.equal(get_codec("none").decode(packed), before), "the payload does not alias its input"
+    reordered = Payload("none", 1, (numel,), {"x": owned_tensor_map(x), "n": 3})  # "x" is not the last field
+    fallback = Payload.packed(reordered, "x")
+    assert fallback.fields["n"] == 3 and bytes(fallback.fields["x"]["data"]) == x.numpy().tobytes()
