@@ -108,6 +108,24 @@ def test_honest_claims_up_to_4x_the_slowest_stand_whole(base, speedups, norm):
     assert supported_claims(norms, claims) == claims
 
 
+@given(base=st.integers(8, 500), speeds=st.lists(st.floats(1 / 16, 4.0), min_size=2, max_size=8), norm=st.floats(1e-3, 10.0))
+def test_honest_claims_up_to_4x_the_median_stand_whole_beside_slower_peers(base, speeds, norm):
+    """Peers of any speeds whose updates grow as √steps: every claim up to 4 × the lower-median claim stands
+    whole, however much slower the others are (a slow peer's short update once raised the reference: with
+    speeds 1, 1, ½ and ¼ the fast peers' claims were cut by 8 %)."""
+    claims = [base] + [max(1, round(base * k)) for k in speeds]
+    norms = [norm * math.sqrt(c / base) for c in claims]
+    m = sorted(claims)[(len(claims) - 1) // 2]
+    for claim, got in zip(claims, supported_claims(norms, claims)):
+        assert got == claim or claim > 4 * m * (1 - 1e-9), (claim, got, m)
+
+
+def test_the_measured_round_of_four_speeds_keeps_the_fast_claims_whole():
+    """A round seen live (tiny, 4 peers, --slowdown 2/2/4/8): claims 134, 130, 60 and 28 samples, norms 1.9,
+    1.87, 1.28 and 0.88 (√-like growth): nothing is cut now; the fast claims were cut to 123 and 121."""
+    assert supported_claims([1.9, 1.87, 1.28, 0.88], [134, 130, 60, 28]) == [134, 130, 60, 28]
+
+
 @given(honest=st.integers(2, 8), claim=st.integers(1, 10**4), lie=st.integers(1, 10**12))
 def test_a_claim_with_an_honest_norm_weighs_at_most_twice_an_honest_peer(honest, claim, lie):
     norms, claims = [1.0] * (honest + 1), [claim] * honest + [lie]

@@ -80,9 +80,10 @@ def _reference(peers, updates, samples, method, reject_ratio=100.0, trim=0.2, ma
     samples = [min(s, max_samples) if max_samples is not None else s for s in samples]
     norms = [_norm(u) for u in updates]
     if method in ("centered-clip", "sparse-clip", "median-clip", "trimmed-mean"):
-        # a claim weighs at most twice the samples its norm stands for, never below the lower-median claim
+        # a claim weighs at most twice the samples its norm stands for, never below the lower-median claim m;
+        # the reference is the norm per sample of an update of m samples, a shorter one brought there as √
         m = _lower_median(samples)
-        positive = [n / max(1, min(s, m)) for n, s in zip(norms, samples) if n > 0]
+        positive = [n * math.sqrt(max(1, m) / max(1, min(s, m))) / max(1, m) for n, s in zip(norms, samples) if n > 0]
         if positive:
             r = _lower_median(positive)
             support = [max(m, math.ceil(2.0 * n / r)) for n in norms]
