@@ -27,7 +27,10 @@ with the same initial weights on every worker (``torch.manual_seed(seed)`` befor
   ``matchmaking_time`` 1 s and ``averaging_timeout`` 10 s: with hivemind's default background averaging
   and epochs of a few seconds, peers drift into different epochs, miss each other's groups and each
   round waits out the averaging timeout (``--background`` restores hivemind's default). The peers
-  start and stop together (file barriers), as the gloo workers do.
+  start and stop together (file barriers), as the gloo workers do. ``--slowdown S`` sleeps (S − 1) × each
+  step's forward and backward (the node's ``--slowdown``) and ``--duration`` stops a worker after that many
+  seconds (``benchmarks.heterogeneous``: peers of different speeds); ``inner_s`` in the result is the time in
+  forward, backward and the steps' share of ``Optimizer.step`` up to its median.
 """
 
 from __future__ import annotations
@@ -266,28 +269,37 @@ def run_hivemind(args: argparse.Namespace) -> None:
     epochs: list[int] = []
     t_start = time.time()
     started = time.perf_counter()
+    compute_s = 0.0  # forward, backward and clipping, with --slowdown's sleep
     for step in range(args.steps):
+        if args.duration and time.perf_counter() - started >= args.duration:
+            break
         lr = w.lr_at(step)
         for group in inner.param_groups:
             group["lr"] = lr
+        t0 = time.perf_counter()
         w.forward_backward()
         torch.nn.utils.clip_grad_norm_(w.params, 1.0)
+        if args.slowdown > 1:  # as the node's --slowdown: this peer's compute takes that many times as long
+            time.sleep((args.slowdown - 1) * (time.perf_counter() - t0))
+        compute_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         opt.step()
         step_s.append(time.perf_counter() - t0)
         epochs.append(opt.local_epoch)
-        w.maybe_eval(step + 1, (step + 1) * w.tokens_per_step * args.world)
+        w.maybe_eval(len(step_s), len(step_s) * w.tokens_per_step * args.world)
     try:  # take in a background averaging round still in flight before the final evaluation
         opt.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
     except Exception as e:  # noqa: BLE001 - a failed last round is data, not a crash
         logging.getLogger(__name__).warning("last averaging round: %s", e)
-    w.maybe_eval(args.steps, args.steps * w.tokens_per_step * args.world, force=True)
+    w.maybe_eval(len(step_s), len(step_s) * w.tokens_per_step * args.world, force=True)
     wall = time.perf_counter() - started
     median = statistics.median(step_s) if step_s else 0.0
     comm = sum(max(0.0, s - median) for s in step_s)
+    inner_s = compute_s + sum(min(s, median) for s in step_s)  # the steps without averaging's share of Optimizer.step
     width = BYTES_PER_VALUE[args.compression]
     n_bytes = sum(2 * (n - 1) / n * width * w.num_params for n in counter.groups if n > 1)
-    w.write(kind="hivemind", t_start=t_start, t_end=time.time(), wall_s=wall, comm_wait_s=comm,
+    w.write(kind="hivemind", t_start=t_start, t_end=time.time(), wall_s=wall, comm_wait_s=comm, inner_s=inner_s,
+            slowdown=args.slowdown,
             comm_wait_method="measured: time inside hivemind.Optimizer.step above its median step",
             bytes_sent=int(n_bytes),
             bytes_method=f"estimate: 2(n-1)/n x {width} x params per averaging round of n peers (butterfly all-reduce, "
@@ -329,6 +341,9 @@ def main() -> None:
                          "this worker averages inside step (False): with epochs of a few seconds the background mode "
                          "lets peers drift into different epochs, miss each other's groups and wait out averaging_timeout")
     hm.add_argument("--timeout", type=float, default=300)
+    hm.add_argument("--slowdown", type=float, default=1.0,
+                    help="experiments: sleep (S - 1) x each step's forward and backward (the node's --slowdown)")
+    hm.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds of training (0: --steps only)")
     args = parser.parse_args()
     if args.kind == "ddp":
         run_ddp(args)

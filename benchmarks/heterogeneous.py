@@ -8,7 +8,10 @@ Each run is one ``node swarm`` of 4 real daemons on loopback with a fresh checkp
 S + i. Speeds come from ``--slowdown``: ``--base-slowdown`` B gives the peers B, B, 2B and 4B, so the four
 of them ask for 1.9 cores at most and the 2-core machine does not decide the speeds (B = 2; at B = 1
 the fast peers would compete for the CPU). Modes (``--modes``): ``fixed``, ``auto`` and ``overlap`` (``auto`` with
-``--overlap``: the round runs beside the next round's inner steps). Scenarios, each in every mode asked for:
+``--overlap``: the round runs beside the next round's inner steps), and ``hivemind``: ``hivemind.Optimizer`` with a
+target batch of H = 50 steps × 4 peers' batches (``benchmarks.baselines hivemind``, the same model, data, inner
+AdamW and slowdowns; parameters averaged each time the swarm's samples reach it, so a fast peer contributes more
+of each epoch), in the ``speeds`` scenario only. Scenarios, each in every mode asked for:
 
 - ``speeds``: the four speeds for ``--duration`` seconds;
 - ``churn`` (``--churn-seeds``): the same, and peer 1 slows down a further 4× a third into the run
@@ -44,10 +47,12 @@ from benchmarks import results_io
 MODES = {"fixed": ["--inner-steps", "by-replicas"], "auto": ["--inner-steps", "auto"],
          "overlap": ["--inner-steps", "auto", "--overlap"]}
 NODES = 4
+HIVEMIND = "hivemind"  # hivemind.Optimizer's target batch on the same peers (benchmarks.baselines), not a node mode
+HIVEMIND_H = 50  # one epoch = the by-replicas table's H for 4 replicas, times 4 peers' batches
 
 
 def node_args(base: float, churn: bool, duration: float) -> list[str]:
-    speeds = [base, base, 2 * base, 4 * base]
+    speeds = speeds_of(base)
     args = [f"{i}:--slowdown {s:g}" for i, s in enumerate(speeds)]
     if churn:
         args[1] += f" --slowdown-after {duration / 3:.0f}"
@@ -58,7 +63,67 @@ def node_args(base: float, churn: bool, duration: float) -> list[str]:
     return out
 
 
+def speeds_of(base: float) -> list[float]:
+    """Each peer's ``--slowdown``."""
+    return [base, base, 2 * base, 4 * base]
+
+
+def run_hivemind(args: argparse.Namespace, seed: int, folder: Path) -> dict[str, Any]:
+    """The ``speeds`` scenario with ``hivemind.Optimizer`` (``benchmarks.baselines hivemind``): 4 workers of the same
+    speeds for ``--duration`` s, averaging parameters whenever the swarm's samples reach the target batch."""
+    extra = argparse.ArgumentParser(add_help=False)
+    for flag, default in (("--batch-size", 2), ("--threads", 1), ("--eval-batches", 8)):
+        extra.add_argument(flag, type=int, default=default)
+    known, _ = extra.parse_known_args(shlex.split(args.extra))
+    rdv = folder / f"speeds-{HIVEMIND}-{seed}"
+    rdv.mkdir(parents=True, exist_ok=True)
+    procs = []
+    started = time.monotonic()
+    for rank, slowdown in enumerate(speeds_of(args.base_slowdown)):
+        cmd = [sys.executable, "-m", "benchmarks.baselines", "hivemind", "--rank", str(rank), "--world", str(NODES),
+               "--rendezvous", str(rdv), "--out", str(rdv / f"worker{rank}.json"), "--model", args.model,
+               "--batch-size", str(known.batch_size), "--threads", str(known.threads), "--eval-batches", str(known.eval_batches),
+               "--steps", "100000000", "--duration", str(args.duration), "--slowdown", f"{slowdown:g}",
+               "--inner-steps", str(HIVEMIND_H), "--eval-every", str(args.hivemind_eval_steps), "--seed", str(seed),
+               "--run-id", f"heterogeneous-{seed}", "--timeout", str(args.duration + 300)]
+        with open(rdv / f"worker{rank}.log", "w") as log:  # (hivemind logs a lot: a pipe would fill and stall it)
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+    errors = []
+    for rank, proc in enumerate(procs):
+        try:
+            proc.wait(timeout=max(1.0, args.duration * 3 + 300 - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.returncode != 0:
+            errors.append(f"worker {rank} exited with {proc.returncode}: " + (rdv / f"worker{rank}.log").read_text()[-1500:])
+    wall = time.monotonic() - started
+    results = [rdv / f"worker{rank}.json" for rank in range(NODES)]
+    if errors or not all(r.exists() for r in results):
+        return {"scenario": "speeds", "mode": HIVEMIND, "seed": seed, "error": "\n".join(errors) or "a worker wrote no result"}
+    workers = [json.loads(r.read_text()) for r in results]
+    return {"scenario": "speeds", "mode": HIVEMIND, "seed": seed, "wall_s": round(wall, 1),
+            "peers": [hivemind_peer(w) for w in workers]}
+
+
+def hivemind_peer(w: dict[str, Any]) -> dict[str, Any]:
+    """A hivemind worker's result in this benchmark's terms: its blocked time inside ``Optimizer.step`` (matchmaking
+    and averaging; hivemind does not tell the two apart) counts as waiting."""
+    wall = w["wall_s"]
+    tokens_per_step = w["batch_size"] * w["context"]
+    return {
+        "exit_code": 0, "steps": w["steps"], "outer_rounds": w["epochs"], "train_s": round(wall, 2),
+        "training": round(w["inner_s"] / wall, 4), "waiting": round(w["comm_wait_s"] / wall, 4), "exchanging": 0.0,
+        "steps_per_round": round(w["steps"] / max(1, w["epochs"]), 1), "out_of_sync": w["out_of_sync"],
+        "val_loss": w["val_loss"], "tokens": w["tokens"],
+        "curve": [[round(e["t"] - w["t_start"], 2), e["step"] * tokens_per_step, round(e["val_loss"], 4)] for e in w["evals"]],
+        "first_round_t": round(w["t_start"], 2),
+    }
+
+
 def run(args: argparse.Namespace, scenario: str, mode: str, seed: int, folder: Path, max_steps: int | None = None) -> dict[str, Any]:
+    if mode == HIVEMIND:
+        return run_hivemind(args, seed, folder)
     name = f"{scenario}-{mode}-{seed}"
     report = folder / f"{name}.json"
     cmd = [sys.executable, "-m", "node", "swarm", "--nodes", str(NODES), "--model", args.model, "--duration", str(args.duration),
@@ -152,13 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=1)
     parser.add_argument("--homogeneous", action=argparse.BooleanOptionalAction, default=True,
                         help="per seed, a homogeneous swarm to the auto run's tokens")
-    parser.add_argument("--modes", default="fixed,auto", help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--modes", default="fixed,auto", help=f"comma-separated, of {', '.join([*MODES, HIVEMIND])}")
+    parser.add_argument("--hivemind-eval-steps", type=int, default=60,
+                        help="the hivemind workers evaluate every this many of their steps (the nodes: every round)")
     parser.add_argument("--extra", default="--batch-size 2 --threads 1 --eval-batches 8")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    if unknown := [m for m in modes if m not in MODES]:
-        parser.error(f"--modes: unknown {', '.join(unknown)} (known: {', '.join(MODES)})")
+    if unknown := [m for m in modes if m not in MODES and m != HIVEMIND]:
+        parser.error(f"--modes: unknown {', '.join(unknown)} (known: {', '.join([*MODES, HIVEMIND])})")
     meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.heterogeneous", *argv])
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="heterogeneous-") as tmp:
@@ -172,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps = round(statistics.mean(p["steps"] for p in auto["peers"]))
                 runs.append(run(args, "homogeneous", "auto", seed, folder, max_steps=steps))
         for seed in [int(s) for s in args.churn_seeds.split(",") if s]:
-            for mode in modes:
+            for mode in [m for m in modes if m != HIVEMIND]:  # (hivemind runs the speeds scenario only)
                 runs.append(run(args, "churn", mode, seed, folder))
     summary = summarise(runs)
     results_io.write(args.out, {"options": vars(args) | {"out": str(args.out)}, "runs": runs, "summary": summary}, meta)

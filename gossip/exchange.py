@@ -33,6 +33,7 @@ import torch
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
 from compression import CodecError, ErrorFeedback, Payload, get_codec
+from compression.payload import SMALL_PAYLOAD_BYTES
 from compression.base import all_finite
 from compression.seeds import payload_seed
 from gossip.failures import failure_reason
@@ -90,9 +91,10 @@ class ReducedShare:
     decoded: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-# parts of at most this many values are decoded on the event loop (well under a millisecond with any codec); a
-# small model's ~240 parts each paid a thread hop before, which on 2 busy cores cost more than the decode
-INLINE_DECODE_NUMEL = 1 << 16
+# parts of at most this many values (in at most SMALL_PAYLOAD_BYTES, parsed by msgpack's C parser) are decoded
+# on the event loop, well under a millisecond with any codec; a small model's ~240 parts each paid a thread hop
+# before, which on 2 busy cores cost more than the decode
+INLINE_DECODE_NUMEL = 1 << 15
 
 
 def _decode_part(blob: bytes, i: int, spec: PartSpec, max_bytes: int) -> torch.Tensor:
@@ -305,7 +307,9 @@ class RoundExchange:
             if require(msg.body, "i", int) != i:
                 raise SchemaError(f"part {msg.body.get('i')} arrived where part {i} was expected")
             blob = require(msg.body, "payload", (bytes, memoryview))  # (a view of the frame: protocol.frames)
-            if math.prod(specs[i].shape) <= INLINE_DECODE_NUMEL:  # a thread hop costs more than decoding a small part
+            # a thread hop costs more than decoding a small part; a blob longer than its part needs (a hostile
+            # one, parsed value by value) goes to the thread like a large part, off the loop
+            if math.prod(specs[i].shape) <= INLINE_DECODE_NUMEL and len(blob) <= SMALL_PAYLOAD_BYTES:
                 decoded.append(_decode_part(blob, i, specs[i], stream.max_frame))
             else:  # off the loop: it serves others and reads the next part meanwhile
                 decoded.append(await asyncio.to_thread(_decode_part, blob, i, specs[i], stream.max_frame))
