@@ -14,8 +14,9 @@ AdamW and slowdowns; parameters averaged each time the swarm's samples reach it,
 of each epoch), in the ``speeds`` scenario only. Scenarios, each in every mode asked for:
 
 - ``speeds``: the four speeds for ``--duration`` seconds;
-- ``churn`` (``--churn-seeds``): the same, and peer 1 slows down a further 4× a third into the run
-  (``--slowdown-after``), and peer 3 is killed 2 s in and restarted 20 s later (it joins late,
+- ``churn`` (``--churn-seeds``): the same, except that peer 1 runs unslowed (twice the fast peers' speed) for a
+  third of the run and then 8× slower (``--slowdown 8 --slowdown-after``: a quarter of their speed),
+  and peer 3 is killed 2 s in and restarted 20 s later (it joins late,
   downloading the swarm's state);
 - ``homogeneous`` (per seed of ``speeds``): four peers at the fast speed, each stopping after the mean
   inner steps of that seed's ``auto`` run: the same total tokens, for the quality comparison.

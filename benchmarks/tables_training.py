@@ -341,17 +341,20 @@ def heterogeneous(r: Results) -> str:
                      " / ".join(f"{p['steps_per_round']:g}" for p in peers), loss(statistics.mean(p["val_loss"] for p in peers)),
                      f"{sum(p['tokens'] for p in peers) / 1e6:.2f} M"])
     s = d["summary"]
-    reached = [f"{k.split('/')[1]} {100 * f:.0f} %" if f is not None else f"{k.split('/')[1]} not reached"
+    reached = [f"{k} {100 * f:.0f} %" if f is not None else f"{k} not reached"
                for k, v in s.items() for f in v.get("time_to_fixed_loss", [])]
     what = (f"4 daemons of `{o['model']}` on loopback, one 2-core machine, `{o['extra']}`, `--slowdown` "
             f"{float(o['base_slowdown']):g} / {float(o['base_slowdown']):g} / {2 * float(o['base_slowdown']):g} / "
             f"{4 * float(o['base_slowdown']):g} (speeds 1, 1, ½, ¼), {float(o['duration']):g} s each, a fresh checkpoint "
-            "folder per run. `churn`: peer 1 slows down 4× more a third into the run, peer 3 is killed 2 s in and restarted 20 s "
-            "later. `homogeneous`: four peers at the fast speed, each to the mean inner steps of that seed's `auto` run. "
-            "`overlap`: `auto` with `--overlap` (each round runs beside the next round's inner steps). "
+            "folder per run. `churn`: peer 1 runs unslowed (twice the fast peers' speed) for a third of the run, then "
+            "8× slower (a quarter of theirs), peer 3 is killed 2 s in and restarted 20 s later. `homogeneous`: four peers at the fast speed, each to the mean inner steps of that seed's `auto` run. "
+            "`overlap`: `auto` with `--overlap` (each round runs beside the next round's inner steps). `hivemind`: "
+            "hivemind.Optimizer on the same peers, model, data, inner AdamW and slowdowns, averaging parameters each time "
+            "the swarm's samples reach a target batch of 50 steps × 4 peers' batches (its waiting: all of its time blocked "
+            "in `Optimizer.step` beyond a step's median, matchmaking and averaging together). "
             "Training / waiting: shares of each peer's training loop in inner steps and at the rendezvous (peers 0 / 1 / 2 / 3). "
             f"Held-out loss: mean over the peers at the end. Time to reach the fixed-H run's final held-out loss, "
-            f"as a share of the fixed-H run's time (peer 0): {', '.join(reached) or 'no curve'}.")
+            f"as a share of the fixed-H run's time (peer 0; scenario/mode, one per seed): {', '.join(reached) or 'no curve'}.")
     header = ["scenario", "H", "seed", "training", "waiting", "steps per round", "held-out loss", "tokens"]
     return r.caption("heterogeneous.json", what=what) + "\n\n" + table(header, rows)
 
