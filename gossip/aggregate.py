@@ -13,9 +13,10 @@ sample (‖Δ‖ / samples), because an honest peer's update grows with the inne
 
 The robust methods also bound a claim by what its update shows (:func:`supported_claims`): no claim
 weighs more than ``SUPPORT_FACTOR`` × the samples its norm stands for at the norm per sample of the
-round's lower-median claim (shorter updates brought there as √steps), and none is cut below that claim. Under time pacing a round may hold
-up to 20 × the median's steps, so the run's cap alone let a member that claims 10⁹ samples with an
-honest update take ~90 % of a round of three; now it weighs at most twice an honest peer of its norm.
+round's lower-median claim (shorter updates brought there as √steps), and none is cut below that claim.
+Under time pacing a round may hold up to 20 × the median's steps, so the run's cap alone let a member
+that claims 10⁹ samples with an honest update take ~90 % of a round of three; now it weighs at most
+twice an honest peer of its norm.
 An honest peer that took k times the median's steps has an update about √k (independent steps) to k
 (aligned steps) times as long, so its claim stands up to k = 4 whole, and a faster peer's weight is
 cut to 2√k × the median's, never refused.
@@ -107,9 +108,11 @@ def supported_claims(norms: Sequence[float], samples: Sequence[int], factor: flo
     cannot make its own norm per sample the reference, and a claim of 1 with a huge norm cuts no honest
     claim below m. A shorter update is brought to m samples as √ (independent steps, the slowest honest
     growth): divided linearly, a slow peer's short update looked long per sample, raised r and cut honest
-    fast peers (4 peers of speeds 1, 1, ½, ¼: claims of 2.2 × m cut by 8 %). Unchanged when no norm is positive."""
+    fast peers (4 peers of speeds 1, 1, ½, ¼: claims of 2.2 × m cut by 8 %). Unchanged when no norm is
+    positive."""
     m = _lower_median(samples) if samples else 0
-    per_sample = [x for x in (n * math.sqrt(max(1, m) / max(1, min(s, m))) / max(1, m) for n, s in zip(norms, samples)) if x > 0]
+    at_m = (n * math.sqrt(max(1, m) / max(1, min(s, m))) for n, s in zip(norms, samples))  # each norm at m samples
+    per_sample = [x for x in (n / max(1, m) for n in at_m) if x > 0]
     if not per_sample:
         return list(samples)
     ref = _lower_median(per_sample)
