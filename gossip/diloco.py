@@ -44,7 +44,7 @@ from hivemind.dht.node import DHTNode
 from compression import ErrorFeedback
 from gossip.aggregate import ROBUST
 from gossip.byzantine import Attacker
-from gossip.exchange import Contribution, PartSpec, ReducedShare, RoundExchange
+from gossip.exchange import Contribution, ReducedShare, RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.group_round import GroupAverager, RoundResult
 from gossip.group_rendezvous import GroupedRendezvous
@@ -56,6 +56,7 @@ from gossip.reduce_scatter import assign_owners, bounded_unseen, implausible_sha
 from gossip.rendezvous import Reachable
 from gossip.screen_votes import agree_on_screen
 from gossip.votes import Tenure, vote
+from gossip.wire_parts import PartSpec
 from protocol.records import RoundEntry
 
 logger = logging.getLogger(__name__)

@@ -24,21 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
-from compression import CodecError, ErrorFeedback, Payload, get_codec
-from compression.payload import SMALL_PAYLOAD_BYTES
-from compression.base import all_finite
+from compression import CodecError, ErrorFeedback, get_codec
 from compression.seeds import payload_seed
 from gossip.failures import failure_reason
 from gossip.round_waits import RoundWaits, event_in
 from gossip.transfer_rates import TransferRates
+from gossip.wire_parts import Layout, PartSpec, decode_received, fixed_layout
 from protocol import ids
 from protocol.errors import ProtocolError, SchemaError, TruncatedFrame
 from protocol.frames import FramedStream, require, require_token
@@ -61,23 +59,6 @@ class Contribution:
     decoded: list[torch.Tensor] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class PartSpec:
-    """Shape and codec of one wire part."""
-
-    shape: tuple[int, ...]
-    codec: str
-
-
-Layout = Callable[[int], Sequence[PartSpec]]
-
-
-def fixed_layout(codec: str, shapes: Sequence[Sequence[int]]) -> Layout:
-    """Every round sends the same parts with the same codec."""
-    specs = [PartSpec(tuple(s), get_codec(codec).spec) for s in shapes]
-    return lambda _round: specs
-
-
 @dataclass
 class ReducedShare:
     """An owner's reduced parts of a round: the weighted mean over ``contributors`` (samples in all),
@@ -89,27 +70,6 @@ class ReducedShare:
     fingerprint: str
     parts: dict[int, bytes]
     decoded: dict[int, torch.Tensor] = field(default_factory=dict)
-
-
-# parts of at most this many values (in at most SMALL_PAYLOAD_BYTES, parsed by msgpack's C parser) are decoded
-# on the event loop, well under a millisecond with any codec; a small model's ~240 parts each paid a thread hop
-# before, which on 2 busy cores cost more than the decode
-INLINE_DECODE_NUMEL = 1 << 15
-
-
-def _decode_part(blob: bytes, i: int, spec: PartSpec, max_bytes: int) -> torch.Tensor:
-    """Part ``i`` of a round decoded from its blob, checked against its spec (codec, shape, finite values);
-    a read-only view into ``blob`` where the codec is lossless."""
-    codec = get_codec(spec.codec)
-    payload = Payload.from_bytes(blob, max_bytes=max_bytes, expected_shape=spec.shape)
-    if payload.codec != codec.spec:
-        raise SchemaError(f"part {i} is encoded with {payload.codec!r}, expected {codec.spec!r}")
-    value = codec.decode_view(payload)
-    if tuple(value.shape) != spec.shape:
-        raise SchemaError(f"part {i} has shape {list(value.shape)}, expected {list(spec.shape)}")
-    if not all_finite(value):
-        raise SchemaError(f"part {i} holds NaN or Inf")
-    return value
 
 
 class ExchangeError(Exception):
@@ -307,12 +267,7 @@ class RoundExchange:
             if require(msg.body, "i", int) != i:
                 raise SchemaError(f"part {msg.body.get('i')} arrived where part {i} was expected")
             blob = require(msg.body, "payload", (bytes, memoryview))  # (a view of the frame: protocol.frames)
-            # a thread hop costs more than decoding a small part; a blob longer than its part needs (a hostile
-            # one, parsed value by value) goes to the thread like a large part, off the loop
-            if math.prod(specs[i].shape) <= INLINE_DECODE_NUMEL and len(blob) <= SMALL_PAYLOAD_BYTES:
-                decoded.append(_decode_part(blob, i, specs[i], stream.max_frame))
-            else:  # off the loop: it serves others and reads the next part meanwhile
-                decoded.append(await asyncio.to_thread(_decode_part, blob, i, specs[i], stream.max_frame))
+            decoded.append(await decode_received(blob, i, specs[i], stream.max_frame))
             parts.append(blob)
         self.rates.observe(peer, stream.bytes_received - before, time.monotonic() - started)
         return parts, decoded

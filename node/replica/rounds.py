@@ -19,7 +19,7 @@ import torch
 from compression import ErrorFeedback
 from gossip.diloco import DiLoCoAverager
 from gossip.group_round import RoundResult
-from gossip.exchange import PartSpec
+from gossip.wire_parts import PartSpec
 from gossip.fragments import assign_fragments, fragment_of_round, merge_fragment
 from gossip.noloco import NoLoCoAverager
 from gossip.reduce_scatter import wire_partition
