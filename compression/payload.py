@@ -76,11 +76,11 @@ class Payload:
         view of the packed bytes: the result no longer aliases the memory ``draft`` pointed at, and nothing is
         parsed back (a dense codec's small parts used to spend most of their encoding in that parse)."""
         raw = draft.to_bytes()
-        value = draft.fields.get(tail)
-        data = value.get("data") if isinstance(value, dict) else None
-        n = (data.nbytes if isinstance(data, memoryview) else len(data)) if isinstance(data, (bytes, memoryview)) else -1
-        header = _bin_header(n) if n >= 0 and list(draft.fields)[-1] == tail and list(value)[-1] == "data" else b"?"
-        if raw[len(raw) - n - len(header):len(raw) - n] != header:  # not laid out as expected: parse it instead
+        value = draft.fields[tail]
+        n = memoryview(value["data"]).nbytes
+        header = _bin_header(n)
+        last = list(draft.fields)[-1] == tail and list(value)[-1] == "data"
+        if not last or raw[len(raw) - n - len(header):len(raw) - n] != header:  # laid out otherwise: parse it
             return cls.from_bytes(raw, max_bytes=len(raw), max_numel=None)
         fields = {**draft.fields, tail: {**value, "data": memoryview(raw)[len(raw) - n:]}}
         payload = cls(draft.codec, draft.version, draft.shape, fields)
