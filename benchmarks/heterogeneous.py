@@ -44,12 +44,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import results_io
+from node.config.defaults import steps_for_replicas
 
 MODES = {"fixed": ["--inner-steps", "by-replicas"], "auto": ["--inner-steps", "auto"],
          "overlap": ["--inner-steps", "auto", "--overlap"]}
 NODES = 4
 HIVEMIND = "hivemind"  # hivemind.Optimizer's target batch on the same peers (benchmarks.baselines), not a node mode
-HIVEMIND_H = 50  # one epoch = the by-replicas table's H for 4 replicas, times 4 peers' batches
+HIVEMIND_H = steps_for_replicas(NODES)  # one epoch = the by-replicas table's H for these peers, times their batches
 
 
 def node_args(base: float, churn: bool, duration: float) -> list[str]:
