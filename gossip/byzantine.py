@@ -22,6 +22,12 @@ Two attacks leave the update alone and abuse the protocol around it (a modified 
   records, so that every member would wait ~10³⁰² s for its update.
 - ``future``: at each of its rounds, asks every member for its contributions to the next
   ``FUTURE_ROUNDS`` rounds, holding the requests open (they once filled every member's wait pool).
+- ``relayed``: at each of its rounds, opens relayed streams to every member, each naming a made-up origin
+  and asking for the whole state (``gossip.relay_flood``): per-client limits keyed on the origin once
+  never bound them.
+- ``state``: serves joiners its φ with the sign flipped (:func:`served_params`), announcing the swarm's
+  round; a joiner that took the first peer it ranked (ties once went to the lowest id, which is free to
+  grind) adopted it.
 
 One attack is a pipeline trainer's (``--role trainer``; a stage replica takes the others, ``samples``
 above all):
@@ -47,8 +53,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ATTACKS = ("samples", "scale", "sign", "noise", "alie", "ipm", "stale", "concentrate", "cap", "future", "activations")
-PROTOCOL_ATTACKS = ("cap", "future", "activations")  # they leave the update alone
+ATTACKS = ("samples", "scale", "sign", "noise", "alie", "ipm", "stale", "concentrate", "cap", "future", "relayed", "state",
+           "activations")
+PROTOCOL_ATTACKS = ("cap", "future", "relayed", "state", "activations")  # they leave the update alone
 TRAINER_ATTACKS = ("activations",)  # a pipeline trainer's; the others are a replica's or a stage replica's
 LYING_UP_MBIT = 1e-300
 FUTURE_ROUNDS = 16
@@ -85,6 +92,12 @@ def announced_up_mbit(spec: str | None, honest: float) -> float:
     """The upload cap a node with attacks ``spec`` (None: none) announces: its ``honest`` one, or the
     ``cap`` attack's lie."""
     return LYING_UP_MBIT if spec and any(name == "cap" for name, _ in parse_attacks(spec)) else honest
+
+
+def served_params(phi: Sequence[torch.Tensor], attacker: "Attacker | None") -> list[torch.Tensor]:
+    """A CPU copy of φ as a node serves it to joiners: as it is, or, under the ``state`` attack, sign-flipped."""
+    out = [t.to("cpu", copy=True) for t in phi]
+    return [t.neg_() for t in out] if attacker is not None and attacker.does("state") else out
 
 
 def _norm(update: Sequence[torch.Tensor]) -> float:

@@ -22,6 +22,7 @@ from gossip.byzantine import FUTURE_ROUNDS, LYING_UP_MBIT, Attacker
 from gossip.deadline import AdaptiveDeadline
 from gossip.exchange import RoundExchange
 from gossip.partition import Partition
+from gossip.relay_flood import RelayFlood
 from gossip.scores import ContributionScorer
 from gossip.transfer_rates import MAX_SLACK_FACTOR
 from protocol.ratelimit import RateLimits, announced_seconds
@@ -76,6 +77,8 @@ class GroupAverager:
         self.max_samples, self.attacker = max_samples, attacker
         self.deadline = AdaptiveDeadline.for_timeout(gather_timeout, back_off=self.back_off)
         self._asked_ahead: set[asyncio.Future] = set()  # the ``future`` attack's open requests
+        self._flood: RelayFlood | None = None  # the ``relayed`` attack (gossip.relay_flood)
+        self._flooding: asyncio.Future | None = None
 
     @property
     def limits(self) -> RateLimits:
@@ -123,9 +126,13 @@ class GroupAverager:
                          claim_factor=self.claim_factor)
 
     def ask_ahead(self, round_no: int, peers: Sequence[str]) -> None:
-        """Experiments only (the ``future`` attack, ``gossip.byzantine``): ask each of ``peers`` for its
-        contributions to the next ``FUTURE_ROUNDS`` rounds, leaving the requests open. Does nothing
-        on an honest node."""
+        """Experiments only (the protocol attacks of ``gossip.byzantine``), in the background: ``future`` asks
+        each of ``peers`` for its contributions to the next ``FUTURE_ROUNDS`` rounds, leaving the requests
+        open; ``relayed`` floods them with relayed streams from made-up origins (``gossip.relay_flood``).
+        Does nothing on an honest node."""
+        if self.attacker is not None and self.attacker.does("relayed") and (self._flooding is None or self._flooding.done()):
+            self._flood = self._flood or RelayFlood(self.exchange.transport, self.run_id)
+            self._flooding = asyncio.ensure_future(self._flood.round(peers))
         if self.attacker is None or not self.attacker.does("future"):
             return
 

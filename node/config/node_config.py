@@ -203,7 +203,8 @@ class NodeConfig(DerivedSettings, BaseModel):
     attack: str | None = option(
         None, "Experiments only: this node attacks the swarm, sending ATTACK[,ATTACK] instead of its honest update: samples, "
         "scale:K, sign, noise, alie, ipm, stale, concentrate; or abuses the protocol around an honest update: cap (announces a "
-        "10^-300 Mbit/s upload cap), future (asks every member for 16 future rounds); in a pipeline, a stage replica takes these "
+        "10^-300 Mbit/s upload cap), future (asks every member for 16 future rounds), relayed (floods every member with relayed "
+        "streams from made-up origins), state (serves joiners a sign-flipped state); in a pipeline, a stage replica takes these "
         "and a trainer activations:K (multiplies what it sends to stages 1+ by K) (gossip/byzantine.py; node swarm --byzantine I:ATTACK)", OPS)
     slowdown: float = option(1.0, "Experiments: make every inner step this many times slower, to emulate slower hardware", OPS,
                              ge=1, le=100)

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from compression import ErrorFeedback, feedback_state, load_feedback_state
-from gossip.byzantine import Attacker
+from gossip.byzantine import Attacker, served_params
 from gossip.diloco import DiLoCoAverager
 from gossip.group_round import RoundResult
 from gossip.exchange import RoundExchange
@@ -306,7 +306,7 @@ class StageServer:
         """Offer the stage's averaged weights and outer momentum to replicas that join or move in."""
         self.state_server.renew(lambda: StateSnapshot(
             round=self.round,
-            tensors={"params": [t.to("cpu", copy=True) for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
+            tensors={"params": served_params(self.phi, self.averager.attacker), "outer_momentum": self.outer.state_tensors(self.phi)},
             fingerprint=fingerprint(self.phi),
             meta={"model": self.cfg.model, "stage": self.stage, "stages": self.cfg.stages, "first_round": self.outer.first_round,
                   "model_config": self.model_cfg.to_dict(), "checkfree_plus": self.cfg.checkfree_plus,

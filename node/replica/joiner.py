@@ -32,6 +32,10 @@ from node.errors import JoinRefused
 
 logger = logging.getLogger("locomesh.node")
 STATE_TIMEOUT_S = 120.0  # a whole state download, plus what --max-download-mbit adds
+# a join asks again this many times, a second apart, when the peers' headers show no majority: a round that
+# was ending splits honest peers between two states for a moment, and each peer's own header would otherwise
+# be trusted, so a liar at the round the others just left had even odds of being a joiner's source
+NO_MAJORITY_RETRIES = 5
 
 
 class StateRefused(Exception):
@@ -128,6 +132,7 @@ class Joiner:
         deadline = time.monotonic() + self.join_timeout
         refusals: set[str] = set()
         mismatched: dict[str, str] = {}
+        retries = NO_MAJORITY_RETRIES
         while not self.stop.is_set():
             candidates = self._trainers()
             try:  # all of them when none answers (a private swarm may refuse this node's probes: its downloads say so)
@@ -139,6 +144,11 @@ class Joiner:
             except Exception as e:
                 logger.warning("could not ask peers for their state's digests: %s", e)
                 plan = SourcePlan([[rec.peer_id] for rec in candidates])
+            if plan.trusted is None and len(candidates) > 1 and retries > 0 and time.monotonic() < deadline:
+                retries -= 1
+                logger.info("the run's peers hold no majority state yet (a round may be ending): asking again")
+                self.stop.wait(1.0)
+                continue
             trusted = plan.trusted
             for peers in plan.attempts:
                 try:

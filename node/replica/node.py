@@ -38,7 +38,7 @@ from gossip.noloco import NoLoCoAverager
 from gossip.outer import NesterovOuter, NoLoCoOuter
 from gossip.placement import OuterPlacement
 from gossip.state_transfer import DownloadedState, StateServer, StateSnapshot
-from gossip.byzantine import Attacker
+from gossip.byzantine import Attacker, served_params
 from node.config import BY_REPLICAS, NodeConfig
 from node.replica.joiner import Joiner
 from node.replica.pacing import RoundPacer
@@ -378,7 +378,7 @@ class Daemon(NodeBase):
     def _publish_snapshot(self) -> None:
         self.state_server.renew(lambda: StateSnapshot(
             round=self.round,
-            tensors={"params": [t.to("cpu", copy=True) for t in self.phi], "outer_momentum": self.outer.state_tensors(self.phi)},
+            tensors={"params": served_params(self.phi, self.averager.attacker), "outer_momentum": self.outer.state_tensors(self.phi)},
             fingerprint=fingerprint(self.phi),
             meta={**run_settings(self.cfg), "error_feedback_decay": self.cfg.feedback_decay(),
                   SCHEDULE_STEP: self.trainer.steps - self.inner_step},

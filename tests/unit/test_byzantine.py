@@ -189,3 +189,16 @@ def test_protocol_attacks_leave_the_update_alone_and_lie_around_it() -> None:
     assert attacker.does("cap") and attacker.does("future") and not attacker.does("sign")
     assert announced_up_mbit("cap", 5.0) == LYING_UP_MBIT and announced_up_mbit("sign", 5.0) == 5.0
     assert announced_up_mbit(None, 0.0) == 0.0
+
+
+def test_the_state_attack_serves_a_sign_flipped_copy_and_an_honest_node_serves_phi_as_it_is() -> None:
+    from gossip.byzantine import served_params
+
+    phi = [torch.randn(4, 3), torch.randn(2)]
+    honest = served_params(phi, None)
+    poisoned = served_params(phi, Attacker(parse_attacks("state,relayed")))
+    assert all(torch.equal(h, p) and h.data_ptr() != p.data_ptr() for h, p in zip(honest, phi))
+    assert all(torch.equal(x, -p) for x, p in zip(poisoned, phi))
+    assert served_params(phi, Attacker(parse_attacks("relayed")))[0].equal(phi[0])
+    sent, samples = Attacker(parse_attacks("state,relayed")).contribution(phi, 7)
+    assert all(torch.equal(s, p) for s, p in zip(sent, phi)) and samples == 7  # the update itself stays honest
