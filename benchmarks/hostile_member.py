@@ -1,15 +1,17 @@
 """A modified member inside a live swarm of three, against a clean swarm of the same three seeds.
 
     python -m benchmarks.hostile_member [--model tiny] [--max-steps 1000] [--seeds 0,1,2]
-        [--attacks "cap,samples;future"] [--extra "--batch-size 2 --threads 1"] --out benchmarks/results/hostile_member.json
+        [--attacks "cap,samples;future;relayed,state"] [--extra "--batch-size 2 --threads 1"] --out benchmarks/results/hostile_member.json
 
 Each run is one ``node swarm --nodes 3`` of real daemons on loopback, with a fresh checkpoint folder; node i
 has seed S + i and stops after ``--max-steps`` inner steps (equal tokens in every run of a seed). In an
 ``attack:A`` run (one per ``;``-separated set in ``--attacks``) node 2 is the modified peer
 (``--byzantine 2:A``, ``gossip.byzantine``); the default sets leave its update honest and abuse the
 protocol around it: ``cap,samples`` (an upload cap of 10⁻³⁰⁰ Mbit/s in its entries and records, and a
-claim of 10⁹ samples) and ``future`` (requests for every member's next 16 rounds at each of its
-rounds). A ``pair`` run has the two honest peers alone (what they reach without the third peer's work:
+claim of 10⁹ samples), ``future`` (requests for every member's next 16 rounds at each of its
+rounds) and ``relayed,state`` (40 relayed streams to every member each round, each from a made-up origin
+asking for the whole state, and a sign-flipped φ served to anyone who downloads its state: here only
+resyncs, as all three start together). A ``pair`` run has the two honest peers alone (what they reach without the third peer's work:
 a member whose requests are refused averages alone, and its updates no longer count). Per run and
 honest peer (nodes 0 and 1): the held-out loss at the end, rounds, the rounds both honest peers
 averaged together in sync, the longest rendezvous deadline, out-of-sync rounds and failures naming an
@@ -49,7 +51,7 @@ PIPELINE_ROLES = ("--role stage --stage 0", "--role stage --stage 1", "--role st
 PIPELINE_HONEST = (0, 1, 3)
 PIPELINE_MEASURED = 3
 DEFAULTS = {
-    "replicas": {"model": "tiny", "max_steps": 1000, "timeout": 600.0, "attacks": "cap,samples;future",
+    "replicas": {"model": "tiny", "max_steps": 1000, "timeout": 600.0, "attacks": "cap,samples;future;relayed,state",
                  "extra": "--batch-size 2 --threads 1 --eval-batches 8"},
     "pipeline": {"model": "nano", "max_steps": 400, "timeout": 120.0, "attacks": "2:samples+4:activations",
                  "extra": "--batch-size 8 --threads 1 --eval-batches 8 --stages 2 --sync-every 6 --averaging-timeout 10 --warmup-steps 10"},

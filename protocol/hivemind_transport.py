@@ -23,6 +23,7 @@ from protocol.datachannel import DATA_PROTOCOLS, DataChannel
 from protocol.errors import IncompatiblePeer, ProtocolError
 from protocol.frames import DEFAULT_MAX_FRAME, FramedStream
 from protocol.ratelimit import RateLimits
+from protocol.refusal_log import RefusalLog
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class Transport:
         self._direct_cache: tuple[float, set[str]] = (0.0, set())
         self._active: dict[tuple[str, str], int] = {}  # (protocol, client) → streams being served
         self._requests: dict[tuple[str, str], tuple[float, float]] = {}  # (protocol, client) → (tokens, when)
+        self.refusals = RefusalLog(logger)
 
     @property
     def peer_id(self) -> str:
@@ -168,7 +170,7 @@ class Transport:
             await stream.wait_peer_closed()
         except ProtocolError as e:
             if not isinstance(e, IncompatiblePeer):  # that one's line is logged once per peer, not per stream
-                logger.warning("refused %s request from %s: %s", protocol, client, e)
+                self.refusals.refused(protocol, client, e)  # a line a minute per client and protocol
             self.on_error(protocol, e.code, client)
             await stream.refuse(e)
         except (ConnectionError, EOFError, asyncio.IncompleteReadError) as e:

@@ -125,3 +125,57 @@ def test_state_requests_are_rate_limited_per_client() -> None:
     assert replies == ["hello"] * burst + ["busy"] and other == "hello" and later == "hello"
     assert served.count("greedy") == burst + 1 and errors == [(ids.STATE, "busy", "greedy")]
     assert REQUEST_RATES[ids.STATE][0] >= 20  # a resync's 20 tries at one peer still pass
+
+
+def test_a_client_refused_again_and_again_gets_one_log_line_a_minute_and_others_their_own() -> None:
+    """40 relayed streams to every member each round once wrote 40 warnings a round: the refusals are still
+    answered and counted, but each (protocol, client) gets one line a minute, which says how many more there were."""
+    import logging
+
+    from protocol.refusal_log import RefusalLog
+
+    lines: list[str] = []
+
+    class Sink(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("test-refusal-log")
+    logger.addHandler(Sink())
+    now = [0.0]
+    log = RefusalLog(logger, interval=60.0, max_keys=4, clock=lambda: now[0])
+    assert [log.refused(ids.RELAYED, "flooder", "not a relay") for _ in range(100)].count(True) == 1
+    assert log.refused(ids.RELAYED, "someone-else", "not a relay") and log.refused(ids.STATE, "flooder", "busy")
+    now[0] = 61.0
+    assert log.refused(ids.RELAYED, "flooder", "not a relay")
+    assert lines[-1].endswith("(99 more of its /locomesh/relayed/1.0 requests refused since the last line)"), lines[-1]
+    assert len(lines) == 4
+    for i in range(10):  # memory stays bounded by max_keys
+        log.refused(ids.STATE, f"client-{i}", "busy")
+    assert len(log._seen) <= 4
+
+
+def test_a_transport_answers_every_refusal_but_logs_a_clients_first_one_only(caplog) -> None:
+    from protocol.errors import SchemaError
+
+    errors: list[tuple[str, str, str]] = []
+    transport = Transport(_P2P(), on_error=lambda *e: errors.append(e))  # type: ignore[arg-type]
+
+    async def refuse(stream) -> None:
+        raise SchemaError("flooder is not a relay of this node")
+
+    async def run() -> list[str]:
+        codes = []
+        for _ in range(5):
+            stream, sink = canned_stream(HELLO)
+            await transport.handle(ids.RELAYED, refuse, stream, "flooder")
+            frames = ended_reader(bytes(sink.data))
+            await read_frame(frames)  # the server's hello
+            codes.append(decode_message(await read_frame(frames)).body["code"])
+        return codes
+
+    with caplog.at_level("WARNING", logger="protocol.hivemind_transport"):
+        codes = asyncio.run(run())
+    assert codes == ["schema"] * 5 and len(errors) == 5
+    assert [r.getMessage() for r in caplog.records].count(
+        f"refused {ids.RELAYED} request from flooder: flooder is not a relay of this node") == 1
