@@ -34,7 +34,7 @@ logger = logging.getLogger("locomesh.node")
 STATE_TIMEOUT_S = 120.0  # a whole state download, plus what --max-download-mbit adds
 # a join asks again this many times, a second apart, when the peers' headers show no majority: a round that
 # was ending splits honest peers between two states for a moment, and each peer's own header would otherwise
-# be trusted, so a liar at the round the others just left had even odds of being a joiner's source
+# be trusted, so a liar at the round the others had just left could be a joiner's source
 NO_MAJORITY_RETRIES = 5
 
 

@@ -51,10 +51,11 @@ class LoopNet:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def serve(self, peer: str, state: dict[str, list[torch.Tensor]], round_no: int = ROUND, meta: dict | None = None,
-              run_id: str = "run") -> None:
+              run_id: str = "run") -> StateServer:
         server = StateServer(self.network.transport(peer), run_id, progress=lambda: 2)  # type: ignore[arg-type]
         self.call(server.start())
         server.publish(StateSnapshot(round=round_no, tensors=state, fingerprint="fp", meta=dict(SETTINGS if meta is None else meta)))
+        return server
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -157,6 +158,33 @@ def test_a_joiner_takes_the_majoritys_state_not_the_claimer_of_round_1e9s(net: L
     assert joiner.join(resumed=False)
     assert len(adopted) == 1 and _same(adopted[0], HONEST)
     assert events[-1][1]["verified"] == "majority"
+
+
+def test_a_join_at_a_rounds_end_asks_again_rather_than_trust_one_peers_own_header(net: LoopNet, monkeypatch) -> None:
+    """One honest peer has ended round R, the other not yet, and a liar serves its own state at R: no state has a
+    majority, and the fallback (each candidate checked against its own header, nearest the round most announce
+    first) put the liar first whenever it won the draw. The join asks again until the honest peers agree."""
+    from gossip import state_sources
+
+    monkeypatch.setattr(state_sources, "_draw", lambda peer: b"" if peer == "liar" else peer.encode())  # the liar wins every draw
+    ended = _state(2)
+    net.serve("a", ended, round_no=ROUND + 1)
+    behind = net.serve("b", HONEST)
+    net.serve("liar", OTHER)
+    records = {"a": ROUND + 1, "b": ROUND, "liar": ROUND}
+    joiner, adopted, events = _joiner(net, records)
+
+    def b_ends_its_round() -> None:
+        behind.publish(StateSnapshot(round=ROUND + 1, tensors=ended, fingerprint="fp", meta=dict(SETTINGS)))
+        records["b"] = ROUND + 1
+
+    timer = threading.Timer(1.5, b_ends_its_round)
+    timer.start()
+    try:
+        assert joiner.join(resumed=False)
+    finally:
+        timer.cancel()
+    assert len(adopted) == 1 and _same(adopted[0], ended) and events[-1][1]["verified"] == "majority", events[-1]
 
 
 def test_invented_members_cannot_make_the_live_peer_look_far_ahead(net: LoopNet) -> None:
