@@ -73,6 +73,7 @@ class Daemon(NodeBase):
         self.pacer = RoundPacer(cfg, "")
         self.round_rates: dict[str, float] = {}  # the speeds the last round's members announced (pacing)
         self.round_ended: float | None = None  # when the last blocking round's result arrived (pacing)
+        self.attacker = Attacker.from_spec(cfg.attack, seed=cfg.seed)  # experiments only (node swarm --byzantine)
 
     # ---- lifecycle (node.runtime.base) ------------------------------------------------------------
     def _prepare(self) -> None:
@@ -106,7 +107,7 @@ class Daemon(NodeBase):
         self.exchange = RoundExchange(net.transport, cfg.run_id, self.plan.wire(), self.plan.layout, serve_timeout=cfg.averaging_timeout * 2)
         self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.inner_step)
         self.reachable = self.reachable_members()
-        attacker, judge = Attacker.from_spec(cfg.attack, seed=cfg.seed), None  # attacker: experiments only (node swarm --byzantine)
+        attacker, judge = self.attacker, None
         if isinstance(self.outer, NoLoCoOuter):
             self.averager: DiLoCoAverager | NoLoCoAverager = NoLoCoAverager(
                 net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, group_size=cfg.group_size, partition=self.plan.partition,
@@ -378,7 +379,7 @@ class Daemon(NodeBase):
     def _publish_snapshot(self) -> None:
         self.state_server.renew(lambda: StateSnapshot(
             round=self.round,
-            tensors={"params": served_params(self.phi, self.averager.attacker), "outer_momentum": self.outer.state_tensors(self.phi)},
+            tensors={"params": served_params(self.phi, self.attacker), "outer_momentum": self.outer.state_tensors(self.phi)},
             fingerprint=fingerprint(self.phi),
             meta={**run_settings(self.cfg), "error_feedback_decay": self.cfg.feedback_decay(),
                   SCHEDULE_STEP: self.trainer.steps - self.inner_step},
