@@ -2,8 +2,9 @@
 
 Each service is registered with ``P2P.add_binary_stream_handler`` under its protocol id, so any
 libp2p implementation that can open a stream to the peer can speak it (the light client does).
-A handler receives a :class:`FramedStream`; exceptions it raises are logged, counted through
-``on_error`` and reported to the peer as an error frame, and never take the node down. Every
+A handler receives a :class:`FramedStream`; exceptions it raises are logged (a refused client's at most once
+a minute per protocol: :mod:`protocol.refusal_log`), counted through ``on_error`` and reported to the peer as
+an error frame, and never take the node down. Every
 stream's bytes, served, opened or relayed, pass the node's bandwidth caps (:mod:`protocol.ratelimit`).
 """
 
