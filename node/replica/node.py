@@ -107,19 +107,19 @@ class Daemon(NodeBase):
         self.exchange = RoundExchange(net.transport, cfg.run_id, self.plan.wire(), self.plan.layout, serve_timeout=cfg.averaging_timeout * 2)
         self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.inner_step)
         self.reachable = self.reachable_members()
-        attacker, judge = self.attacker, None
+        judge = None
         if isinstance(self.outer, NoLoCoOuter):
             self.averager: DiLoCoAverager | NoLoCoAverager = NoLoCoAverager(
                 net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, group_size=cfg.group_size, partition=self.plan.partition,
                 gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregation,
-                max_samples=cfg.max_round_samples, attacker=attacker,
+                max_samples=cfg.max_round_samples, attacker=self.attacker,
             )
         else:
             self.averager = DiLoCoAverager(
                 net.dht, net.validator, self.exchange, cfg.run_id, peer_id, self.outer, partition=self.plan.partition,
                 gather_timeout=cfg.averaging_timeout, fetch_timeout=cfg.averaging_timeout, aggregation=cfg.aggregation,
                 keep_others=cfg.overlap and cfg.overlap_mode == "eager", max_group_size=cfg.max_group_size,
-                weight_codec=self.plan.phi_codec, max_samples=cfg.max_round_samples, attacker=attacker,
+                weight_codec=self.plan.phi_codec, max_samples=cfg.max_round_samples, attacker=self.attacker,
             )
             self.averager.reachable = self.reachable
             self.averager.scorer, judge = build_screening(cfg, self.model_cfg, self.workload, self.device, lambda: self.phi)

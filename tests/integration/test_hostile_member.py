@@ -10,6 +10,8 @@ past ``--averaging-timeout``, and no fetch between them fails; the requests past
 the attacker alone (whose own fetches then fail: it averages by itself); every relayed stream is refused;
 an honest joiner downloads the honest members' state, not the attacker's, and averages in sync with them."""
 
+from hivemind.utils.crypto import RSAPrivateKey
+
 from protocol.peer_identity import peer_id_of, write_identity
 from tests.helpers.swarm_utils import FAST_ARGS, start_node
 
@@ -18,7 +20,7 @@ TIMEOUT = 20  # FAST_ARGS' --averaging-timeout
 
 def _identities(tmp_path, names):
     """An identity file per name, the attacker's ("z") holding the smallest peer id of them all."""
-    keys = sorted((write_identity(tmp_path / f"key{i}") for i in range(len(names))), key=peer_id_of)
+    keys = sorted((RSAPrivateKey() for _ in names), key=peer_id_of)
     order = ["z", *sorted(n for n in names if n != "z")]
     files = {}
     for name, key in zip(order, keys):
