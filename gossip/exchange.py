@@ -35,6 +35,7 @@ from compression import CodecError, ErrorFeedback, get_codec
 from compression.seeds import payload_seed
 from gossip.failures import failure_reason
 from gossip.round_waits import RoundWaits, event_in
+from gossip.serve_budget import ServeBudget
 from gossip.transfer_rates import TransferRates
 from gossip.wire_parts import Layout, PartSpec, decode_received, fixed_layout
 from protocol import ids
@@ -102,6 +103,7 @@ class RoundExchange:
         self._served: dict[int, set[str]] = {}  # the members each kept round was served to, whole
         self._ready: dict[int, asyncio.Event] = {}
         self._waits = RoundWaits(serve_timeout)  # requests for rounds not published yet (gossip.round_waits)
+        self._budget = ServeBudget()  # how much of each round one client may still download (gossip.serve_budget)
         self._reduced: dict[int, ReducedShare | None] = {}
         self._reduced_ready: dict[int, asyncio.Event] = {}
         self._regrouped: dict[int, tuple[list[PartSpec], str]] = {}
@@ -132,9 +134,11 @@ class RoundExchange:
         # kept to serve: the wire parts (the owner's round holds its decoded values while it needs them)
         self._reduced[round_no] = None if share is None else replace(share, decoded={})
         event_in(self._reduced_ready, round_no).set()
-        for old in [r for r in self._reduced if r <= round_no - KEEP_ROUNDS]:
-            self._reduced.pop(old, None)
-            self._reduced_ready.pop(old, None)
+        old = [r for r in self._reduced if r <= round_no - KEEP_ROUNDS]
+        for r in old:
+            self._reduced.pop(r, None)
+            self._reduced_ready.pop(r, None)
+        self._budget.forget("reduced parts", old)
 
     def publish(self, contribution: Contribution) -> None:
         """Make this node's contribution for ``contribution.round`` available to its group."""
@@ -142,11 +146,14 @@ class RoundExchange:
         self._contributions[contribution.round] = replace(contribution, decoded=[])
         event_in(self._ready, contribution.round).set()
         rounds = set(self._contributions) | set(self._ready) | set(self._groups) | set(self._served)  # (released or not)
-        for old in [r for r in rounds if r <= contribution.round - KEEP_ROUNDS]:
-            self._contributions.pop(old, None)
-            self._ready.pop(old, None)
-            self._groups.pop(old, None)
-            self._served.pop(old, None)
+        rounds |= {r for table, r in self._budget.sent if table == "contribution"}
+        old = [r for r in rounds if r <= contribution.round - KEEP_ROUNDS]
+        for r in old:
+            self._contributions.pop(r, None)
+            self._ready.pop(r, None)
+            self._groups.pop(r, None)
+            self._served.pop(r, None)
+        self._budget.forget("contribution", old)
         self._release_served()
 
     def _release_served(self) -> None:
@@ -229,12 +236,8 @@ class RoundExchange:
         if stream.peer not in self._groups.get(round_no, (stream.peer,)):
             raise SchemaError(f"this node's group of round {round_no} closed without {stream.peer}")
         chosen = range(len(c.parts)) if selection is None else selection
-        await stream.send(
-            "contribution",
-            {"round": c.round, "samples": c.samples, "fingerprint": c.fingerprint, "codec": c.codec, "parts": len(chosen)},
-        )
-        for i in chosen:
-            await stream.send("part", {"i": i, "payload": c.parts[i]})
+        head = {"round": c.round, "samples": c.samples, "fingerprint": c.fingerprint, "codec": c.codec, "parts": len(chosen)}
+        await self._send_budgeted(stream, "contribution", head, round_no, c.parts, chosen)
         if selection is None:
             self._served.setdefault(round_no, set()).add(stream.peer)
             self._release_served()
@@ -250,10 +253,26 @@ class RoundExchange:
         missing = [i for i in chosen if i not in share.parts]
         if missing:
             raise SchemaError(f"this node does not reduce parts {missing} of round {round_no}")
-        await stream.send("reduced", {"round": share.round, "samples": share.samples, "contributors": share.contributors,
-                                      "fingerprint": share.fingerprint, "parts": len(chosen)})
-        for i in chosen:
-            await stream.send("part", {"i": i, "payload": share.parts[i]})
+        head = {"round": share.round, "samples": share.samples, "contributors": share.contributors,
+                "fingerprint": share.fingerprint, "parts": len(chosen)}
+        await self._send_budgeted(stream, "reduced", head, round_no, share.parts, chosen)
+
+    async def _send_budgeted(self, stream: FramedStream, kind: str, head: dict, round_no: int,
+                             parts: Sequence[bytes] | dict[int, bytes], chosen: Sequence[int]) -> None:
+        """Send ``head`` (a ``kind`` frame) and the ``chosen`` parts, within what this client may still
+        download of the round (``gossip.serve_budget``: a broken stream gives back what it did not send)."""
+        table = "reduced parts" if kind == "reduced" else kind
+        whole = sum(len(p) for p in (parts.values() if isinstance(parts, dict) else parts))
+        wanted = sum(len(parts[i]) for i in chosen)
+        self._budget.reserve(table, round_no, stream.peer, wanted, whole)
+        sent = 0
+        try:
+            await stream.send(kind, head)
+            for i in chosen:
+                await stream.send("part", {"i": i, "payload": parts[i]})
+                sent += len(parts[i])
+        finally:
+            self._budget.give_back(table, round_no, stream.peer, wanted - sent)
 
     async def _receive_parts(self, stream: FramedStream, peer: str, round_no: int,
                              chosen: Sequence[int]) -> tuple[list[bytes], list[torch.Tensor]]:

@@ -195,3 +195,72 @@ def test_a_past_round_every_member_downloaded_is_released_and_one_still_owed_is_
         assert 0 not in exchange._ready and 0 not in exchange._groups and 0 not in exchange._served
 
     asyncio.run(rounds())
+
+
+def test_one_member_asking_for_a_round_again_and_again_receives_it_four_times_at_most() -> None:
+    """A member asking for the next rounds at each of its rounds (the ``future`` attack) held many requests
+    for one round, and every one was answered when it was published: each honest member uploaded its
+    contribution 5 to 20 times a round. Now one client receives at most 4× a round's bytes; others are
+    served as before."""
+    exchange = RoundExchange(MemoryTransport(reply=b""), "run", "none", [(1024,), (1024,)], serve_timeout=5.0)  # type: ignore[arg-type]
+
+    async def publish_soon() -> None:
+        await asyncio.sleep(0.2)
+        blobs, _ = exchange.encode(0, [torch.zeros(1024), torch.ones(1024)])
+        exchange.publish(Contribution(0, 1, "fp", exchange.wire_of(0), blobs))
+
+    async def flood() -> tuple[list[str], str]:
+        *answers, _ = await asyncio.gather(*(_fetch(exchange, 0, "asker") for _ in range(10)), publish_soon())
+        return answers, await _fetch(exchange, 0, "member")
+
+    answers, member = asyncio.run(flood())
+    assert answers.count("served") == 4, answers
+    assert all("may receive 4×" in a for a in answers if a != "served")
+    assert member == "served"
+    assert "may receive 4×" in asyncio.run(_fetch(exchange, 0, "asker"))  # later requests too
+
+
+def test_a_request_for_some_parts_spends_their_bytes_and_a_broken_stream_gives_back_what_it_did_not_send() -> None:
+    """Reduce-scatter asks for a few parts, then those parts again when an owner fails; a stream that broke
+    half-way counts only what went out, so a member on a flaky link may fetch again."""
+    from protocol.frames import FramedStream, encode_frame, encode_message
+    from tests.helpers.memory_transport import ended_reader
+
+    exchange = RoundExchange(MemoryTransport(reply=b""), "run", "none", [(1024,)] * 4)  # type: ignore[arg-type]
+    blobs, _ = exchange.encode(0, [torch.zeros(1024)] * 4)
+    exchange.publish(Contribution(0, 1, "fp", exchange.wire_of(0), blobs))
+    whole = sum(len(b) for b in blobs)
+
+    async def ask(parts: list[int] | None, breaks_after: int | None = None) -> str:
+        class Breaking(bytearray):  # the write end: fails once ``breaks_after`` bytes went out
+            def write(self, b: bytes) -> None:
+                if breaks_after is not None and len(self) + len(b) > breaks_after:
+                    raise ConnectionResetError("link dropped")
+                self += b
+
+            async def drain(self) -> None:
+                pass
+
+            def close(self) -> None:
+                pass
+
+            async def wait_closed(self) -> None:
+                pass
+
+        request = {"run_id": "run", "round": 0, "codec": "none", **({"parts": parts} if parts is not None else {})}
+        stream = FramedStream(ended_reader(encode_frame(encode_message("fetch", request))), Breaking(), peer="member")  # type: ignore[arg-type]
+        try:
+            await exchange._handle(stream)
+        except (SchemaError, ConnectionError) as e:
+            return f"{type(e).__name__}: {e}"
+        return "served"
+
+    assert asyncio.run(ask([0])) == "served"
+    assert exchange._budget.sent[("contribution", 0)]["member"] == len(blobs[0])
+    assert asyncio.run(ask(None, breaks_after=len(blobs[0]) * 3 // 2)).startswith("ConnectionResetError")  # one part went out
+    assert exchange._budget.sent[("contribution", 0)]["member"] == 2 * len(blobs[0])
+    for _ in range(3):
+        assert asyncio.run(ask(None)) == "served"
+    assert exchange._budget.sent[("contribution", 0)]["member"] == 3 * whole + 2 * len(blobs[0])
+    assert asyncio.run(ask([1, 2])) == "served"  # still within 4× the round
+    assert "may receive 4×" in asyncio.run(ask([3]))
