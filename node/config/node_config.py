@@ -194,8 +194,12 @@ class NodeConfig(DerivedSettings, BaseModel):
     recovery_lr_scale: float = option(1.1, "Pipeline: learning-rate factor of a rebuilt stage's fresh optimizer", PIPE, gt=0, le=10)
     # ---- operations ----------------------------------------------------------------------------------
     metrics_port: int = option(0, "Prometheus /metrics port, 0 = off", OPS, ge=0, le=65535)
-    checkpoint_dir: Path | None = option(None, "Directory for the (atomic) checkpoint, written every round and at exit; resumed "
-                                         "from on restart when it was written with the same run settings", OPS)
+    checkpoint_dir: Path | None = option(None, "Directory for the (atomic) checkpoint, written after the first outer round, then "
+                                         "every --checkpoint-every seconds and at exit; resumed from on restart when it was "
+                                         "written with the same run settings", OPS)
+    checkpoint_every: float = option(300.0, "Seconds between checkpoints after outer rounds (0: after every round); a node that "
+                                     "restarts catches up with the swarm by downloading its state, so only a swarm that all stops "
+                                     "at once loses what the last checkpoint did not hold", OPS, ge=0)
     fresh: bool = option(False, "Start over: move an existing checkpoint in --checkpoint-dir aside instead of resuming it", OPS)
     max_steps: int | None = option(None, "Stop cleanly after this many inner steps", OPS, ge=1)
     duration: float | None = option(None, "Stop cleanly after this many seconds", OPS, gt=0)

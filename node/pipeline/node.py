@@ -98,7 +98,7 @@ class PipelineNode(NodeBase):
         stage_checkpoint = self.checkpoint if self._held()["role"] == "stage" else None
         self.server = StageServer(cfg=self.cfg, net=self.net, device=self.device, model_cfg=self.model_cfg, metrics=self.metrics,
                                   summary=self.summary, event=self.event, resume=stage_checkpoint,
-                                  save=self._checkpoint if self.cfg.checkpoint_dir is not None else None, reachable=self.live)
+                                  save=self._checkpoint_when_due if self.cfg.checkpoint_dir is not None else None, reachable=self.live)
         return [status, *self.server.services]
 
     def _held(self) -> dict[str, Any]:
@@ -139,7 +139,7 @@ class PipelineNode(NodeBase):
             self.trainer = PipelineTrainer(cfg=self.cfg, workload=self.workload, net=self.net, metrics=self.metrics,
                                            summary=self.summary, event=self.event, stop=self.stop, done=self._deadline_reached,
                                            announce=self._heartbeat, write_info=self._write_info, resume=resume,
-                                           save=self._checkpoint if self.cfg.checkpoint_dir is not None else None)
+                                           save=self._checkpoint_when_due if self.cfg.checkpoint_dir is not None else None)
             self.trainer.run()
         elif self.stage is not None:
             self._serve()
@@ -150,6 +150,11 @@ class PipelineNode(NodeBase):
         self._checkpoint()
 
     # ---- checkpoints -----------------------------------------------------------------------------------
+    def _checkpoint_when_due(self) -> None:
+        """After a stage round or a trainer's evaluation: the checkpoint, when --checkpoint-every says so."""
+        if self._checkpoint_due():
+            self._checkpoint()
+
     def _checkpoint(self) -> None:
         """Write the checkpoint when this node holds something to resume: a stage, or a trainer's data
         position (a spare, or a server waiting as one, keeps the checkpoint it has)."""

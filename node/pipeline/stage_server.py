@@ -70,7 +70,7 @@ class StageServer:
 
     :param summary: the node's summary; the server counts its steps, loss, served microbatches and rounds there
     :param event: records one of the node's events
-    :param save: writes the node's checkpoint (after every round; None: no --checkpoint-dir)
+    :param save: writes the node's checkpoint when --checkpoint-every says so (called after every round; None: no --checkpoint-dir)
     :param resume: the node's own checkpoint of a stage, resumed when the node first serves that stage
     :param reachable: which peers answer a status probe (a record signed by a key no daemon runs must not be
         waited for at the stage's rendezvous, nor asked for its state); None: every record counts

@@ -75,6 +75,7 @@ class NodeBase(NetworkPresence):
         self.heartbeats = 0
         self.device: Any = None
         self.folder_lock: Any = None  # the checkpoint folder's lock (node.checkpoints.folder_lock), named with our peer id once known
+        self.last_checkpoint: float | None = None  # time.monotonic() of the last checkpoint written
 
     # ---- the lifecycle -----------------------------------------------------------------------
     def run(self) -> int:
@@ -246,10 +247,10 @@ class NodeBase(NetworkPresence):
             self.last_loss = loss
 
     def _round_done(self, record: dict[str, Any], in_sync: bool) -> None:
-        """After an outer round: checkpoint, evaluate every --eval-every rounds (a round in sync only),
+        """After an outer round: checkpoint when due, evaluate every --eval-every rounds (a round in sync only),
         keep the round's record (with the held-out loss when evaluated)."""
         cfg = self.cfg
-        if cfg.checkpoint_dir is not None:
+        if cfg.checkpoint_dir is not None and self._checkpoint_due():
             self._save_checkpoint()
         if cfg.eval_every and in_sync and self.summary.outer_rounds % cfg.eval_every == 0:
             self._record_val_loss(self.trainer.evaluate(self.val))
@@ -274,8 +275,16 @@ class NodeBase(NetworkPresence):
         self.summary.resumed_from = {"checkpoint": str(path), "round": self.round}
         self.event("resumed", checkpoint=str(path), round=self.round)
 
+    def _checkpoint_due(self) -> bool:
+        """Whether a round's end writes the checkpoint: after the first round, then once --checkpoint-every
+        seconds have passed (every round writes the whole state: ~3 GB for a 150 M-parameter model with AdamW,
+        seconds of standing still each round)."""
+        every = self.cfg.checkpoint_every
+        return every == 0 or self.last_checkpoint is None or time.monotonic() - self.last_checkpoint >= every
+
     def _save_checkpoint(self) -> None:
         """Write the checkpoint atomically: settings, model config, round, the kind's state, data order."""
+        started = time.monotonic()
         state = {"format": 1, "config": json.loads(self.cfg.model_dump_json()), "settings": run_settings(self.cfg),
                  "model_config": self.model_cfg.to_dict(), "round": self.round, **self._checkpoint_state()}
         data_order = self._data_order()
@@ -285,6 +294,8 @@ class NodeBase(NetworkPresence):
             state["tokenizer"] = self.workload.tokenizer_json  # node eval and node export need nothing else
         self.summary.checkpoint = str(save_atomic(state, Path(self.cfg.checkpoint_dir) / CHECKPOINT_NAME))
         self.metrics.checkpoints.inc()
+        self.last_checkpoint = time.monotonic()
+        self.summary.checkpoint_s += self.last_checkpoint - started
 
     # ---- shared plumbing -------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:

@@ -50,6 +50,7 @@ class Summary:
     reachability_detail: str = ""  # how it was found, in words
     bytes_received_by_kind: dict[str, int] = field(default_factory=dict)
     checkpoint: str = ""
+    checkpoint_s: float = 0.0  # time spent writing checkpoints (after rounds and at exit)
     resumed_from: dict[str, Any] | None = None  # {"checkpoint", "round"} when the node resumed its checkpoint
     joined_round: int | None = None
     comm_wait_s: float = 0.0
