@@ -333,11 +333,12 @@ def heterogeneous(r: Results) -> str:
     rows = []
     for run in d["runs"]:
         if "error" in run:
-            rows.append([run["scenario"], run["mode"], str(run["seed"]), "failed", "", "", "", ""])
+            rows.append([run["scenario"], run["mode"], str(run["seed"]), "failed", "", "", "", "", ""])
             continue
         peers = run["peers"]
         rows.append([run["scenario"], run["mode"], str(run["seed"]),
                      " / ".join(_share(p["training"]) for p in peers), " / ".join(_share(p["waiting"]) for p in peers),
+                     " / ".join(_share(p.get("evaluating")) for p in peers),
                      " / ".join(f"{p['steps_per_round']:g}" for p in peers), loss(statistics.mean(p["val_loss"] for p in peers)),
                      f"{sum(p['tokens'] for p in peers) / 1e6:.2f} M"])
     s = d["summary"]
@@ -352,10 +353,11 @@ def heterogeneous(r: Results) -> str:
             "hivemind.Optimizer on the same peers, model, data, inner AdamW and slowdowns, averaging parameters each time "
             "the swarm's samples reach a target batch of 50 steps × 4 peers' batches (its waiting: all of its time blocked "
             "in `Optimizer.step` beyond a step's median, matchmaking and averaging together). "
-            "Training / waiting: shares of each peer's training loop in inner steps and at the rendezvous (peers 0 / 1 / 2 / 3). "
+            "Training / waiting / evaluating: shares of each peer's training loop in inner steps, at the rendezvous and in "
+            "the held-out evaluations this benchmark asks for after every round (a default node: every 5 rounds) (peers 0 / 1 / 2 / 3). "
             f"Held-out loss: mean over the peers at the end. Time to reach the fixed-H run's final held-out loss, "
             f"as a share of the fixed-H run's time (peer 0; scenario/mode, one per seed): {', '.join(reached) or 'no curve'}.")
-    header = ["scenario", "H", "seed", "training", "waiting", "steps per round", "held-out loss", "tokens"]
+    header = ["scenario", "H", "seed", "training", "waiting", "evaluating", "steps per round", "held-out loss", "tokens"]
     return r.caption("heterogeneous.json", what=what) + "\n\n" + table(header, rows)
 
 

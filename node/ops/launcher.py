@@ -370,6 +370,8 @@ class SwarmLauncher:
                 "train_s": info.get("train_s"),
                 "comm_wait_s": info.get("comm_wait_s"),
                 "inner_s": info.get("inner_s"),
+                "eval_s": info.get("eval_s"),
+                "checkpoint_s": info.get("checkpoint_s"),
                 "tokens_per_s": info.get("tokens_per_s"),
                 "mfu": info.get("mfu"),
                 "peak_mem_mb": info.get("peak_mem_mb"),

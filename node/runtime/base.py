@@ -253,7 +253,9 @@ class NodeBase(NetworkPresence):
         if cfg.checkpoint_dir is not None and self._checkpoint_due():
             self._save_checkpoint()
         if cfg.eval_every and in_sync and self.summary.outer_rounds % cfg.eval_every == 0:
+            started = time.monotonic()
             self._record_val_loss(self.trainer.evaluate(self.val))
+            self.summary.eval_s += time.monotonic() - started
             record["val_loss"] = self.summary.val_loss
         self.summary.rounds.append(record)
 

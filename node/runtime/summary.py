@@ -51,6 +51,7 @@ class Summary:
     bytes_received_by_kind: dict[str, int] = field(default_factory=dict)
     checkpoint: str = ""
     checkpoint_s: float = 0.0  # time spent writing checkpoints (after rounds and at exit)
+    eval_s: float = 0.0  # time the training loop spent in held-out evaluations after rounds (--eval-every)
     resumed_from: dict[str, Any] | None = None  # {"checkpoint", "round"} when the node resumed its checkpoint
     joined_round: int | None = None
     comm_wait_s: float = 0.0

@@ -114,7 +114,8 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "recovery_lr_scale": (2.0, ("applied", [(NODE, "lr_scale=self.cfg.recovery_lr_scale")])),
     # operations
     "metrics_port": (9999, ("applied", [(BASE, "self.metrics.serve(cfg.metrics_port)")])),
-    "checkpoint_dir": (Path("ck"), ("applied", [(NODE, "check_role(cfg.checkpoint_dir"), (NODE, "save=self._checkpoint if self.cfg.checkpoint_dir")])),
+    "checkpoint_dir": (Path("ck"), ("applied", [(NODE, "check_role(cfg.checkpoint_dir"), (NODE, "save=self._checkpoint_when_due if self.cfg.checkpoint_dir")])),
+    "checkpoint_every": (60.0, ("applied", [(NODE, "if self._checkpoint_due()")])),
     "fresh": (True, ("applied", [(BASE, "cfg.fresh")])),
     "max_steps": (10, ("applied", [(BASE, "cfg.max_steps")])),
     "duration": (10.0, ("applied", [(BASE, "cfg.duration")])),
