@@ -112,6 +112,8 @@ def peer(n: dict[str, Any], honest_ids: set[str]) -> dict[str, Any]:
         "max_deadline_s": max((r["deadline_s"] for r in rounds), default=None),
         "honest_failures": sum(1 for r in rounds for p in r.get("failures", {}) if p in honest_ids),
         "tokens": rounds[-1].get("tokens", 0) if rounds else 0,
+        # what serving its rounds cost it: a member asking again and again for a round once made it many times this
+        "average_mb_sent_per_round": round((n.get("average_bytes_sent_per_round") or 0) / 1e6, 2),
     }
 
 

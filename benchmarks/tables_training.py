@@ -368,19 +368,21 @@ def hostile_member(r: Results) -> str:
     rows = []
     for run in d["runs"]:
         if "error" in run:
-            rows.append([run["mode"], str(run["seed"]), "failed", "", "", "", ""])
+            rows.append([run["mode"], str(run["seed"]), "failed", "", "", "", "", ""])
             continue
         peers = run["peers"]
+        sent = [p.get("average_mb_sent_per_round") for p in peers]
         rows.append([run["mode"], str(run["seed"]), " / ".join(loss(p["val_loss"]) for p in peers),
                      " / ".join(f"{p['joint_rounds']} of {p['outer_rounds']}" for p in peers),
                      f"{max(p['max_deadline_s'] or 0 for p in peers):.1f} s", str(sum(p["honest_failures"] for p in peers)),
-                     str(sum(p["out_of_sync"] for p in peers))])
+                     str(sum(p["out_of_sync"] for p in peers)), " / ".join("–" if x is None else f"{x:.1f}" for x in sent)])
     gaps = "; ".join(f"`{mode.removeprefix('attack:')}`: {100 * v['worst_gap']:+.1f} % against clean, {100 * v['worst_gap_to_pair']:+.1f} % "
                      "against the pair" for mode, v in d["summary"].items() if v.get("worst_gap") is not None and v.get("worst_gap_to_pair") is not None)
     what = (f"3 daemons of `{o['model']}` on loopback, one 2-core machine, `{o['extra']}`, {o['max_steps']} inner steps each "
             "(equal tokens), a fresh checkpoint folder per run; `attack:A`: node 2 runs `--attack A`; `pair`: the two honest "
             "peers alone. Columns for the two honest peers (0 / 1): held-out loss at the end, rounds they averaged together in "
-            "sync, the longest rendezvous deadline, failures naming an honest peer, rounds out of sync. Worst gap of the honest "
+            "sync, the longest rendezvous deadline, failures naming an honest peer, rounds out of sync, MB each sent a round "
+            "serving its contributions (`/locomesh/average`). Worst gap of the honest "
             f"peers' mean held-out loss over the seeds (bar: within 5 % of the clean run): {gaps}.")
-    header = ["run", "seed", "held-out loss", "rounds together", "longest deadline", "honest failures", "out of sync"]
+    header = ["run", "seed", "held-out loss", "rounds together", "longest deadline", "honest failures", "out of sync", "sent a round"]
     return r.caption("hostile_member.json", what=what) + "\n\n" + table(header, rows)

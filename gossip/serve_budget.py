@@ -4,10 +4,10 @@ An honest member downloads each round of this node once: the whole contribution 
 the parts it reduces and, when an owner fails, those parts again straight from this node
 (reduce-scatter), plus what a broken stream makes it fetch again. Nothing bounded how often a
 member might ask: one that asked for the same round over and over (the ``future`` attack's requests
-for the next rounds, every one answered when the round was published) made each honest member upload
-its contribution 5 to 20 times a round. Now a client may receive at most ``MAX_DOWNLOADS`` times a
-round's bytes from each table (contributions, reduced parts), keyed on the authenticated peer that
-asks. A request's bytes are reserved before its first frame (concurrent requests cannot overdraw)
+for the next rounds, every one answered when the round was published) made each honest member send
+about 6 × its payload a round instead of 1.3 × (a swarm of three, one such member). Now a client may
+receive at most ``MAX_DOWNLOADS`` times a round's bytes from each table (contributions, reduced parts),
+keyed on the authenticated peer that asks. A request's bytes are reserved before its first frame (concurrent requests cannot overdraw)
 and what a broken stream did not send is given back.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from protocol.errors import SchemaError
 
-MAX_DOWNLOADS = 4  # × a round's bytes one client may receive from one table: one download and three retries
+MAX_DOWNLOADS = 2  # × a round's bytes one client may receive from one table: one download and one retry
 
 
 class ServeBudget:
