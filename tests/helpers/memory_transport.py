@@ -33,12 +33,16 @@ def ended_reader(data: bytes) -> asyncio.StreamReader:
 
 
 class Sink:
-    """The write end of a canned stream: keeps what was written in ``data``."""
+    """The write end of a canned stream: keeps what was written in ``data``; with ``breaks_after``, a
+    write that would take it past that many bytes raises ``ConnectionResetError`` (a link that dropped)."""
 
-    def __init__(self) -> None:
+    def __init__(self, breaks_after: int | None = None) -> None:
         self.data = bytearray()
+        self.breaks_after = breaks_after
 
     def write(self, b: bytes) -> None:
+        if self.breaks_after is not None and len(self.data) + len(b) > self.breaks_after:
+            raise ConnectionResetError("link dropped")
         self.data += b
 
     async def drain(self) -> None:

@@ -224,7 +224,7 @@ def test_a_request_for_some_parts_spends_their_bytes_and_a_broken_stream_gives_b
     """Reduce-scatter asks for a few parts, then those parts again when an owner fails; a stream that broke
     half-way counts only what went out, so a member on a flaky link may fetch again."""
     from protocol.frames import FramedStream, encode_frame, encode_message
-    from tests.helpers.memory_transport import ended_reader
+    from tests.helpers.memory_transport import Sink, ended_reader
 
     exchange = RoundExchange(MemoryTransport(reply=b""), "run", "none", [(1024,)] * 4)  # type: ignore[arg-type]
     blobs, _ = exchange.encode(0, [torch.zeros(1024)] * 4)
@@ -232,23 +232,8 @@ def test_a_request_for_some_parts_spends_their_bytes_and_a_broken_stream_gives_b
     whole = sum(len(b) for b in blobs)
 
     async def ask(parts: list[int] | None, breaks_after: int | None = None) -> str:
-        class Breaking(bytearray):  # the write end: fails once ``breaks_after`` bytes went out
-            def write(self, b: bytes) -> None:
-                if breaks_after is not None and len(self) + len(b) > breaks_after:
-                    raise ConnectionResetError("link dropped")
-                self += b
-
-            async def drain(self) -> None:
-                pass
-
-            def close(self) -> None:
-                pass
-
-            async def wait_closed(self) -> None:
-                pass
-
         request = {"run_id": "run", "round": 0, "codec": "none", **({"parts": parts} if parts is not None else {})}
-        stream = FramedStream(ended_reader(encode_frame(encode_message("fetch", request))), Breaking(), peer="member")  # type: ignore[arg-type]
+        stream = FramedStream(ended_reader(encode_frame(encode_message("fetch", request))), Sink(breaks_after), peer="member")  # type: ignore[arg-type]
         try:
             await exchange._handle(stream)
         except (SchemaError, ConnectionError) as e:
