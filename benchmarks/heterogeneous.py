@@ -24,12 +24,12 @@ of each epoch), in the ``speeds`` scenario only. Scenarios, each in every mode a
 Per peer: shares of its training loop's wall time spent in inner steps (``training``), waiting at the
 rendezvous for the others (``waiting``, the rounds' ``gather_s``), exchanging (the rest of the
 rounds' time), in the held-out evaluations after every round that this benchmark asks for
-(``evaluating``; a default node evaluates every 5 rounds) and writing checkpoints (``checkpointing``), the
-training share of the loop's time less those evaluations (``training_besides_evaluations``), tokens, the held-out loss at the end, and the held-out curve (every ``--eval-every``
-rounds) against wall time and tokens. The summary per scenario and mode: the least training share of
-any peer, the mean final held-out loss, and for ``auto``, the share of the fixed-H run's wall time it took
-to reach the fixed-H run's final held-out loss (peer 0's curves). Not compared here: hivemind's
-target-batch-size optimizer.
+(``evaluating``; a default node evaluates every 5 rounds) and writing checkpoints (``checkpointing``),
+the training share of the loop's time less those evaluations (``training_besides_evaluations``),
+tokens, the held-out loss at the end, and the held-out curve (every ``--eval-every`` rounds) against
+wall time and tokens. The summary per scenario and mode: the least training share of any peer, the
+mean final held-out loss, and for the modes other than ``fixed``, the share of the fixed-H run's wall
+time it took to reach the fixed-H run's final held-out loss (peer 0's curves).
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ def run(args: argparse.Namespace, scenario: str, mode: str, seed: int, folder: P
 def peer(n: dict[str, Any]) -> dict[str, Any]:
     rounds = n.get("rounds", [])
     train_s = n.get("train_s") or 0.0
+    eval_s = n.get("eval_s") or 0.0
     gather = sum(r["gather_s"] for r in rounds)
     blocked = n.get("comm_wait_s", 0.0)
     start = rounds[0]["t"] - rounds[0]["duration_s"] if rounds else 0.0
@@ -160,9 +161,8 @@ def peer(n: dict[str, Any]) -> dict[str, Any]:
         # an overlapped round's rendezvous runs beside training: only the time the loop was blocked counts
         "training": share(n.get("inner_s", 0.0)), "waiting": share(min(gather, blocked)), "exchanging": share(max(blocked - gather, 0.0)),
         # the held-out evaluations this benchmark asks for after every round (a default node: every 5) and checkpoints
-        "evaluating": share(n.get("eval_s") or 0.0), "checkpointing": share(n.get("checkpoint_s") or 0.0),
-        "training_besides_evaluations": (round(n.get("inner_s", 0.0) / (train_s - (n.get("eval_s") or 0.0)), 4)
-                                         if train_s > (n.get("eval_s") or 0.0) else None),
+        "evaluating": share(eval_s), "checkpointing": share(n.get("checkpoint_s") or 0.0),
+        "training_besides_evaluations": round(n.get("inner_s", 0.0) / (train_s - eval_s), 4) if train_s > eval_s else None,
         "steps_per_round": statistics.median(r["steps"] for r in rounds) if rounds else None,
         "out_of_sync": sum(not r["in_sync"] for r in rounds), "val_loss": n["val_loss"],
         "tokens": rounds[-1]["tokens"] if rounds else 0,

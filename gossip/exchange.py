@@ -134,11 +134,10 @@ class RoundExchange:
         # kept to serve: the wire parts (the owner's round holds its decoded values while it needs them)
         self._reduced[round_no] = None if share is None else replace(share, decoded={})
         event_in(self._reduced_ready, round_no).set()
-        old = [r for r in self._reduced if r <= round_no - KEEP_ROUNDS]
-        for r in old:
-            self._reduced.pop(r, None)
-            self._reduced_ready.pop(r, None)
-        self._budget.forget("reduced parts", old)
+        for old in [r for r in self._reduced if r <= round_no - KEEP_ROUNDS]:
+            self._reduced.pop(old, None)
+            self._reduced_ready.pop(old, None)
+        self._budget.forget("reduced parts", up_to=round_no - KEEP_ROUNDS)
 
     def publish(self, contribution: Contribution) -> None:
         """Make this node's contribution for ``contribution.round`` available to its group."""
@@ -146,14 +145,12 @@ class RoundExchange:
         self._contributions[contribution.round] = replace(contribution, decoded=[])
         event_in(self._ready, contribution.round).set()
         rounds = set(self._contributions) | set(self._ready) | set(self._groups) | set(self._served)  # (released or not)
-        rounds |= {r for table, r in self._budget.sent if table == "contribution"}
-        old = [r for r in rounds if r <= contribution.round - KEEP_ROUNDS]
-        for r in old:
-            self._contributions.pop(r, None)
-            self._ready.pop(r, None)
-            self._groups.pop(r, None)
-            self._served.pop(r, None)
-        self._budget.forget("contribution", old)
+        for old in [r for r in rounds if r <= contribution.round - KEEP_ROUNDS]:
+            self._contributions.pop(old, None)
+            self._ready.pop(old, None)
+            self._groups.pop(old, None)
+            self._served.pop(old, None)
+        self._budget.forget("contribution", up_to=contribution.round - KEEP_ROUNDS)
         self._release_served()
 
     def _release_served(self) -> None:

@@ -44,7 +44,7 @@ class ServeBudget:
         if nbytes > 0 and clients is not None and client in clients:
             clients[client] = max(clients[client] - nbytes, 0)
 
-    def forget(self, table: str, rounds: set[int] | list[int]) -> None:
-        """Drop what was counted for ``rounds`` of ``table`` (rounds this node no longer serves)."""
-        for r in rounds:
-            self.sent.pop((table, r), None)
+    def forget(self, table: str, up_to: int) -> None:
+        """Drop what was counted for the rounds of ``table`` up to ``up_to`` (rounds this node no longer serves)."""
+        for key in [k for k in self.sent if k[0] == table and k[1] <= up_to]:
+            del self.sent[key]
