@@ -272,7 +272,7 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         update = await self._reduce_scatter(rnd.number, rnd.owners, contributions, rnd.decoded,  # type: ignore[arg-type]
                                             result.contributors, rnd.fingerprint, result,
                                             self._weights_method(rnd, len(result.contributors)), rnd.fetch_timeout,
-                                            [len(b) for b in rnd.blobs])  # in sync: my φ is the majority's
+                                            [len(b) for b in rnd.blobs], agreed_phi=rnd.grouping is None)  # in sync: my φ is the majority's
         result.exchange_s = time.monotonic() - rnd.gathered
         result.update_norm = await asyncio.to_thread(l2_norm, update)
         await self._apply(rnd, update)
@@ -335,11 +335,12 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
     async def _reduce_scatter(self, round_no: int, owners: dict[str, list[int]], contributions: dict[str, Contribution],
                               my_decoded: list[torch.Tensor], used: list[str], majority_fp: str, result: RoundResult,
                               method: str | None = None, fetch_timeout: float | None = None,
-                              part_bytes: Sequence[int] | None = None) -> list[torch.Tensor]:
+                              part_bytes: Sequence[int] | None = None, agreed_phi: bool = True) -> list[torch.Tensor]:
         """Reduce this member's parts, serve them, and collect every other owner's: the round's whole
         averaged update, part by part (bit-identical on every member that got each part from its owner).
         ``method``: the aggregation, if not the run's (``_weights_method``); ``fetch_timeout``: the round's
-        (the run's, stretched by bandwidth caps); ``part_bytes``: each wire part's size (fetch deadlines grow with it)."""
+        (the run's, stretched by bandwidth caps); ``part_bytes``: each wire part's size (fetch deadlines grow with it);
+        ``agreed_phi``: the members hold one φ (not a bounded group's), so a share reduced on another is refused."""
         fetch_timeout = fetch_timeout or self.fetch_timeout
         specs = self.exchange.layout(round_no)
         mine = owners[self.peer_id]
@@ -372,6 +373,13 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         scale = steps_scale(list(claims.values()), claims[self.peer_id])
         for owner, got in shares.items():
             assert isinstance(got, ReducedShare)
+            if agreed_phi and got.fingerprint != majority_fp:
+                # an owner that got none of the others' updates votes alone, counts itself in sync and serves
+                # its own update for its parts, the same to every member: they would all apply it
+                logger.warning("round %d: not applying the parts %s reduced: reduced on φ %s, not this round's %s",
+                               round_no, owner, got.fingerprint[:12], majority_fp[:12])
+                failed[owner] = "out_of_sync"
+                continue
             if (reason := implausible_share(got, sources[owner], my_decoded, scale)) is not None:
                 logger.warning("round %d: not applying the parts %s reduced: %s", round_no, owner, reason)
                 failed[owner] = "implausible"

@@ -275,3 +275,33 @@ def test_a_member_that_owns_no_parts_refuses_a_liars_scaled_share(monkeypatch):
     honest = [m for m in members if m is not liar]
     for m in honest[1:]:
         assert all(torch.equal(a, b) for a, b in zip(m["phi"], honest[0]["phi"]))
+
+
+def test_an_owner_that_averaged_alone_on_its_own_phi_does_not_stand_in_for_the_round(monkeypatch):
+    """A member whose φ drifted and whose fetches are all refused (the serve budget refuses a client that
+    asks for rounds ahead) sees only its own update: it votes alone, counts itself in sync and serves its
+    own update as its parts' reduction. The other two count it out of sync, yet applied that share for a
+    third of the model, every round (the honest pair of a ``future`` attack ended 4-8 % worse than alone).
+    A share reduced on another φ is now refused, and those parts are reduced from the two in-sync updates."""
+    network = Network()
+    phi, members = diloco_members(3, network, SHAPES, "none", PART_NUMEL, seed=13)
+    drifted = members[2]
+    drifted["phi"] = [p + 0.01 for p in drifted["phi"]]
+    original = drifted["exchange"].gather
+
+    async def refused(peers, round_no, timeout, parts=None, reduced=None, **kwargs):
+        if reduced is None:  # its requests for the others' contributions are refused
+            return {}, {p: "refused" for p in peers}
+        return await original(peers, round_no, timeout, parts=parts, reduced=reduced, **kwargs)
+
+    drifted["exchange"].gather = refused
+    results = _run_round(members, monkeypatch)
+    assert results[2].contributors == [drifted["peer"]] and results[2].in_sync, "it averaged alone, in sync by its own count"
+    honest = members[:2]
+    expected = weighted_mean([m["delta"] for m in honest], [m["samples"] for m in honest])
+    for m, r in zip(honest, results):
+        assert r.reduce_scatter and r.contributors == sorted(h["peer"] for h in honest), r.contributors
+        assert r.failures.get(drifted["peer"]) == "out_of_sync", r.failures
+        for got, p, d in zip(m["phi"], phi, expected):
+            assert torch.allclose(got, p - d, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(honest[0]["phi"], honest[1]["phi"]))
