@@ -1,10 +1,10 @@
 """State download for joiners over ``/locomesh/state/1.0``.
 
-A serving node keeps an immutable :class:`StateSnapshot` (replaced at every round end) and answers
-``get_state {run_id}`` with a ``state`` header (round, progress into the round, fingerprint, meta,
-tensor layout) followed by ``chunk`` frames of raw bytes and an ``end`` frame. It runs on its own
-protocol, independent of averaging, so a round in progress never blocks a joiner. The receiver
-checks the announced layout against its own model before it allocates anything.
+A serving node keeps an immutable :class:`StateSnapshot` (replaced at every round end; a replica's is built
+on a joiner's first request) and answers ``get_state {run_id}`` with a ``state`` header (round, progress
+into the round, fingerprint, meta, tensor layout) followed by ``chunk`` frames of raw bytes and an ``end``
+frame. It runs on its own protocol, independent of averaging, so a round in progress never blocks a
+joiner. The receiver checks the announced layout against its own model before it allocates anything.
 
 A joiner may download from several peers that hold the same state at once: ``stripe [k, n]`` asks a
 peer for the k-th of n even shares of the chunks (``stripe_of``), so no peer sends more than its share.
@@ -33,9 +33,9 @@ import torch
 from gossip.fingerprint import content_digest
 from protocol import ids
 from protocol.errors import SchemaError
-from protocol.frames import FramedStream, require, require_token
+from protocol.frames import require, require_token
 from protocol.hivemind_transport import Transport
-from protocol.tensors import check_shape, dtype_name, tensor_bytes
+from protocol.tensors import check_shape, dtype_name
 
 logger = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
@@ -64,74 +64,6 @@ class DownloadedState:
 def group_digests(groups: dict[str, list[torch.Tensor]]) -> dict[str, str]:
     """{group: content digest of its tensors}."""
     return {name: content_digest(ts) for name, ts in groups.items()}
-
-
-class StateServer:
-    """Serves the current snapshot; ``progress()`` tells how many inner steps into the round we are."""
-
-    def __init__(self, transport: Transport, run_id: str, progress: Callable[[], int]) -> None:
-        self.transport, self.run_id, self.progress = transport, run_id, progress
-        self.snapshot: StateSnapshot | None = None
-        self._digests: tuple[StateSnapshot, dict[str, str]] | None = None
-
-    async def start(self) -> None:
-        await self.transport.serve(ids.STATE, self._handle)
-
-    def publish(self, snapshot: StateSnapshot | None) -> None:
-        """Serve ``snapshot`` from now on (None: nothing, until the next)."""
-        self.snapshot = snapshot
-        self._digests = None  # (it refers to the snapshot it was computed for, and would keep it alive)
-
-    def renew(self, build: Callable[[], StateSnapshot]) -> None:
-        """Serve ``build()`` instead of the current snapshot, letting the current one go first: a snapshot is a
-        copy of the model's state (φ and momentum), and two of them side by side were a round's peak. A joiner
-        that asks meanwhile hears there is no state yet and asks another source; downloads under way keep
-        the snapshot they started with."""
-        self.publish(None)
-        self.publish(build())
-
-    async def digests(self, snap: StateSnapshot) -> dict[str, str]:
-        """Content digest of each tensor group of ``snap`` (computed once per snapshot, on first ask,
-        off the event loop: a large model takes seconds)."""
-        cached = self._digests
-        if cached is None or cached[0] is not snap:
-            cached = (snap, await asyncio.to_thread(group_digests, snap.tensors))
-            self._digests = cached
-        return cached[1]
-
-    async def _handle(self, stream: FramedStream) -> None:
-        msg = await stream.recv(expect="get_state")
-        if require(msg.body, "run_id", str) != self.run_id:
-            raise SchemaError(f"this node trains run {self.run_id!r}, not {msg.body['run_id']!r}")
-        have = msg.body.get("have", {})
-        if not isinstance(have, dict):
-            raise SchemaError("get_state 'have' must map tensor groups to digests")
-        stripe = msg.body.get("stripe", [0, 1])
-        if not (isinstance(stripe, list) and len(stripe) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in stripe)
-                and 0 <= stripe[0] < stripe[1] <= MAX_STRIPES):
-            raise SchemaError(f"get_state 'stripe' must be [k, n] with 0 <= k < n <= {MAX_STRIPES}")
-        snap = self.snapshot
-        if snap is None:
-            raise SchemaError("this node has no state to share yet")
-        layout = {name: [[list(t.shape), dtype_name(t.dtype)] for t in ts] for name, ts in snap.tensors.items()}
-        digests = await self.digests(snap)
-        same = sorted(name for name, digest in digests.items() if have and have.get(name) == digest)
-        await stream.send(
-            "state",
-            {"round": snap.round, "inner_step": int(self.progress()), "fingerprint": snap.fingerprint, "meta": snap.meta, "layout": layout,
-             "same": same, "digests": digests},
-        )
-        if msg.body.get("header_only") is True:
-            await stream.send("end", {})
-            return
-        k, n = stripe
-        plan = chunk_plan({name: [(tuple(t.shape), t.dtype) for t in ts] for name, ts in snap.tensors.items()}, same)
-        raw: tuple[tuple[str, int], bytes] | None = None
-        for name, i, offset, length in stripe_of(plan, k, n):
-            if raw is None or raw[0] != (name, i):
-                raw = ((name, i), tensor_bytes(snap.tensors[name][i]))
-            await stream.send("chunk", {"g": name, "t": i, "offset": offset, "data": raw[1][offset : offset + length]})
-        await stream.send("end", {})
 
 
 Expected = dict[str, list[tuple[tuple[int, ...], torch.dtype]]]

@@ -224,10 +224,11 @@ def estimate(cfg: NodeConfig, model_cfg: Any, device: str, free: tuple[int, int 
             rows.append(Row(f"error-feedback residual ({cfg.codec})", "RAM", p4))
         rows.append(Row(f"round buffers (Δ, decoded mean, {cfg.codec} payload)", "RAM", 2 * p4 + _payload_bytes(cfg.codec, params)))
         if stage is None:
-            # what a replica serves joiners is a copy of the round's φ (and momentum), renewed after every round (the
-            # old copy goes first: gossip.state_transfer.StateServer.renew); a checkpoint copies φ and θ beside it
+            # what a replica serves joiners is a copy of the round's φ (and momentum), made on a joiner's first request
+            # and kept until the next round (gossip.state_server): counted, since a joiner may come any round; a
+            # checkpoint copies φ and θ beside it
             held = p4 * (2 if momentum else 1)
-            rows.append(Row(f"state served to joiners (φ{' + momentum' if momentum else ''}, copied each round)", "RAM", held))
+            rows.append(Row(f"state served to joiners (φ{' + momentum' if momentum else ''}, copied when one asks)", "RAM", held))
             if cfg.checkpoint_dir is not None:
                 rows.append(Row("a checkpoint's copies of φ and θ", "RAM", 2 * p4))
     if device == "cuda":

@@ -35,7 +35,8 @@ from gossip.outer import NesterovOuter
 from gossip.placement import OuterPlacement
 from gossip.rendezvous import Reachable, list_peers
 from gossip.state_sources import SourcePlan, plan_sources, rank_candidates
-from gossip.state_transfer import StateServer, StateSnapshot, download_state, meta_int
+from gossip.state_server import StateServer
+from gossip.state_transfer import StateSnapshot, download_state, meta_int
 from node.config import NodeConfig
 from node.pipeline.checkpoint import resumes_stage, stage_cut
 from node.runtime.metrics import NodeMetrics

@@ -37,7 +37,8 @@ from gossip.fragments import fragment_of_round, merge_fragment
 from gossip.noloco import NoLoCoAverager
 from gossip.outer import NesterovOuter, NoLoCoOuter
 from gossip.placement import OuterPlacement
-from gossip.state_transfer import DownloadedState, StateServer, StateSnapshot
+from gossip.state_server import StateServer
+from gossip.state_transfer import DownloadedState, StateSnapshot
 from gossip.byzantine import Attacker, served_params
 from node.config import BY_REPLICAS, NodeConfig
 from node.replica.joiner import Joiner
@@ -304,6 +305,8 @@ class Daemon(NodeBase):
         else right away (the training loop waits)."""
         fragment = fragment_of_round(self.round, self.cfg.fragments)
         self.averager.speed = self.compute_tokens_per_s
+        # the round changes φ and momentum: an overlapped one runs for most of the time, so joiners keep a copy
+        self.state_server.withdraw(keep=self.cfg.overlap)
         self.rounds.start(self.round, fragment, self.plan.fragments[fragment], self.phi, self.trainer.parameters(), samples,
                           self.inner_step, self.plan.feedback[fragment], overlapped=self.cfg.overlap)
         self.inner_step = 0
@@ -377,13 +380,13 @@ class Daemon(NodeBase):
                     result.round, len(result.contributors), len(result.group), result.duration_s, result.gather_s, self.last_loss)
 
     def _publish_snapshot(self) -> None:
-        self.state_server.renew(lambda: StateSnapshot(
-            round=self.round,
-            tensors={"params": served_params(self.phi, self.attacker), "outer_momentum": self.outer.state_tensors(self.phi)},
-            fingerprint=fingerprint(self.phi),
-            meta={**run_settings(self.cfg), "error_feedback_decay": self.cfg.feedback_decay(),
-                  SCHEDULE_STEP: self.trainer.steps - self.inner_step},
-        ))
+        """Offer joiners the round's φ and momentum (``gossip.state_server``: copied on the first request, until
+        the next round starts changing them); what the training loop moves on is taken now."""
+        phi, round_no, fp = self.phi, self.round, fingerprint(self.phi)
+        meta = {**run_settings(self.cfg), "error_feedback_decay": self.cfg.feedback_decay(), SCHEDULE_STEP: self.trainer.steps - self.inner_step}
+        self.state_server.offer(lambda: StateSnapshot(
+            round=round_no, tensors={"params": served_params(phi, self.attacker), "outer_momentum": self.outer.state_tensors(phi)},
+            fingerprint=fp, meta=meta))
 
     # ---- throughput ----------------------------------------------------------------------------
     def _start_throughput(self) -> None:

@@ -37,7 +37,8 @@ import torch
 from gossip.deadline import AdaptiveDeadline
 from gossip.fingerprint import fingerprint
 from gossip.rendezvous import gather_group, round_members
-from gossip.state_transfer import StateServer, StateSnapshot
+from gossip.state_server import StateServer
+from gossip.state_transfer import StateSnapshot
 from gossip.votes import Tenure
 from gossip.zo import apply_codes, encode_grad, expand, majority, pack_codes, spsa_estimate, step_seed
 from gossip.zo_exchange import CodeExchange, CodeSet, LogEntry, Position, members_digest

@@ -27,7 +27,8 @@ import torch
 
 from compression import Payload, get_codec
 from gossip.exchange import Contribution, RoundExchange
-from gossip.state_transfer import StateServer, StateSnapshot, download_state
+from gossip.state_server import StateServer
+from gossip.state_transfer import StateSnapshot, download_state
 from node.runtime.status_service import StatusService
 from protocol import ProtocolError, decode_message, encode_message, read_frame, tensor_from_wire, tensor_to_wire
 from protocol.records import PeerRecord, RoundEntry

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossip.state_transfer import StateServer, download_state
+from gossip.state_server import StateServer
+from gossip.state_transfer import download_state
 from node.config import NodeConfig
 from node.replica.node import Daemon
 from swarm.inner_optimizer import MuonAdamW, build_inner_optimizer, is_muon_param

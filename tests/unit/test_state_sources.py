@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from gossip.state_sources import SourcePlan, attempts_of, plan_sources, rank_candidates
-from gossip.state_transfer import StateServer, StateSnapshot, group_digests
+from gossip.state_server import StateServer
+from gossip.state_transfer import StateSnapshot, group_digests
 from gossip.votes import Tenure
 from node.errors import JoinRefused
 from node.replica.joiner import Joiner

@@ -6,7 +6,8 @@ import asyncio
 import pytest
 import torch
 
-from gossip.state_transfer import StateServer, StateSnapshot, download_state
+from gossip.state_server import StateServer
+from gossip.state_transfer import StateSnapshot, download_state
 from protocol.errors import SchemaError
 from tests.helpers.memory_transport import MemoryTransport, Network, canned_stream, frames
 
@@ -218,3 +219,71 @@ def test_without_a_strict_majority_nobody_is_trusted():
     assert majority_state({"a": (3, one), "b": (3, two)}) is None  # a tie: no peer id decides
     assert majority_state({"a": (3, one), "b": (3, one), "c": (3, two)}) == (3, one, ["a", "b"])
     assert majority_state({"a": (3, one), "b": (4, one)}) is None  # rounds differ: two states
+
+
+def test_an_offered_state_is_copied_once_on_the_first_request_and_withdrawn_before_it_changes():
+    """A replica offers its state after each round instead of copying it: the copy (φ and momentum, twice the
+    model) is made on a joiner's first request and served to the next. Withdrawn before the state changes,
+    an offer nobody asked for is never built (joiners hear there is none yet); one that was built stays
+    served as it was; ``keep`` builds it first (an overlapped round changes the state for most of the time)."""
+    live = _state(0)
+    builds = []
+
+    def build():
+        builds.append(1)
+        return StateSnapshot(round=4, tensors={n: [t.clone() for t in ts] for n, ts in live.items()}, fingerprint="fp", meta={})
+
+    async def go():
+        network = Network()
+        server = StateServer(network.transport("server"), "run", progress=lambda: 0)  # type: ignore[arg-type]
+        await server.start()
+        fetch = lambda: download_state(network.transport("joiner"), "server", "run", _layout(live))  # noqa: E731
+        server.offer(build)
+        assert builds == [], "nothing is copied until a joiner asks"
+        first, second = await fetch(), await fetch()
+        assert len(builds) == 1 and all(torch.equal(a, b) for a, b in zip(second.snapshot.tensors["params"], live["params"]))
+        server.withdraw()
+        for t in live["params"]:
+            t.add_(1.0)  # the next round's outer step
+        kept = await fetch()
+        assert all(not torch.equal(a, b) for a, b in zip(kept.snapshot.tensors["params"], live["params"])), "the copy, as it was"
+        server.offer(build)
+        server.withdraw()
+        with pytest.raises(Exception, match="no state to share yet"):
+            await fetch()
+        assert len(builds) == 1, "an offer withdrawn unasked was never copied"
+        server.offer(build)
+        server.withdraw(keep=True)
+        assert len(builds) == 2
+        for t in live["params"]:
+            t.add_(1.0)
+        got = await fetch()
+        assert all(torch.allclose(a, b - 1.0) for a, b in zip(got.snapshot.tensors["params"], live["params"]))
+        await asyncio.gather(*network.tasks, return_exceptions=True)
+
+    asyncio.run(go())
+
+
+def test_withdrawing_waits_for_a_copy_under_way():
+    """A joiner's request copies the state in a worker thread; the round that is about to change it waits
+    until the copy is done, so no joiner gets a state torn between two rounds."""
+    import threading
+    import time
+
+    started, copied = threading.Event(), []
+
+    def slow_build():
+        started.set()
+        time.sleep(0.3)
+        copied.append(time.monotonic())
+        return StateSnapshot(round=1, tensors=_state(0), fingerprint="fp", meta={})
+
+    server = StateServer(MemoryTransport(), "run", progress=lambda: 0)  # type: ignore[arg-type]
+    server.offer(slow_build)
+    builder = threading.Thread(target=server._built)
+    builder.start()
+    assert started.wait(5)
+    server.withdraw()
+    withdrawn = time.monotonic()
+    builder.join()
+    assert copied and withdrawn >= copied[0] and server.snapshot is not None
