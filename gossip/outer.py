@@ -21,16 +21,23 @@ Pure tensor math with explicit state: callers own the tensors, tests can drive i
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 
 class _IndexedState:
-    """One fp32 buffer per parameter index, created (as zeros) on first use."""
+    """One fp32 buffer per parameter index, created (as zeros) on first use. ``before_change``, when set, is
+    called before a step or a load changes φ or the buffers (a replica withdraws the state it offers joiners:
+    ``gossip.state_server``)."""
 
     def __init__(self) -> None:
         self.buffers: dict[int, torch.Tensor] = {}
+        self.before_change: Callable[[], None] | None = None
+
+    def _changing(self) -> None:
+        if self.before_change is not None:
+            self.before_change()
 
     def _buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
         """The buffer of parameter ``index``, on ``like``'s device: the state follows φ (``gossip.placement``)."""
@@ -48,6 +55,7 @@ class _IndexedState:
                 for i, p in enumerate(like)]
 
     def load_state_tensors(self, buffers: Sequence[torch.Tensor]) -> None:
+        self._changing()
         self.buffers = {i: b.detach().to(torch.float32).clone() for i, b in enumerate(buffers)}
 
 
@@ -92,6 +100,7 @@ class NesterovOuter(_IndexedState):
         """Update ``phi`` in place from the (averaged) pseudo-gradient ``delta`` of round ``round_no``."""
         if len(phi) != len(delta):
             raise ValueError(f"{len(phi)} parameters but {len(delta)} pseudo-gradients")
+        self._changing()
         lr = self.lr_at(round_no)
         for i, p, d in zip(_indices(indices, len(phi)), phi, delta):
             v = self._buffer(i, p)
@@ -146,6 +155,7 @@ class NoLoCoOuter(_IndexedState):
         """
         if not len(phi) == len(group_phi) == len(group_progress):
             raise ValueError(f"{len(phi)} parameters, {len(group_phi)} mean weights, {len(group_progress)} mean updates")
+        self._changing()
         for i, p, mean_p, u in zip(_indices(indices, len(phi)), phi, group_phi, group_progress):
             d = self._buffer(i, p)
             pull = mean_p.to(p.device, torch.float32) - p.to(torch.float32)

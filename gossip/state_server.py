@@ -2,7 +2,8 @@
 the snapshot a node serves joiners, its digests, and the stripes of chunks it sends.
 
 A replica *offers* its state: the copy of φ and momentum is built on a joiner's first request, not after
-every round, and the node *withdraws* the offer before anything it reads changes (the next round's start).
+every round, and the offer is *withdrawn* just before the next outer step (or a resync) changes what it
+reads, so joiners keep a source through the next round's rendezvous and exchange.
 Most rounds nobody asks, and each copy cost a round of an 85 M-parameter model ~0.4 s and twice the model's
 size in memory.
 """
@@ -57,13 +58,10 @@ class StateServer:
             self.publish(None)
             self._build = build
 
-    def withdraw(self, keep: bool = False) -> None:
-        """What the offer reads is about to change: build it now (``keep``: joiners keep a source while it
-        changes) or stop offering it (they hear there is no state yet until the next offer). Waits for a build
-        under way; a snapshot already built stays served."""
+    def withdraw(self) -> None:
+        """What the offer reads is about to change: stop offering it (joiners hear there is no state yet until
+        the next offer). Waits for a build under way; a snapshot already built stays served."""
         with self._building:
-            if keep and self._build is not None:
-                self.publish(self._build())
             self._build = None
 
     def _built(self) -> StateSnapshot | None:

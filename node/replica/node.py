@@ -107,6 +107,7 @@ class Daemon(NodeBase):
                               feedback_decay=cfg.feedback_decay(), fragments=cfg.fragments, noloco=cfg.algorithm == "noloco")
         self.exchange = RoundExchange(net.transport, cfg.run_id, self.plan.wire(), self.plan.layout, serve_timeout=cfg.averaging_timeout * 2)
         self.state_server = StateServer(net.transport, cfg.run_id, progress=lambda: self.inner_step)
+        self.outer.before_change = self.state_server.withdraw  # the state offered joiners is copied before it changes
         self.reachable = self.reachable_members()
         judge = None
         if isinstance(self.outer, NoLoCoOuter):
@@ -305,8 +306,6 @@ class Daemon(NodeBase):
         else right away (the training loop waits)."""
         fragment = fragment_of_round(self.round, self.cfg.fragments)
         self.averager.speed = self.compute_tokens_per_s
-        # the round changes φ and momentum: an overlapped one runs for most of the time, so joiners keep a copy
-        self.state_server.withdraw(keep=self.cfg.overlap)
         self.rounds.start(self.round, fragment, self.plan.fragments[fragment], self.phi, self.trainer.parameters(), samples,
                           self.inner_step, self.plan.feedback[fragment], overlapped=self.cfg.overlap)
         self.inner_step = 0
