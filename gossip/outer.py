@@ -106,8 +106,12 @@ class NesterovOuter(_IndexedState):
             v = self._buffer(i, p)
             d = d.to(v.device, v.dtype)
             v.mul_(self.momentum).add_(d)
-            update = d.add(v, alpha=self.momentum) if self.nesterov else v
-            p.sub_(update.to(p.dtype), alpha=lr)
+            if not self.nesterov:
+                p.sub_(v.to(p.dtype), alpha=lr)
+            elif p.dtype == v.dtype:  # φ − lr·(d + μv) in two passes, without a temporary the size of the model
+                p.sub_(d, alpha=lr).sub_(v, alpha=lr * self.momentum)
+            else:
+                p.sub_(d.add(v, alpha=self.momentum).to(p.dtype), alpha=lr)
 
 
     @torch.no_grad()
