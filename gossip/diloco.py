@@ -373,14 +373,10 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         scale = steps_scale(list(claims.values()), claims[self.peer_id])
         for owner, got in shares.items():
             assert isinstance(got, ReducedShare)
-            if agreed_phi and got.fingerprint != majority_fp:
-                # an owner that got none of the others' updates votes alone, counts itself in sync and serves
-                # its own update for its parts, the same to every member: they would all apply it
-                logger.warning("round %d: not applying the parts %s reduced: reduced on φ %s, not this round's %s",
-                               round_no, owner, got.fingerprint[:12], majority_fp[:12])
-                failed[owner] = "out_of_sync"
-                continue
-            if (reason := implausible_share(got, sources[owner], my_decoded, scale)) is not None:
+            # a share on another φ: an owner cut off from the others' updates votes alone and serves its own
+            other_phi = agreed_phi and got.fingerprint != majority_fp
+            reason = f"reduced on another φ ({got.fingerprint[:12]})" if other_phi else implausible_share(got, sources[owner], my_decoded, scale)
+            if reason is not None:
                 logger.warning("round %d: not applying the parts %s reduced: %s", round_no, owner, reason)
                 failed[owner] = "implausible"
                 continue
