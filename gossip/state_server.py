@@ -4,8 +4,8 @@ the snapshot a node serves joiners, its digests, and the stripes of chunks it se
 A replica *offers* its state: the copy of φ and momentum is built on a joiner's first request, not after
 every round, and the offer is *withdrawn* just before the next outer step (or a resync) changes what it
 reads, so joiners keep a source through the next round's rendezvous and exchange.
-Most rounds nobody asks, and each copy cost a round of an 85 M-parameter model ~0.4 s and twice the model's
-size in memory.
+Most rounds nobody asks, and each copy (twice the model's size) cost every round a pass over the model and
+the memory to hold it.
 """
 
 from __future__ import annotations
@@ -51,9 +51,8 @@ class StateServer:
         self.publish(build())
 
     def offer(self, build: Callable[[], StateSnapshot]) -> None:
-        """Serve ``build()`` from now on, built when a joiner first asks for it: most rounds nobody does, and each
-        copy of φ and momentum cost a round ~0.4 s and twice the model's size in memory (85 M parameters on 2
-        CPU cores). What ``build`` reads must stay as it is until :meth:`withdraw`."""
+        """Serve ``build()`` from now on, built when a joiner first asks for it (most rounds nobody does). What
+        ``build`` reads must stay as it is until :meth:`withdraw`."""
         with self._building:
             self.publish(None)
             self._build = build

@@ -380,7 +380,7 @@ class Daemon(NodeBase):
 
     def _publish_snapshot(self) -> None:
         """Offer joiners the round's φ and momentum (``gossip.state_server``: copied on the first request, until
-        the next round starts changing them); what the training loop moves on is taken now."""
+        the outer optimizer next changes them); what the training loop moves on is taken now."""
         phi, round_no, fp = self.phi, self.round, fingerprint(self.phi)
         meta = {**run_settings(self.cfg), "error_feedback_decay": self.cfg.feedback_decay(), SCHEDULE_STEP: self.trainer.steps - self.inner_step}
         self.state_server.offer(lambda: StateSnapshot(
