@@ -41,14 +41,12 @@ class StateServer:
         self._digests = None  # (it refers to the snapshot it was computed for, and would keep it alive)
 
     def renew(self, build: Callable[[], StateSnapshot]) -> None:
-        """Serve ``build()`` instead of the current snapshot, letting the current one go first: a snapshot is a
+        """Serve ``build()``, built now, instead of the current snapshot, letting the current one go first: a snapshot is a
         copy of the model's state (φ and momentum), and two of them side by side were a round's peak. A joiner
         that asks meanwhile hears there is no state yet and asks another source; downloads under way keep
         the snapshot they started with."""
-        with self._building:
-            self._build = None
-        self.publish(None)
-        self.publish(build())
+        self.offer(build)
+        self._built()
 
     def offer(self, build: Callable[[], StateSnapshot]) -> None:
         """Serve ``build()`` from now on, built when a joiner first asks for it (most rounds nobody does). What
