@@ -8,6 +8,7 @@ TOML file; flags win over env over file over defaults.
 
 import inspect
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -90,7 +91,17 @@ def join(
     finally:
         if lock is not None:
             lock.release()
+    if not node.net.compute.wait_idle(0):
+        _exit_now(code)  # interpreter teardown under a running torch kernel would abort the process
     raise typer.Exit(code)
+
+
+def _exit_now(code: int) -> None:
+    """Exit with ``code`` at once, skipping interpreter teardown (everything the node owns is already closed)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # typer reads the parameters from the signature: give `join` the shared option set

@@ -33,6 +33,7 @@ from gossip.rendezvous import watch_records
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+COMPUTE_GRACE_S = 6.0  # how long a stopping node waits for the codec/outer-step work in flight
 
 
 def diagnose_peer(maddr: str, timeout: float = 3.0) -> str:
@@ -73,21 +74,48 @@ class DaemonThreadExecutor(concurrent.futures.Executor):
     """Runs each call on a daemon thread of its own: the loop's ``to_thread`` work (codecs, aggregation,
     outer steps) never keeps a stopping node alive, as the default executor's joined threads would."""
 
+    def __init__(self) -> None:
+        self._running: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def work() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
             try:
-                result = fn(*args, **kwargs)
-            except BaseException as e:
-                future.set_exception(e)
-            else:
-                future.set_result(result)
+                if not future.set_running_or_notify_cancel():
+                    return
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as e:
+                    future.set_exception(e)
+                else:
+                    future.set_result(result)
+            finally:
+                with self._lock:
+                    self._running.discard(thread)
 
-        threading.Thread(target=work, name="locomesh-compute", daemon=True).start()
+        thread = threading.Thread(target=work, name="locomesh-compute", daemon=True)
+        with self._lock:
+            self._running.add(thread)
+        thread.start()
         return future
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the calls in flight to return; False if some still run.
+
+        A process must not exit while one of them is inside a torch kernel: the C++ runtime's teardown
+        under a running kernel aborts the process ("terminate called without an active exception")."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                running = list(self._running)
+            if not running:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            running[0].join(timeout=left)
 
 
 class NetworkThread:
@@ -95,7 +123,8 @@ class NetworkThread:
 
     def __init__(self) -> None:
         self.loop = uvloop.new_event_loop()
-        self.loop.set_default_executor(DaemonThreadExecutor())
+        self.compute = DaemonThreadExecutor()
+        self.loop.set_default_executor(self.compute)
         self._thread = threading.Thread(target=self._serve, name="locomesh-network", daemon=True)
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
@@ -341,3 +370,6 @@ class NetworkThread:
         self._thread.join(timeout=5)
         if self._watchdog is not None:
             release(self._watchdog)
+        if not self.compute.wait_idle(COMPUTE_GRACE_S):
+            logger.warning("a codec or outer step still runs %.0fs after the stop: the process will exit "
+                           "without waiting for it", COMPUTE_GRACE_S)
