@@ -10,13 +10,15 @@ One round, for a member holding φ (agreed weights) and θ (weights after its in
    to the waits of recent complete rounds (``gossip.deadline``).
 3. It fetches every other member's contribution (each fetch bounded by the fetch timeout); a member
    that fails is left out of this round and counted. Dense rounds of three members or more
-   reduce-scatter instead (``gossip.reduce_scatter``): a member fetches only the parts it owns from
+   reduce-scatter instead (``gossip.reduce_scatter``, ``gossip.reduce_scatter_round``): a member fetches only the parts it owns from
    each other member, reduces and serves them, then fetches every other owner's reduced parts; the
    parts of an owner that fails are fetched from the members directly and reduced locally.
 4. Contributions whose φ fingerprint differs from the group's majority (of established peers,
    ``gossip.votes``) are dropped. The rest are
    averaged, weighted by samples, in peer-id order (bit-identical on every member), and the outer
    optimizer steps φ. A member in the minority reports ``in_sync = False`` and re-downloads state.
+   A member of no samples (it took no step) votes and steps φ with the others, but its Δ is not
+   averaged; a round in which nobody took a step leaves φ as it was.
 
 A swarm with more live members than ``max_group_size`` splits every round into random bounded groups
 (``gossip.groups``), each with its own rendezvous. Their φ differ, so such a round averages weights:
@@ -44,15 +46,16 @@ from hivemind.dht.node import DHTNode
 from compression import ErrorFeedback
 from gossip.aggregate import ROBUST
 from gossip.byzantine import Attacker
-from gossip.exchange import Contribution, ReducedShare, RoundExchange
+from gossip.exchange import Contribution, RoundExchange
 from gossip.fingerprint import fingerprint
-from gossip.group_round import GroupAverager, RoundResult
+from gossip.group_round import RoundResult
 from gossip.group_rendezvous import GroupedRendezvous
 from gossip.groups import group_tag
 from gossip.outer import NesterovOuter, l2_norm, pseudo_gradient
 from gossip.partition import Partition
 from gossip.placement import to_host
-from gossip.reduce_scatter import assign_owners, bounded_unseen, implausible_share, is_dense, steps_scale, use_reduce_scatter
+from gossip.reduce_scatter import assign_owners, is_dense, use_reduce_scatter
+from gossip.reduce_scatter_round import ReduceScatterRound
 from gossip.rendezvous import Reachable
 from gossip.screen_votes import agree_on_screen
 from gossip.votes import Tenure, vote
@@ -97,7 +100,7 @@ def _assign(phi: Sequence[torch.Tensor], mean: Sequence[torch.Tensor], indices: 
             p.copy_(m)
 
 
-class DiLoCoAverager(GroupedRendezvous, GroupAverager):
+class DiLoCoAverager(GroupedRendezvous, ReduceScatterRound):
     """Runs DiLoCo outer rounds for one member.
 
     :param dht: the node's DHT
@@ -238,8 +241,11 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         if rnd.grouping is None:
             _, majority = vote({p: c.fingerprint for p, c in contributions.items()}, rnd.number, self.peer_id, self.tenure)
         majority_fp = contributions[majority].fingerprint
-        used = sorted(p for p, c in contributions.items() if rnd.grouping is not None or c.fingerprint == majority_fp)
-        failures.update({p: "out_of_sync" for p in contributions if p not in used and p != self.peer_id})
+        synced = sorted(p for p, c in contributions.items() if rnd.grouping is not None or c.fingerprint == majority_fp)
+        failures.update({p: "out_of_sync" for p in contributions if p not in synced and p != self.peer_id})
+        # a member of no samples (a stage replica no microbatch reached) takes part to keep φ, but its Δ is not
+        # averaged: it weighs nothing, and a zero update would pull the robust aggregations' references down
+        used = [p for p in synced if rnd.grouping is not None or contributions[p].samples > 0]
         return RoundResult(
             round=rnd.number,
             group=[e.peer_id for e in group],
@@ -266,7 +272,7 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         """A reduce-scattering round's end: when in sync, reduce and serve this member's parts, collect
         the other owners' and step φ; when not, refuse requests for reduced parts."""
         result.reduce_scatter = True
-        if not result.in_sync:
+        if not result.in_sync or not result.contributors:  # none: nobody took a step, φ stays (so does the momentum)
             self.exchange.publish_reduced(rnd.number, None)
             return
         update = await self._reduce_scatter(rnd.number, rnd.owners, contributions, rnd.decoded,  # type: ignore[arg-type]
@@ -290,7 +296,7 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         """A round without reduce-scatter, when in sync: aggregate the majority's contributions
         (``gossip.aggregate``, which may drop some), keep the others' sum if asked (eager updates) and
         step φ. Does nothing when out of sync."""
-        if not result.in_sync:
+        if not result.in_sync or not result.contributors:  # none: nobody took a step, φ stays (so does the momentum)
             return
         used = result.contributors
         if self.scorer is not None and rnd.grouping is None:  # the node sets a scorer only where φ is the whole model
@@ -331,68 +337,3 @@ class DiLoCoAverager(GroupedRendezvous, GroupAverager):
         result.failures.update({p: "harmful_update" for p in agreed.dropped})
         result.contributors = [p for p in shown.peers if p not in agreed.dropped]
         return result.contributors
-
-    async def _reduce_scatter(self, round_no: int, owners: dict[str, list[int]], contributions: dict[str, Contribution],
-                              my_decoded: list[torch.Tensor], used: list[str], majority_fp: str, result: RoundResult,
-                              method: str | None = None, fetch_timeout: float | None = None,
-                              part_bytes: Sequence[int] | None = None, agreed_phi: bool = True) -> list[torch.Tensor]:
-        """Reduce this member's parts, serve them, and collect every other owner's: the round's whole
-        averaged update, part by part (bit-identical on every member that got each part from its owner).
-        ``method``: the aggregation, if not the run's (``_weights_method``); ``fetch_timeout``: the round's
-        (the run's, stretched by bandwidth caps); ``part_bytes``: each wire part's size (fetch deadlines grow with it);
-        ``agreed_phi``: the members hold one φ (not a bounded group's), so a share reduced on another is refused."""
-        fetch_timeout = fetch_timeout or self.fetch_timeout
-        specs = self.exchange.layout(round_no)
-        mine = owners[self.peer_id]
-        update: dict[int, torch.Tensor] = {}
-        share: ReducedShare | None = None
-        claims = self.claimed({p: contributions[p].samples for p in used})
-        if mine:
-            agg = await asyncio.to_thread(self.combine, used, [contributions[p].decoded for p in used],
-                                          [contributions[p].samples for p in used], method)
-            # the claims as they weighed on these parts (bounded by what the updates show): a lying claim must
-            # not widen the bound on the other owners' parts (steps_scale) either
-            claims.update(agg.weights)
-            result.failures.update(agg.dropped)
-            blobs, decoded = await asyncio.to_thread(self.exchange.encode_parts, round_no, mine, agg.update)
-            share = ReducedShare(round_no, sum(claims[p] for p in agg.used), agg.used, majority_fp,
-                                 dict(zip(mine, blobs)), dict(zip(mine, decoded)))
-            update.update(share.decoded)
-            result.contributors, result.norms, result.clipped, result.capped = agg.used, agg.norms, agg.clipped, agg.capped
-            result.samples = share.samples
-        else:  # no update was seen here: claims are bounded by the round's median instead of by norms
-            claims = bounded_unseen(claims)
-        self.exchange.publish_reduced(round_no, share)
-        sources = {o: parts for o, parts in owners.items() if o != self.peer_id and parts}
-        # an owner waits for every member's parts before it serves, so its answer may take a whole fetch
-        # timeout; an owner that cannot be reached is not waited for: its parts are fetched directly
-        size = (lambda parts: sum(part_bytes[i] for i in parts)) if part_bytes is not None else (lambda parts: 0)
-        shares, failed = await self.exchange.gather(list(sources), round_no, 2 * fetch_timeout, reduced=sources,
-                                                    retry_for=min(5.0, self.fetch_timeout / 4),
-                                                    expected={o: size(parts) for o, parts in sources.items()})
-        scale = steps_scale(list(claims.values()), claims[self.peer_id])
-        for owner, got in shares.items():
-            assert isinstance(got, ReducedShare)
-            # a share on another φ: an owner cut off from the others' updates votes alone and serves its own
-            other_phi = agreed_phi and got.fingerprint != majority_fp
-            reason = f"reduced on another φ ({got.fingerprint[:12]})" if other_phi else implausible_share(got, sources[owner], my_decoded, scale)
-            if reason is not None:
-                logger.warning("round %d: not applying the parts %s reduced: %s", round_no, owner, reason)
-                failed[owner] = "implausible"
-                continue
-            update.update(got.decoded)
-        if failed:
-            # owners gone or broken: fetch all their parts at once from the other members (one fetch
-            # timeout in all, however many owners failed) and reduce them here
-            for owner, reason in failed.items():
-                result.failures.setdefault(owner, f"reduce_{reason}")
-            parts = sorted(i for owner in failed for i in sources[owner])
-            members = [p for p in used if p != self.peer_id]  # a failed owner may still serve its own update
-            got_parts, _ = await self.exchange.gather(members, round_no, fetch_timeout, parts=parts, expected=size(parts))
-            direct = {self.peer_id: [my_decoded[i] for i in parts],
-                      **{p: c.decoded for p, c in got_parts.items() if isinstance(c, Contribution)}}
-            senders = sorted(direct)
-            samples = [contributions[p].samples for p in senders]
-            agg = await asyncio.to_thread(self.combine, senders, [direct[p] for p in senders], samples, method)
-            update.update(dict(zip(parts, agg.update)))
-        return [update[i] for i in range(len(specs))]

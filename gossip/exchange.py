@@ -331,8 +331,8 @@ class RoundExchange:
             chosen = list(range(len(self.specs(round_no)))) if parts is None else list(parts)
             if n_parts != len(chosen):
                 raise SchemaError(f"peer sent {n_parts} parts, asked for {len(chosen)} of round {round_no}")
-            if samples <= 0:
-                raise SchemaError(f"a contribution must carry a positive sample count, got {samples}")
+            if samples < 0:  # 0: a member that took no step joins to keep φ; its Δ is not averaged (gossip.diloco)
+                raise SchemaError(f"a contribution's sample count cannot be negative, got {samples}")
             blobs, decoded = await self._receive_parts(stream, peer, round_no, chosen)
             return Contribution(round_no, samples, fp, codec, blobs, peer=peer, decoded=decoded)
         finally:

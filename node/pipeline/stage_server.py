@@ -219,8 +219,7 @@ class StageServer:
         self.summary.stage = None
 
     def _run_has_trained(self) -> bool:
-        """Whether any other peer of the run has trained or served steps (so every stage has weights
-        worth more than the run's initialisation)."""
+        """Whether another peer of the run has trained or served steps (stages worth more than the init)."""
         records = self.net.call(list_peers(self.net.dht, self.cfg.run_id), timeout=30)
         return any(r.inner_step > 0 for p, r in records.items() if p != self.summary.peer_id)
 
@@ -339,21 +338,19 @@ class StageServer:
             self.pending = None
         epoch = int(time.time() // self.cfg.sync_every)
         if self.pending is None and epoch > self.round:
-            # replicas of a stage average on a shared wall-clock schedule, so they meet at the
-            # rendezvous however unevenly the router spread the microbatches among them
+            # replicas of a stage meet on a shared wall-clock schedule, however unevenly the router spread the microbatches
             self.round = epoch
-            # no step since the last round: nothing to average, and an outer step on Δ = 0 would still move
-            # φ by the momentum (up to μ/(1 − μ) = 9 more steps while the trainers are gone)
-            if worker.samples:
-                self._start_round(epoch, worker)
+            self._start_round(epoch, worker)
         return self.pending is not None
 
     def _start_round(self, epoch: int, worker: StageWorker) -> None:
         """Average this epoch's steps with the stage's other replicas. A replica's sample count is its
-        claim: it weighs at most ``CLAIM_FACTOR`` × the round's lower-median claim."""
+        claim: it weighs at most ``CLAIM_FACTOR`` × the round's lower-median claim. A replica of no microbatch
+        since the last round joins unaveraged (``gossip.diloco``): sitting out left its φ a round behind."""
         theta = worker.snapshot(self.placement.device)
         samples, worker.samples = worker.samples, 0
-        self.pending = (self.net.submit(self.averager.run_round(epoch, self.phi, theta, samples, feedback=self.feedback)), worker)
+        feedback = self.feedback if samples else None  # an update nobody averages leaves no residual to carry
+        self.pending = (self.net.submit(self.averager.run_round(epoch, self.phi, theta, samples, feedback=feedback)), worker)
 
     def _record_throughput(self, tokens_per_s: float) -> None:
         """The stage's tokens per second, its MFU (``node.runtime.mfu``, with the stage's own FLOPs per token) and peak memory."""
@@ -372,6 +369,8 @@ class StageServer:
         self.pending = None
 
     def _apply_round(self, result: RoundResult, worker: StageWorker) -> None:
+        if result.in_sync and not result.contributors:
+            return  # no replica took a step: φ did not move, and there is nothing to count or save
         m = self.metrics
         m.round_duration.observe(result.duration_s)
         m.group_size.set(len(result.contributors))
@@ -381,7 +380,7 @@ class StageServer:
                   "duration_s": round(result.duration_s, 3), "loss": self.last_loss}
         if result.in_sync and worker is self.worker:
             self.summary.outer_rounds += 1
-            m.outer_rounds.labels("alone" if len(result.contributors) == 1 else "completed").inc()
+            m.outer_rounds.labels("alone" if len(result.group) == 1 else "completed").inc()
             worker.load_weights(self.phi, keep=self.cfg.fragment_alpha)
             self.publish_state()
         elif worker is self.worker and self.stage is not None:

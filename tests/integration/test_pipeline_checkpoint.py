@@ -77,8 +77,8 @@ def test_c_stage_checkpoints_survive_sigkill_and_resume(tmp_path, nodes):
     s0, s1, trainer = _start_swarm(tmp_path, nodes, args)
     for server in (s0, s1):  # a checkpoint after every round: wait for a few, while the trainer keeps stepping
         server.wait(lambda i: i.get("outer_rounds", 0) >= 3 and i.get("steps", 0) > 0, 240, "3 averaging rounds")
-    # without a trainer the stages take no steps: they skip their rounds (an outer step on Δ = 0 would move
-    # φ by the momentum alone, round after round)
+    # without a trainer the stages take no steps: their rounds average nothing, and neither count nor save
+    # (an outer step on Δ = 0 would move φ by the momentum alone, round after round)
     os.killpg(trainer.process.pid, signal.SIGKILL)
     trainer.process.wait(timeout=30)
     time.sleep(2 + HEARTBEAT_S)  # the next boundary averages the last steps; its info is written at once
