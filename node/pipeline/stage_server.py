@@ -1,6 +1,6 @@
 """Serving one stage of a pipeline: the stage's weights and optimizer (``swarm.stage_worker``), the
 forward/backward service on ``/locomesh/stage/1.0`` (a bounded queue, ``swarm.service``), the stage's
-state for replicas that join or move in, and the DiLoCo rounds with the other replicas of the stage
+state for replicas that join or move in (``node.pipeline.stage_state``), and the DiLoCo rounds with the other replicas of the stage
 (over the stage's sub-run ``<run>.s<i>``, on a shared wall-clock schedule, while it keeps serving).
 The rounds are the replicas' (``gossip.diloco``): error feedback (``--error-feedback-decay``) for a
 lossy codec, the outer lr warmed up over ``--outer-warmup-rounds`` counted from the stage's first
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from compression import ErrorFeedback, feedback_state, load_feedback_state
-from gossip.byzantine import Attacker, served_params
+from gossip.byzantine import Attacker
 from gossip.diloco import DiLoCoAverager
 from gossip.group_round import RoundResult
 from gossip.exchange import RoundExchange
@@ -34,18 +34,14 @@ from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter
 from gossip.placement import OuterPlacement
 from gossip.rendezvous import Reachable, list_peers
-from gossip.state_sources import SourcePlan, plan_sources, rank_candidates
 from gossip.state_server import StateServer
-from gossip.state_transfer import StateSnapshot, download_state, meta_int
 from node.config import NodeConfig
 from node.pipeline.checkpoint import resumes_stage, stage_cut
+from node.pipeline.stage_state import StageState
 from node.runtime.metrics import NodeMetrics
 from node.runtime.mfu import peak_flops, record_throughput
 from node.runtime.network import NetworkThread
 from node.runtime.summary import Summary, count_steps, write_info
-from node.runtime.workload import identity
-from protocol.records import PeerRecord
-from swarm.lr_schedule import SCHEDULE_STEP, schedule_position
 from swarm.models.presets import ModelConfig
 from swarm.service import StageService
 from swarm.stage_worker import StageWorker
@@ -66,7 +62,7 @@ def stage_init_seed(cfg: NodeConfig) -> int:
     return cfg.init_seed if cfg.init_seed is not None else model_seed(cfg.run_id)
 
 
-class StageServer:
+class StageServer(StageState):
     """Serves one stage at a time (none before :meth:`become`), and keeps the node's books on it.
 
     :param summary: the node's summary; the server counts its steps, loss, served microbatches and rounds there
@@ -232,88 +228,6 @@ class StageServer:
         """Stage ``index`` as the run initialises it."""
         return Stage(self.model_cfg, index, self.cfg.stages, stage_init_seed(self.cfg), plus=self.cfg.checkfree_plus)
 
-    def fetch_stage(self, index: int) -> tuple[Stage, PeerRecord | None]:
-        """A neighbour stage's current weights, downloaded from one of its replicas."""
-        module = self.new_stage(index)
-        sub = stage_run(self.cfg.run_id, index)
-        peers = self.net.call(list_peers(self.net.dht, sub), timeout=30)
-        source = self._download(module, sub, peers, adopt=False)
-        if source is None:
-            raise RuntimeError(f"no replica of stage {index} answered")
-        return module, peers.get(source)
-
-    def _download(self, module: Stage, sub: str, peers: dict[str, PeerRecord], adopt: bool = True,
-                  serving: StageWorker | None = None, ahead_of: int | None = None, prefer: str | None = None,
-                  min_round: int | None = None) -> str | None:
-        """Load a live replica's weights (and, with ``adopt``, outer momentum and round) into ``module``;
-        returns its peer id. Replicas are asked as ``gossip.state_sources`` plans it: a state most of them
-        report, from its holders and checked against their digests (``prefer`` first), else each by its own
-        header (also when the majority holds a round below ``min_round``: the replicas have not all
-        published the round just averaged); a replica announcing a round far ahead is not asked.
-        ``serving``: the worker computing on ``module`` meanwhile, whose lock the copy takes (a request's
-        backward pass must not see its weights change under it). ``ahead_of``: take only a state that
-        holds more than this many stage steps (a resumed checkpoint's)."""
-        net = self.net
-        shapes = [(tuple(p.shape), torch.float32) for p in module.parameters()]
-        layout = {"params": shapes, "outer_momentum": shapes}
-        rounds = {p: rec.round for p, rec in peers.items() if p != self.summary.peer_id and rec.role == "stage"}
-        if self.reachable is not None and rounds:
-            try:  # none answering: all of them (a private swarm may refuse this node's probes; downloads say so)
-                live = net.call(self.reachable.check(set(rounds)), timeout=60)
-                rounds = {p: r for p, r in rounds.items() if p in live} or rounds
-            except Exception as e:
-                logger.info("could not probe the replicas of %s: %s", sub, e)
-        try:
-            plan = net.call(plan_sources(net.transport, rounds, sub, layout, prefer=prefer, min_round=min_round, stripe=1,
-                                         established=self.averager.tenure.established), timeout=30)
-        except Exception as e:
-            logger.warning("could not ask the replicas of %s for their state's digests: %s", sub, e)
-            plan = SourcePlan([[p] for p in rank_candidates(rounds, prefer)[0]])
-        poisoned = plan.left_out(sub)
-        if poisoned:
-            self.metrics.errors.labels("poisoned").inc(len(poisoned))
-        for (source,) in plan.attempts:
-            try:
-                got = net.call(download_state(net.transport, source, sub, layout, trusted=plan.trusted), timeout=120)
-            except Exception as e:
-                logger.warning("could not download %s from %s: %s", sub, source, e)
-                continue
-            # the metadata is the source's word (digests cover tensors only): a value of the wrong type or out
-            # of range is replaced, never raised out of this loop
-            theirs = meta_int(got.snapshot.meta, "stage_steps", 0, 2**62, 0)
-            if ahead_of is not None and not theirs > ahead_of:
-                logger.info("replica %s of %s holds %s stage steps, this node's checkpoint %d: keeping the checkpoint",
-                            source, sub, theirs, ahead_of)
-                continue
-            if serving is not None:
-                serving.load_weights(got.snapshot.tensors["params"])
-            else:
-                with torch.no_grad():
-                    for p, t in zip(module.parameters(), got.snapshot.tensors["params"]):
-                        p.copy_(t)
-            if adopt:
-                self.outer.load_state_tensors(got.snapshot.tensors["outer_momentum"])
-                # the replicas' warm-up, not a new one (it began no later than the round they hold)
-                self.outer.first_round = meta_int(got.snapshot.meta, "first_round", 0, got.snapshot.round, 0)
-                self.round = got.snapshot.round
-                self.schedule_step = schedule_position(got.snapshot.meta, 0, self.schedule_step)
-                self.stage_steps = max(self.stage_steps, theirs)
-            self.metrics.state_downloads.labels("ok").inc()
-            return source
-        return None
-
-    def publish_state(self) -> None:
-        """Offer the stage's averaged weights and outer momentum to replicas that join or move in."""
-        self.state_server.renew(lambda: StateSnapshot(
-            round=self.round,
-            tensors={"params": served_params(self.phi, self.averager.attacker), "outer_momentum": self.outer.state_tensors(self.phi)},
-            fingerprint=fingerprint(self.phi),
-            meta={"model": self.cfg.model, "stage": self.stage, "stages": self.cfg.stages, "first_round": self.outer.first_round,
-                  "model_config": self.model_cfg.to_dict(), "checkfree_plus": self.cfg.checkfree_plus,
-                  "tokenizer": identity(self.cfg)["tokenizer"], "stage_steps": self.stage_steps,
-                  SCHEDULE_STEP: self.worker.steps if self.worker is not None else self.schedule_step},
-        ))
-
     # ---- serving ---------------------------------------------------------------------------------------
     def poll(self) -> bool:
         """One look at the stage being served: count its steps and loss, export its throughput, apply a
@@ -386,12 +300,7 @@ class StageServer:
         elif worker is self.worker and self.stage is not None:
             m.outer_rounds.labels("failed").inc()
             self.event("out_of_sync", stage=self.stage, round=result.round, majority_peer=result.sync_peer)
-            sub = stage_run(self.cfg.run_id, self.stage)
-            peers = self.net.call(list_peers(self.net.dht, sub), timeout=30)
-            if self._download(worker.stage, sub, peers, serving=worker, prefer=result.sync_peer, min_round=result.round):
-                self.phi = worker.snapshot(self.placement.device)
-                self.round = max(self.round, result.round)
-                self.publish_state()
+            self.resync(worker, result)
         record["fingerprint"] = fingerprint(self.phi)
         self.summary.rounds.append(record)
         m.outer_round.set(self.round)

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = "node/runtime/base.py"
 PRESENCE = "node/runtime/presence.py"  # networking start-up and heartbeat, mixed into the base
 SERVER = "node/pipeline/stage_server.py"
+STAGE_STATE = "node/pipeline/stage_state.py"  # the state a stage server offers (a mixin of its class)
 NODE = "node/pipeline/node.py"
 TRAINER = "node/pipeline/trainer.py"
 WORKLOAD = "node/runtime/workload.py"
@@ -49,7 +50,7 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "join_timeout": (5.0, ("applied", [(PRESENCE, "join_timeout=cfg.join_timeout"), (TRAINER, "self.cfg.join_timeout")])),
     # the model and its data
     "device": ("cpu", ("applied", [(BASE, "pick_device(cfg.device)")])),
-    "model": ("nano", ("applied", [(WORKLOAD, "cfg.model"), (SERVER, "self.cfg.model")])),
+    "model": ("nano", ("applied", [(WORKLOAD, "cfg.model"), (STAGE_STATE, "self.cfg.model")])),
     "model_config_file": (None, ("applied", [(WORKLOAD, "config_from_hf(cfg.model_config_file)")])),  # needs a file: see below
     "context": (64, ("applied", [(WORKLOAD, "cfg.context")])),
     "data": (None, ("applied", [(WORKLOAD, "cfg.data")])),  # needs a folder: the live pipeline test trains on shards

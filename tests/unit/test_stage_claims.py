@@ -80,7 +80,7 @@ def test_a_stage_download_asks_only_replicas_that_answer_a_probe(monkeypatch) ->
     state nor waited for at the stage's rendezvous (the averager gets the same prober)."""
     import asyncio
 
-    import node.pipeline.stage_server as stage_server
+    import node.pipeline.stage_state as stage_state
     from gossip.state_sources import SourcePlan
     from protocol.records import PeerRecord
 
@@ -93,7 +93,7 @@ def test_a_stage_download_asks_only_replicas_that_answer_a_probe(monkeypatch) ->
     async def check(peers: set[str]) -> set[str]:
         return peers & {"real"}
 
-    monkeypatch.setattr(stage_server, "plan_sources", plan_sources)
+    monkeypatch.setattr(stage_state, "plan_sources", plan_sources)
     server = StageServer.__new__(StageServer)
     server.summary = SimpleNamespace(peer_id="me")
     server.reachable = SimpleNamespace(check=check)
