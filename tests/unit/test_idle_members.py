@@ -2,34 +2,21 @@
 it takes part, its Δ is not averaged, and it ends on the same φ as the members that trained, bit for bit,
 in an all-gather (two members) and a reduce-scatter (three or more). Before, such a replica sat the round
 out, its φ fell one round behind, and at the next round one of the two replicas found itself out of sync
-and downloaded the other's weights while trainers were routing microbatches through it."""
-
-import asyncio
+and downloaded the other's weights while trainers were routing microbatches through it. (A member of no
+samples facing a hostile owner: ``tests/unit/test_reduce_scatter.py``.)"""
 
 import pytest
 import torch
 
-import gossip.group_rendezvous as diloco_module  # the rendezvous steps of a DiLoCo round live there
 from gossip.exchange import ReducedShare
 from gossip.outer import weighted_mean
 from gossip.reduce_scatter_round import implausible_for_listener
-from protocol.records import RoundEntry
-from tests.helpers.diloco_members import diloco_members, run_round_together
+from tests.helpers.diloco_members import diloco_members
 from tests.helpers.memory_transport import Network
-from tests.unit.test_reduce_scatter import _serve_scaled_reductions
+from tests.unit.test_reduce_scatter import _run_round
 
 SHAPES = [(96, 64), (64,), (120, 32), (256, 16), (5,)]
 PART_NUMEL = 256
-
-
-def _run_round(members, monkeypatch):
-    entries = sorted((RoundEntry(peer_id=m["peer"], samples=m["samples"], codec="none") for m in members), key=lambda e: e.peer_id)
-
-    async def fixed_group(*args, **kwargs):
-        return entries, True
-
-    monkeypatch.setattr(diloco_module, "gather_group", fixed_group)
-    return asyncio.run(run_round_together(members))
 
 
 @pytest.mark.parametrize("n,idle", [(2, 0), (2, 1), (3, 0), (3, 2), (5, 1)])
@@ -55,23 +42,6 @@ def test_a_round_in_which_nobody_took_a_step_leaves_phi_where_it_was(n, monkeypa
     for m, r in zip(members, results):
         assert r.in_sync and r.contributors == [] and not r.failures, r.failures
         assert all(torch.equal(a, b) for a, b in zip(m["phi"], phi))
-
-
-def test_a_member_of_no_samples_refuses_a_scaled_share_and_stays_with_the_honest_members(monkeypatch):
-    samples = [0, 16, 24, 32]
-    phi, members = diloco_members(4, Network(), SHAPES, "none", PART_NUMEL, seed=7, samples=samples)
-    idle, liar = members[0], members[1]
-    _serve_scaled_reductions(liar)
-    results = _run_round(members, monkeypatch)
-    trainers = members[1:]
-    expected = weighted_mean([m["delta"] for m in trainers], [m["samples"] for m in trainers])
-    for m, r in zip(members, results):
-        if m is liar:
-            continue
-        assert r.failures.get(liar["peer"]) == "reduce_implausible", r.failures
-        for got, p, d in zip(m["phi"], phi, expected):
-            assert torch.allclose(got, p - d, atol=1e-5)
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(idle["phi"], members[2]["phi"]))
 
 
 def test_a_listener_judges_a_share_by_its_own_reduced_parts():

@@ -163,15 +163,18 @@ def _serve_scaled_reductions(owner: dict) -> None:
     owner["exchange"].publish_reduced = scaled
 
 
-def test_an_owner_that_serves_a_scaled_reduction_is_not_applied(monkeypatch):
+@pytest.mark.parametrize("samples", [None, [0, 16, 24, 32]])
+def test_an_owner_that_serves_a_scaled_reduction_is_not_applied(samples, monkeypatch):
     """A hostile owner reduces honestly but serves 50x its result: the others find its share implausible
-    against their own update on those parts, reduce those parts themselves and end at the honest mean."""
+    against their own update on those parts, reduce those parts themselves and end at the honest mean.
+    A member of no samples (``samples[0] == 0``: no update of its own) judges shares by its own reduced parts."""
     network = Network()
-    phi, members = diloco_members(4, network, SHAPES, "none", PART_NUMEL, seed=11)
+    phi, members = diloco_members(4, network, SHAPES, "none", PART_NUMEL, seed=11, samples=samples)
     liar = members[1]
     _serve_scaled_reductions(liar)
     results = _run_round(members, monkeypatch)
-    expected = weighted_mean([m["delta"] for m in members], [m["samples"] for m in members])
+    trainers = [m for m in members if m["samples"]]
+    expected = weighted_mean([m["delta"] for m in trainers], [m["samples"] for m in trainers])
     honest = [m for m in members if m is not liar]
     for m, r in zip(members, results):
         if m is liar:
