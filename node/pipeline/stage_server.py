@@ -90,6 +90,7 @@ class StageServer(StageState):
         self.counted = 0  # the worker's steps already in the summary
         self.schedule_step = 0  # where the next worker's lr schedule starts (the stage's, downloaded with its state)
         self.pending: tuple[concurrent.futures.Future, StageWorker] | None = None  # the round in flight
+        self.pending_idle = False  # that round holds no step of this replica's (it joined to keep φ)
         self.placement = OuterPlacement.choose(device, cfg.outer_device)  # where φ and the outer momentum live
         self.feedback: list[ErrorFeedback] | None = None  # error feedback of each wire part (lossy codecs)
         self.flops_per_token, self.peak_flops = 0.0, peak_flops(device, cfg.peak_tflops)
@@ -121,6 +122,8 @@ class StageServer(StageState):
         init. False (serving nothing) when no replica answered although the run has trained: the stage
         must then be rebuilt from its neighbours, never started afresh."""
         cfg, net = self.cfg, self.net
+        if self.pending is not None:  # an idle replica's round may be in flight (see poll): finish it first
+            self.drain(2 * cfg.averaging_timeout + 10)
         previous, self.worker = self.stage, None
         module = rebuilt if rebuilt is not None else self.new_stage(index)
         sub = stage_run(cfg.run_id, index)
@@ -231,7 +234,8 @@ class StageServer(StageState):
     # ---- serving ---------------------------------------------------------------------------------------
     def poll(self) -> bool:
         """One look at the stage being served: count its steps and loss, export its throughput, apply a
-        finished round, start the next one at its boundary. Returns whether a round is in flight."""
+        finished round, start the next one at its boundary. Returns whether a round holding this replica's steps
+        is in flight: an idle replica's round does not hold back a recovery or a move (``become`` finishes it first)."""
         worker = self.worker
         assert worker is not None
         new_steps = worker.steps - self.counted
@@ -255,7 +259,7 @@ class StageServer(StageState):
             # replicas of a stage meet on a shared wall-clock schedule, however unevenly the router spread the microbatches
             self.round = epoch
             self._start_round(epoch, worker)
-        return self.pending is not None
+        return self.pending is not None and not self.pending_idle
 
     def _start_round(self, epoch: int, worker: StageWorker) -> None:
         """Average this epoch's steps with the stage's other replicas. A replica's sample count is its
@@ -264,6 +268,7 @@ class StageServer(StageState):
         theta = worker.snapshot(self.placement.device)
         samples, worker.samples = worker.samples, 0
         feedback = self.feedback if samples else None  # an update nobody averages leaves no residual to carry
+        self.pending_idle = samples == 0
         self.pending = (self.net.submit(self.averager.run_round(epoch, self.phi, theta, samples, feedback=feedback)), worker)
 
     def _record_throughput(self, tokens_per_s: float) -> None:
@@ -273,7 +278,7 @@ class StageServer(StageState):
                           exported=tokens_per_s, summarized=tokens_per_s)
 
     def drain(self, timeout: float) -> None:
-        """Apply the round still in flight when the node stops, if it finishes within ``timeout``."""
+        """Apply the round still in flight (the node stops or takes another stage), if it finishes within ``timeout``."""
         if self.pending is None:
             return
         try:
