@@ -57,6 +57,7 @@ from gossip.placement import to_host
 from gossip.reduce_scatter import assign_owners, is_dense, use_reduce_scatter
 from gossip.reduce_scatter_round import ReduceScatterRound
 from gossip.rendezvous import Reachable
+from gossip.scores import MIN_MEMBERS
 from gossip.screen_votes import agree_on_screen
 from gossip.votes import Tenure, vote
 from gossip.wire_parts import PartSpec
@@ -263,10 +264,16 @@ class DiLoCoAverager(GroupedRendezvous, ReduceScatterRound):
         )
 
     async def _apply(self, rnd: _Round, update: list[torch.Tensor]) -> None:
-        """Step φ with the round's averaged update, joined back into the parameters' shapes: the outer
-        optimizer's step or, in a grouped round, φ becomes the group's mean weights."""
-        apply = self.outer.step if rnd.grouping is None else _assign
-        await asyncio.to_thread(lambda: apply(rnd.phi, self.partition.join(update, rnd.shapes), rnd.indices, rnd.number))
+        """Step φ with the round's averaged update: the outer optimizer's step or, in a grouped round, φ
+        becomes the group's mean weights. Row-block parts apply to views of φ (and of the momentum), flat
+        runs are joined back into the parameters' shapes first."""
+        if self.partition.flat:  # runs across tensors: join them back into the parameters' shapes
+            apply = self.outer.step if rnd.grouping is None else _assign
+            await asyncio.to_thread(lambda: apply(rnd.phi, self.partition.join(update, rnd.shapes), rnd.indices, rnd.number))
+        elif rnd.grouping is None:  # row blocks: step φ part by part through views, without a joined copy of the model
+            await asyncio.to_thread(self.outer.step, rnd.phi, update, rnd.indices, rnd.number, self.partition.split)
+        else:
+            await asyncio.to_thread(_assign, self.partition.split(rnd.phi), update)
 
     async def _apply_reduce_scatter(self, rnd: _Round, contributions: dict[str, Contribution], result: RoundResult) -> None:
         """A reduce-scattering round's end: when in sync, reduce and serve this member's parts, collect
@@ -323,6 +330,8 @@ class DiLoCoAverager(GroupedRendezvous, ReduceScatterRound):
         of the judged members' verdicts has it (``gossip.screen_votes``): members whose screens differ (their
         own data, their own hardware) still drop the same peers."""
         assert self.scorer is not None
+        if len(result.contributors) < MIN_MEMBERS:  # too few to judge (gossip.scores): not worth a joined copy of each update
+            return result.contributors
         updates = {p: self.partition.join(contributions[p].decoded, rnd.shapes) for p in result.contributors}
         shown = await asyncio.to_thread(self.scorer, rnd.number, rnd.phi, updates)
         result.gains = shown.gains

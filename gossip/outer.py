@@ -96,14 +96,23 @@ class NesterovOuter(_IndexedState):
 
     @torch.no_grad()
     def step(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], indices: Sequence[int] | None = None,
-             round_no: int | None = None) -> None:
-        """Update ``phi`` in place from the (averaged) pseudo-gradient ``delta`` of round ``round_no``."""
-        if len(phi) != len(delta):
+             round_no: int | None = None, split: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] | None = None) -> None:
+        """Update ``phi`` in place from the (averaged) pseudo-gradient ``delta`` of round ``round_no``.
+
+        :param split: ``delta`` comes in wire parts, and ``split`` cuts a list of tensors shaped like ``phi`` into
+            *views* of the same parts: φ and the momentum are stepped part by part, so the parts need not be
+            joined into a copy of the model first
+        """
+        if split is None and len(phi) != len(delta):
             raise ValueError(f"{len(phi)} parameters but {len(delta)} pseudo-gradients")
         self._changing()
+        buffers = [self._buffer(i, p) for i, p in zip(_indices(indices, len(phi)), phi)]
+        if split is not None:
+            phi, buffers = split(phi), split(buffers)
+            if len(phi) != len(delta):
+                raise ValueError(f"{len(phi)} parts of the parameters but {len(delta)} of the pseudo-gradient")
         lr = self.lr_at(round_no)
-        for i, p, d in zip(_indices(indices, len(phi)), phi, delta):
-            v = self._buffer(i, p)
+        for p, v, d in zip(phi, buffers, delta):
             d = d.to(v.device, v.dtype)
             v.mul_(self.momentum).add_(d)
             if not self.nesterov:

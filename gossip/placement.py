@@ -69,5 +69,12 @@ class OuterPlacement:
             settle(tensors)
         return out
 
+    def snapshot_of(self, tensors: Sequence[torch.Tensor], kept_still: bool) -> list[torch.Tensor]:
+        """θ as a round reads it: ``tensors`` themselves (detached) where ``kept_still`` (nothing changes them
+        while the round runs) and they already are fp32 on the outer device, else :meth:`copy_of` them."""
+        if kept_still and all(t.dtype == torch.float32 and t.device == self.device for t in tensors):
+            return [t.detach() for t in tensors]
+        return self.copy_of(tensors)
+
     def __repr__(self) -> str:
         return f"OuterPlacement(device={self.device}, pin={self.pin})"

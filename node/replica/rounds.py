@@ -107,7 +107,8 @@ class RoundRunner:
         """Start the round of ``fragment`` (parameters ``indices``); ``phi`` is the node's φ, stepped in place.
         ``overlapped``: training goes on while the round runs, so the round keeps θ's snapshot (``start``) for
         :func:`gossip.fragments.merge_fragment` (the snapshot the round sends from anyway: no extra copy)."""
-        theta = self.placement.copy_of([params[i] for i in indices])
+        # a blocking round reads θ in place: the training loop waits for it (eager rounds step θ at once)
+        theta = self.placement.snapshot_of([params[i] for i in indices], kept_still=not overlapped and not self.eager)
         phi_fragment = [phi[i] for i in indices]
         coro = self.averager.run_round(round_no, phi_fragment, theta, samples, before_gather=self.before_gather,
                                        indices=indices, feedback=feedback)

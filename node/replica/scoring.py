@@ -46,7 +46,10 @@ class ModelLoss:
         def loss_at(update: Sequence[torch.Tensor] | None) -> float:
             with self.lock:
                 for i, (p, f) in enumerate(zip(self.params, phi)):
-                    p.copy_(f if update is None else f.to(self.device, torch.float32) - update[i].to(self.device, torch.float32))
+                    if update is None:
+                        p.copy_(f)
+                    else:  # φ − Δ written straight into the copy's parameter: one pass, no temporary
+                        torch.sub(f.to(self.device, torch.float32), update[i].to(self.device, torch.float32), out=p)
                 return float(self.model(x, y)[1])
 
         return loss_at

@@ -89,9 +89,9 @@ class LocalTrainer:
     :param activation_checkpointing: recompute each block's activations in the backward pass
     :param compile: ``torch.compile`` the model (``compile_backend``, ``compile_mode``: None or "default" is torch's
         default); eager with one warning if that fails; None = on CUDA devices only
-    :param accelerated: the CUDA recipe (bf16 autocast, fused optimizer kernels); None = on CUDA devices only.
-        True on the CPU runs the same code path there (torch has CPU bf16 autocast and fused AdamW), which is
-        how the tests cover it on machines without a GPU
+    :param accelerated: the CUDA recipe (bf16 autocast); None = on CUDA devices only. True on the CPU runs the
+        same code path there (torch has CPU bf16 autocast), which is how the tests cover it on machines without
+        a GPU. AdamW's fused kernel runs on both (``swarm.inner_optimizer``)
     """
 
     def __init__(
@@ -118,8 +118,7 @@ class LocalTrainer:
         self.device = device
         self.model = build_model(cfg).to(device)
         self.accelerated = device.type == "cuda" if accelerated is None else accelerated
-        self.optimizer = build_inner_optimizer(self.model.named_parameters(), inner_optimizer, lr, weight_decay,
-                                               fused=self.accelerated)
+        self.optimizer = build_inner_optimizer(self.model.named_parameters(), inner_optimizer, lr, weight_decay)
         self.base_lr = lr
         self.schedule = schedule if schedule is not None else LrSchedule("constant", warmup_steps)
         self.lr_scale = 1.0

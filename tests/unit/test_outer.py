@@ -191,3 +191,29 @@ def test_a_lone_fresh_peer_far_ahead_is_not_followed():
     assert plausible_rounds(5, claims, lambda p: p == "forger") == claims, "an established peer is followed"
     assert plausible_rounds(5, {"a": 9, "b": 9}, lambda p: False) == {"a": 9, "b": 9}, "a majority is followed"
     assert plausible_rounds(5, {"a": 7}, lambda p: False) == {"a": 7}, "two rounds ahead is within reach"
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_a_step_through_part_views_equals_the_step_on_joined_parameters(nesterov):
+    """The averager steps φ part by part (views of φ and of the momentum) instead of joining the parts into a
+    copy of the model: bit for bit the same φ and momentum, round after round, with the indices of a fragment."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(5, 3), (7,), (), (2, 4, 2), (0, 3)]
+    max_numel = 4
+    phi_joined = [torch.randn(s, generator=g) for s in shapes]
+    phi_parts = [p.clone() for p in phi_joined]
+    joined, parted = NesterovOuter(lr=0.7, momentum=0.9, nesterov=nesterov), NesterovOuter(lr=0.7, momentum=0.9, nesterov=nesterov)
+    indices = [4, 1, 7, 2, 9]
+    for round_no in range(3):
+        delta = [torch.randn(s, generator=g) for s in shapes]
+        parts = split(delta, max_numel)
+        assert len(parts) > len(shapes)
+        joined.step(phi_joined, join(parts, shapes, max_numel), indices, round_no)
+        parted.step(phi_parts, parts, indices, round_no, split=lambda ts: split(ts, max_numel))
+        for a, b in zip(phi_joined, phi_parts):
+            assert torch.equal(a, b)
+        assert joined.buffers.keys() == parted.buffers.keys()
+        for i in indices:
+            assert torch.equal(joined.buffers[i], parted.buffers[i])
+    with pytest.raises(ValueError, match="parts"):
+        parted.step(phi_parts, parts[:-1], indices, 3, split=lambda ts: split(ts, max_numel))

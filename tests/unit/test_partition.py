@@ -71,3 +71,19 @@ def test_flat_join_of_no_parts_gives_empty_tensors_of_each_shape() -> None:
     out = Partition(max_numel=4, flat=True).join([], [(0,), (0, 3)])
     assert [tuple(t.shape) for t in out] == [(0,), (0, 3)]
     assert Partition(flat=True).split([]) == []
+
+
+def test_a_blocking_rounds_snapshot_of_theta_is_theta_itself_and_any_other_a_copy():
+    """θ as a round reads it (``OuterPlacement.snapshot_of``): a blocking round reads fp32 host weights in place
+    (the training loop waits), an overlapped or eager one, or weights of another dtype, get a copy."""
+    from gossip.placement import OuterPlacement
+
+    placement = OuterPlacement(torch.device("cpu"))
+    theta = [torch.randn(3, 2), torch.randn(4)]
+    still = placement.snapshot_of(theta, kept_still=True)
+    assert all(s.data_ptr() == t.data_ptr() for s, t in zip(still, theta))
+    moving = placement.snapshot_of(theta, kept_still=False)
+    assert all(m.data_ptr() != t.data_ptr() and torch.equal(m, t) for m, t in zip(moving, theta))
+    half = [t.to(torch.bfloat16) for t in theta]
+    copied = placement.snapshot_of(half, kept_still=True)
+    assert all(c.dtype == torch.float32 and c.data_ptr() != h.data_ptr() for c, h in zip(copied, half))
