@@ -91,6 +91,10 @@ class NodeConfig(DerivedSettings, BaseModel):
     round_steps: int | None = option(None, "With --inner-steps auto: steps the swarm's median-speed peer takes per round", TRAIN,
                                      default_text=by_algorithm({**DEFAULT_INNER_STEPS, **{a: f"by replicas ({by_replicas_text(a)})"
                                                                                           for a in STEPS_BY_REPLICAS}}), ge=1, le=1_000_000)
+    helper_below: float = option(
+        0.1, "With --inner-steps auto (diloco, sparseloco): a node whose inner steps run below this share of the swarm's "
+        "median speed for two rounds in a row stops training and helps: it keeps φ with the others' rounds, serves "
+        "joiners and owns reduce-scatter parts, without sending a pseudo-gradient; 0 = always train", TRAIN, ge=0, lt=1)
     batch_size: int = option(16, "Sequences per inner step", TRAIN, ge=1, le=65536)
     lr: float = option(1e-3, "Inner learning rate (AdamW's; Muon's update is scaled to match AdamW's RMS, so the same value serves both)",
                        TRAIN, gt=0, le=10)

@@ -42,6 +42,7 @@ from gossip.state_transfer import DownloadedState, StateSnapshot
 from gossip.byzantine import Attacker, served_params
 from node.config import BY_REPLICAS, NodeConfig
 from node.replica.joiner import Joiner
+from node.replica.helping import HelperRole
 from node.replica.pacing import RoundPacer
 from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
 from node.replica.scoring import build_screening
@@ -57,7 +58,7 @@ from swarm.lr_schedule import SCHEDULE_STEP, schedule_position
 logger = logging.getLogger("locomesh.node")
 
 
-class Daemon(NodeBase):
+class Daemon(HelperRole, NodeBase):
     """One volunteer node. ``run()`` blocks until the node stops and returns its exit code."""
 
     INTERRUPTED = "interrupted during an outer round"
@@ -75,6 +76,9 @@ class Daemon(NodeBase):
         self.round_rates: dict[str, float] = {}  # the speeds the last round's members announced (pacing)
         self.round_ended: float | None = None  # when the last blocking round's result arrived (pacing)
         self.attacker = Attacker.from_spec(cfg.attack, seed=cfg.seed)  # experiments only (node swarm --byzantine)
+        self.helping = False  # too slow to train: averages with 0 samples (--helper-below, node.replica.pacing)
+        self.slow_rounds = 0  # rounds in a row this node measured itself below --helper-below × the median
+        self.helped_steps = 0  # the median peer's steps of the rounds this node helped in (--max-steps counts them)
 
     # ---- lifecycle (node.runtime.base) ------------------------------------------------------------
     def _prepare(self) -> None:
@@ -148,7 +152,8 @@ class Daemon(NodeBase):
         self._train()
 
     def _record_fields(self) -> dict[str, Any]:
-        return {"inner_step": self.inner_step, "tokens_per_s": self.compute_tokens_per_s}
+        return {"inner_step": self.inner_step, "tokens_per_s": self._announced_rate()}
+
 
     def _observe_peers(self, peers: dict[str, PeerRecord]) -> None:
         self.peer_rates = {p: rec.tokens_per_s for p, rec in peers.items() if rec.role == "trainer"}
@@ -157,6 +162,7 @@ class Daemon(NodeBase):
         cfg = self.cfg
         return {"inner_step": self.inner_step, "tokens_per_s": self.tokens_per_s, "algorithm": cfg.algorithm, "compression": cfg.codec,
                 "fragments": cfg.fragments, "round_steps": self.pacer.pace.expected_steps, "round_budget_s": self.pacer.pace.budget_s,
+                "helping": self.helping,
                 **time_shares(self.summary, self.train_started),
                 "peer_scores": self.averager.scorer.peers.snapshot() if self.averager.scorer else {}}
 
@@ -181,8 +187,11 @@ class Daemon(NodeBase):
         # evaluation and checkpoint; an overlapped round paces from its start
         if start is None:
             start = self.round_ended if self.round_ended is not None and not self.cfg.overlap else time.monotonic()
-        pace = self.pacer.plan(self._replicas(), self.compute_tokens_per_s, self.round_rates if shared else self.peer_rates,
-                               tokens_per_step, start, shared)
+        rates = self.round_rates if shared else self.peer_rates
+        if self.helping:
+            pace = self.pacer.plan_helper(self._replicas(), rates, tokens_per_step, start, self.compute_tokens_per_s)
+        else:
+            pace = self.pacer.plan(self._replicas(), self.compute_tokens_per_s, rates, tokens_per_step, start, shared)
         self.metrics.round_inner_steps.set(pace.expected_steps)
 
     def _replicas(self) -> int:
@@ -260,6 +269,9 @@ class Daemon(NodeBase):
         if self.inner_step == 0:  # else a joiner's plan of what is left of its first round stands
             self._plan_round()
         while not self.stop.is_set() and not self._deadline_reached():
+            if self.helping:
+                self._help_round()
+                continue
             fetch_started = time.monotonic()
             x, y = self.batches.next()
             step_started = time.monotonic()
@@ -290,6 +302,7 @@ class Daemon(NodeBase):
                 self._finish_pending()
                 self._start_round(samples)
                 samples, before = 0, self.pacer.pace.median_steps
+                self._consider_helping()
                 self._plan_round()
                 if self.pacer.pace.median_steps != before and self.cfg.inner_steps in ("auto", BY_REPLICAS):
                     logger.info("rounds of %d inner steps (at the median speed) from now on: %d replicas averaged in the last one",
@@ -305,7 +318,7 @@ class Daemon(NodeBase):
         """Run the outer round of the fragment that is due: in the background with ``--overlap``,
         else right away (the training loop waits)."""
         fragment = fragment_of_round(self.round, self.cfg.fragments)
-        self.averager.speed = self.compute_tokens_per_s
+        self.averager.speed = self._announced_rate()
         self.rounds.start(self.round, fragment, self.plan.fragments[fragment], self.phi, self.trainer.parameters(), samples,
                           self.inner_step, self.plan.feedback[fragment], overlapped=self.cfg.overlap)
         self.inner_step = 0

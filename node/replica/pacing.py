@@ -11,6 +11,11 @@ Two ways to pace rounds:
   all reach the next rendezvous together; a peer that slows down mid-round simply takes fewer steps.
   Updates weigh by the samples they hold (capped at ``AUTO_STEPS_MAX_FACTOR`` × the median's).
 
+A peer far slower than the others (below ``--helper-below`` × the median for two rounds in a row) stops
+training and **helps** (:func:`should_help`): it arrives when the budget ends (:meth:`RoundPacer.plan_helper`,
+from the others' speeds alone), joins the round with 0 samples (it votes, keeps φ and owns reduce-scatter
+parts; its Δ weighs nothing) and serves joiners. It announces no speed, so it moves nobody's budget.
+
 The budget comes from the speeds the members announced in the entries of the last round (every member
 of a round holds the same entries, so all plan the same budget and arrive together), or before a round
 from the peers' records. Each speed is a claim, clipped to [1/factor, factor] × this node's own measured
@@ -86,6 +91,22 @@ class RoundPacer:
         self.pace = RoundPace(steps=cap, budget_s=budget, started=now, expected_steps=expected, median_steps=steps)
         return self.pace
 
+    def plan_helper(self, replicas: int, rates: dict[str, float], tokens_per_step: int, now: float, fallback_rate: float) -> RoundPace:
+        """Plan a helper's round starting ``now``: no steps, and the budget the others plan, from the median of
+        their announced speeds (``fallback_rate``, this node's last measured one, while it knows none). An
+        inflated claim only brings the helper early; a deflated one is one rank of a median."""
+        steps = self.median_steps(replicas)
+        others = [r for p, r in rates.items() if p != self.own_id and r > 0]
+        rate = statistics.median(others) if others else fallback_rate
+        budget = steps * tokens_per_step / rate if rate > 0 else None
+        self.pace = RoundPace(steps=0, budget_s=budget, started=now, expected_steps=0, median_steps=steps)
+        return self.pace
+
+    def helper_due(self, now: float) -> bool:
+        """Whether a helper's round is due: its budget has run out (at once when it has none)."""
+        pace = self.pace
+        return pace.budget_s is None or now - pace.started >= pace.budget_s
+
     def resume_at(self, progress_steps: int, now: float) -> None:
         """A joiner took over a round ``progress_steps`` inner steps in (its source's count): it runs what
         is left of it (by time: the median peer's share of the budget)."""
@@ -105,3 +126,13 @@ class RoundPacer:
         if pace.budget_s is None or steps_taken < 1:
             return False
         return now - pace.started + step_s / 2 >= pace.budget_s
+
+
+def should_help(mine: float, rates: dict[str, float], own_id: str, below: float) -> bool:
+    """Whether a node whose inner steps run at ``mine`` tokens/s is too slow to train among peers announcing
+    ``rates``: below ``below`` × the median of the others' speeds (0: never). Needs a speed of its own and at
+    least one other trainer's."""
+    others = [r for p, r in rates.items() if p != own_id and r > 0]
+    if below <= 0 or mine <= 0 or not others:
+        return False
+    return mine < below * statistics.median(others)

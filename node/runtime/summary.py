@@ -26,7 +26,7 @@ class Summary:
     multiaddrs: list[str] = field(default_factory=list)
     protocols: list[str] = field(default_factory=list)
     metrics_port: int = 0
-    role: str = "trainer"  # trainer | stage | spare (pipelines); what the node did last
+    role: str = "trainer"  # trainer | helper (replicas) | stage | spare (pipelines); what the node did last
     stage: int | None = None  # the pipeline stage it served last, None for trainers and replicas
     seed: int = 0
     steps: int = 0

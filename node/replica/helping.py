@@ -1,0 +1,70 @@
+"""A whole-model replica too slow to train helps instead (``--helper-below``, ``node.replica.pacing``).
+
+A CPU among GPUs, or a laptop among desktops, would hold every round of a swarm paced by time to a step
+of its own that takes longer than the others' whole budget, and add little: its update weighs by the few
+samples it holds. Below ``--helper-below`` × the others' median speed for two rounds in a row, the daemon
+stops its inner steps and says so. It then arrives at each round when the others' budget ends and joins
+it with 0 samples: it votes, steps φ with the others' mean (so it stays bit-identical with them), owns
+reduce-scatter parts, and serves joiners its state; its zero Δ weighs nothing (``gossip.diloco``). It
+announces no speed, so the others' budgets do not wait for it. It stays a helper until it restarts: it
+takes no steps, so it measures no new speed.
+
+:class:`HelperRole` is a mixin of :class:`node.replica.node.Daemon`, whose state it reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+from node.replica.pacing import should_help
+
+logger = logging.getLogger(__name__)
+
+
+class HelperRole:
+    """The helper's decisions and round loop, for the replica daemon."""
+
+    def _announced_rate(self) -> float:
+        """The speed this node announces (records, round entries): none while it helps, so it moves no budget."""
+        return 0.0 if self.helping else self.compute_tokens_per_s
+
+    def _consider_helping(self) -> None:
+        """After a round: switch to helping when this node's inner steps ran below ``--helper-below`` × the others'
+        median speed in two rounds in a row (rounds paced by time only: a helper arrives when the budget ends).
+        A helper stays one until it restarts: it takes no steps, so it measures no new speed."""
+        cfg = self.cfg
+        if self.helping or not self.pacer.by_time or cfg.helper_below <= 0 or cfg.algorithm not in ("diloco", "sparseloco"):
+            return
+        rates = self.round_rates if len(self.round_rates) > 1 else self.peer_rates
+        slow = should_help(self.compute_tokens_per_s, rates, self.summary.peer_id, cfg.helper_below)
+        self.slow_rounds = self.slow_rounds + 1 if slow else 0
+        if self.slow_rounds < 2:
+            return
+        median = statistics.median(r for p, r in rates.items() if p != self.summary.peer_id and r > 0)
+        self.helping = True
+        self.summary.role = "helper"
+        self.event("helping", tokens_per_s=round(self.compute_tokens_per_s, 1), median_tokens_per_s=round(median, 1),
+                   helper_below=cfg.helper_below)
+        logger.warning("this node trains at %.0f tokens/s, under %.2f of the swarm's median %.0f: from round %d on it helps "
+                       "(keeps φ with the others' rounds, serves joiners, owns reduce-scatter parts) without training; "
+                       "restart it to train again, or set --helper-below 0 to always train",
+                       self.compute_tokens_per_s, cfg.helper_below, median, self.round)
+
+    def _help_round(self) -> None:
+        """A helper's round: wait for the budget the others plan, then join it with 0 samples."""
+        while not self.pacer.helper_due(time.monotonic()):
+            left = self.pacer.pace.started + (self.pacer.pace.budget_s or 0.0) - time.monotonic()
+            if self.stop.wait(min(0.2, max(left, 0.0))) or self._deadline_reached():
+                return
+        self._finish_pending()  # an overlapped round (--overlap) may still run
+        self._start_round(0)
+        self.helped_steps += self.pacer.pace.median_steps
+        self._plan_round()
+
+    def _deadline_reached(self) -> bool:
+        cfg = self.cfg
+        if self.helping and cfg.max_steps is not None and self.summary.steps + self.helped_steps >= cfg.max_steps:
+            return True
+        return super()._deadline_reached()
