@@ -18,7 +18,11 @@ machine's memory and ``--budget-s``), at the same batch, data and trainer option
   runs beside training (network thread, heartbeats, metrics). The node's own summary
   (``--info-file``: inner steps' tokens/s over the whole run, MFU, peak memory) is reported too.
 
-``--bare-only`` skips the daemon; ``--profile`` adds the bare loop's 30 busiest device kernels over 3 more
+``--context N`` trains sequences of N tokens instead of the preset's (a CPU volunteer's setting: ``--model medium
+--batch-size 1 --context 32 --threads 1``). ``--adamw-loop`` times the bare loop a second time with AdamW's
+per-tensor loop instead of torch's fused kernel (the inner optimizer's default on the CPU before the fused
+kernel; ``swarm.inner_optimizer``), back to back in the same invocation: ``tokens_per_s_bare_adamw_loop`` and
+``fused_over_loop``. ``--bare-only`` skips the daemon; ``--profile`` adds the bare loop's 30 busiest device kernels over 3 more
 steps (torch.profiler) and their total to each run. ``warmup_s`` is the warm-up steps' wall time (with compilation, the
 compile time).
 
@@ -37,6 +41,7 @@ process's peak RSS on the CPU. The JSON::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -56,7 +61,7 @@ from benchmarks import results_io
 
 def _options(args: argparse.Namespace, bare: bool = False) -> list[str]:
     """The trainer options, as ``node join`` flags (the bare loop gets the same, as this module's flags)."""
-    out = ["--device", args.device, "--batch-size", str(args.batch_size)]
+    out = ["--device", args.device, "--batch-size", str(args.batch_size)] + (["--context", str(args.context)] if args.context else [])
     if args.micro_batch_size:
         out += ["--micro-batch-size", str(args.micro_batch_size)]
     if args.activation_checkpointing:
@@ -83,11 +88,17 @@ def bare(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     device, cfg = pick_device(args.device), preset(args.model)
+    if args.context:
+        cfg = dataclasses.replace(cfg, context=args.context)
     corpus = load_corpus(None, context=cfg.context)
     batches = ByteBatches(data=corpus.train, batch_size=args.batch_size, context=cfg.context, seed=0)
     trainer = LocalTrainer(cfg=cfg, device=device, lr=1e-3, micro_batch_size=args.micro_batch_size,
                            activation_checkpointing=args.activation_checkpointing,
                            compile={"auto": None, "on": True, "off": False}[args.compile], compile_mode=args.compile_mode)
+    if args.adamw_loop:
+        from swarm.inner_optimizer import build_inner_optimizer
+
+        trainer.optimizer = build_inner_optimizer(trainer.model.named_parameters(), "adamw", 1e-3, 0.1, fused=False)
     warmup_started = time.perf_counter()
     for _ in range(args.warmup):
         trainer.step(*batches.next())
@@ -102,6 +113,7 @@ def bare(args: argparse.Namespace) -> dict[str, Any]:
     rate = tokens / elapsed
     extra = {"profile": profile_steps(trainer, batches, device)} if args.profile else {}
     return extra | {"params": sum(p.numel() for p in trainer.parameters()), "context": cfg.context, "tokens_per_s": rate,
+            "adamw_fused": all(g.get("fused") for g in trainer.optimizer.param_groups),
             "compiled": trainer.train_model is not trainer.model, "warmup_s": round(warmup_s, 2),
             "tokens_per_cpu_s": tokens / cpu_s if cpu_s > 0 else None,
             "mfu": mfu(flops_per_token(cfg), rate, peak_flops(device, args.peak_tflops)),
@@ -128,9 +140,10 @@ def profile_steps(trainer: Any, batches: Any, device: torch.device, steps: int =
     return [{"name": "(all of them: busy ms per step)", "ms_per_step": round(busy, 3), "calls": sum(e.count for e in events) // steps}] + rows
 
 
-def run_bare(args: argparse.Namespace, model: str) -> dict[str, Any]:
+def run_bare(args: argparse.Namespace, model: str, adamw_loop: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.throughput", "--bare", "--model", model, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), *_options(args, bare=True), *(["--profile"] if args.profile else [])]
+           "--warmup", str(args.warmup), *_options(args, bare=True), *(["--profile"] if args.profile else []),
+           *(["--adamw-loop"] if adamw_loop else [])]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
         raise RuntimeError(f"bare loop failed: {done.stderr.strip()[-2000:]}")
@@ -271,10 +284,12 @@ def measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
     """Bare loop and daemon back to back, ``--repeats`` times: medians, and the median of the pairs' ratios
     (a pair runs under the same load, which matters on a shared machine)."""
     run: dict[str, Any] = {"model": model, "batch": args.batch_size}
-    bares, daemons = [], []
+    bares, daemons, loops = [], [], []
     try:
         for _ in range(args.repeats):
             bares.append(run_bare(args, model))
+            if args.adamw_loop:
+                loops.append(run_bare(args, model, adamw_loop=True))
             if not args.bare_only:
                 daemons.append(run_daemon(args, model, bares[-1]["context"]))
     except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
@@ -291,6 +306,10 @@ def measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
                daemon_over_bare=round(statistics.median(d / r for r, d in pairs), 3) if pairs else None,
                mfu=statistics.median(r["mfu"] for r in bares) if all(r["mfu"] is not None for r in bares) else None,
                peak_mem_mb=max(r["peak_mem_mb"] for r in bares))
+    if loops:
+        loop_rate = statistics.median(r["tokens_per_s"] for r in loops)
+        run.update(tokens_per_s_bare_adamw_loop=round(loop_rate, 1), adamw_fused=b["adamw_fused"],
+                   fused_over_loop=round(statistics.median(f["tokens_per_s"] / r["tokens_per_s"] for f, r in zip(bares, loops)), 3))
     if daemons:
         run["daemon"] = {"mfu": daemons[-1]["mfu"], "peak_mem_mb": max(d["peak_mem_mb"] or 0 for d in daemons),
                          "summary_tokens_per_s": [d["summary_tokens_per_s"] for d in daemons],
@@ -330,6 +349,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30, help="timed steps (default: 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5; more with --compile)")
+    parser.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    parser.add_argument("--adamw-loop", action="store_true",
+                        help="also time the bare loop with AdamW's per-tensor loop instead of the fused kernel")
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],

@@ -46,6 +46,7 @@ def by_replicas_text(algorithm: str = "diloco") -> str:
                      for most, steps in STEPS_BY_REPLICAS[algorithm])
 
 
+HELPER_BELOW = 0.1  # --helper-below's default: a replica under this share of the others' median speed helps
 AUTO_STEPS_MAX_FACTOR = 20  # --inner-steps auto never goes past this × --round-steps
 SPARSE_CODEC = "topk:64/4096+q2"  # SparseLoCo's default codec
 LOSSY_FEEDBACK_DECAY = 0.95  # error-feedback β of lossy codecs

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from node.config.defaults import (
-    AVG, BY_REPLICAS, DEFAULT_INNER_STEPS, LOSSLESS_CODECS, LOSSY_FEEDBACK_DECAY, LOSSY_WARMUP_ROUNDS, OPS, PIPE,
+    AVG, BY_REPLICAS, DEFAULT_INNER_STEPS, HELPER_BELOW, LOSSLESS_CODECS, LOSSY_FEEDBACK_DECAY, LOSSY_WARMUP_ROUNDS, OPS, PIPE,
     SPARSE_CODEC, STEPS_BY_REPLICAS, SWARM, TRAIN, by_algorithm, by_replicas_text, outer_default_text, option,
 )
 from node.config.combinations import check_combinations
@@ -92,7 +92,7 @@ class NodeConfig(DerivedSettings, BaseModel):
                                      default_text=by_algorithm({**DEFAULT_INNER_STEPS, **{a: f"by replicas ({by_replicas_text(a)})"
                                                                                           for a in STEPS_BY_REPLICAS}}), ge=1, le=1_000_000)
     helper_below: float = option(
-        0.1, "With --inner-steps auto (diloco, sparseloco): a node whose inner steps run below this share of the swarm's "
+        HELPER_BELOW, "With --inner-steps auto (diloco, sparseloco): a node whose inner steps run below this share of the swarm's "
         "median speed for two rounds in a row stops training and helps: it keeps φ with the others' rounds, serves "
         "joiners and owns reduce-scatter parts, without sending a pseudo-gradient; 0 = always train", TRAIN, ge=0, lt=1)
     batch_size: int = option(16, "Sequences per inner step", TRAIN, ge=1, le=65536)

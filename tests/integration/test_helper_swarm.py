@@ -16,8 +16,12 @@ HELPED_ROUNDS = 6
 
 
 def _helped(info: dict) -> list[dict]:
-    """The helper's rounds in sync with all three in the group, from the first it helped in."""
-    return [r for r in info.get("rounds", []) if r["steps"] == 0 and r["group"] == 3 and r["in_sync"]]
+    """Rounds in sync in which the two trainers contributed and this node took no step (the helper's)."""
+    return [r for r in info.get("rounds", []) if r["steps"] == 0 and len(r["members"]) == 2 and r["in_sync"]]
+
+
+def _full(info: dict) -> list[dict]:
+    return [r for r in info.get("rounds", []) if len(r["members"]) == 2 and r["group"] == 3 and r["in_sync"]]
 
 
 def _start(tmp_path) -> list[NodeHandle]:
@@ -41,12 +45,21 @@ def test_a_forty_times_slower_peer_helps_and_stays_bit_identical(tmp_path, nodes
     switched = [e for e in helper_info["events"] if e["event"] == "helping"]
     assert len(switched) == 1 and switched[0]["tokens_per_s"] < 0.1 * switched[0]["median_tokens_per_s"], switched
     assert "without training" in helper.log()
-    helped = {r["round"]: r for r in _helped(helper_info)}
-    for info in infos[:2]:
-        both = [r for r in info["rounds"] if r["round"] in helped and r["in_sync"]]
-        assert len(both) >= HELPED_ROUNDS - 1, f"{info['peer_id'][-8:]} shares too few rounds with the helper: {both}"
-        for r in both:
-            mine = helped[r["round"]]
-            assert r["fingerprint"] == mine["fingerprint"], f"round {r['round']}: φ differs from the helper's: {r} {mine}"
-            assert r["members"] == mine["members"] and helper_id not in r["members"] and len(r["members"]) == 2, (r, mine)
-            assert r["steps"] > 0
+    # while the joiners' records spread, members can close a round with different views and a later round's vote
+    # settles it (joining, tested elsewhere): from the first round all three averaged in, they agree every round
+    first = min(set.intersection({r["round"] for r in _helped(helper_info)}, *({r["round"] for r in _full(i)} for i in infos[:2])))
+    by_round: dict[int, list[dict]] = {}
+    for info in infos:
+        for r in info["rounds"]:
+            if r["in_sync"] and r["round"] >= first:
+                by_round.setdefault(r["round"], []).append(r)
+    for number, records in by_round.items():
+        assert len({tuple(r["members"]) for r in records}) == 1, f"round {number}: members disagree on the contributors: {records}"
+        assert len({r["fingerprint"] for r in records}) == 1, f"round {number}: replicas differ after it: {records}"
+        assert all(helper_id not in r["members"] for r in records), f"round {number}: the helper contributed: {records}"
+    assert sum(1 for r in _helped(helper_info) if r["round"] >= first) >= HELPED_ROUNDS - 2
+    for info in infos:
+        late = [r for r in info["rounds"] if not r["in_sync"] and r["round"] > first]
+        assert not late, f"{info['peer_id'][-8:]} fell out of sync once all three averaged: {late}"
+    assert all(r["steps"] == 0 for r in helper_info["rounds"] if r["round"] >= first)
+    assert all(r["steps"] > 0 for info in infos[:2] for r in info["rounds"] if r["round"] >= first and r["in_sync"])

@@ -76,6 +76,7 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "inner_steps": (10, ("refused", "--inner-steps counts a whole-model replica's steps per round; pipeline stages average "
                                     "every --sync-every seconds")),
     "round_steps": (10, ("refused", "--round-steps counts a whole-model replica's steps")),
+    "helper_below": (0.2, ("refused", "--helper-below picks a whole-model replica's role")),
     # averaging (a stage's replicas run the replicas' DiLoCo rounds)
     "algorithm": ("noloco", ("refused", "pipeline stages average with --algorithm diloco")),
     "compression": ("q8", ("applied", [(SERVER, "cfg.codec")])),
