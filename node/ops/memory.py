@@ -19,6 +19,10 @@ in flight. ``tests/integration/test_memory.py`` checks the estimate against real
 Measured (peak RSS growth of 3 CPU steps / the estimate's training rows, MiB): small b8 ctx128 432/518,
 the same checkpointed 371/370, with micro-batch 2 339/324; llama-tiny b16 241/238; tiny b32 299/293. A whole
 ``node join --model small --batch-size 8 --context 128`` (6 steps, 2 rounds): peak RSS 1.17 GiB, estimated 1.27 GiB.
+Those rows counted 2 × the parameters of optimizer temporaries; on the CPU they are now two of the largest tensors
+(:func:`_step_temporaries`), which leaves small b8 ctx128 at 426/416 and shows what the old row hid: llama-20m b16
+micro-batch 8 checkpointed grows 813–912 MiB against 632 estimated (activations under checkpointing are counted
+short). Two ``llama-150m`` daemons (``docs/benchmarks.md``, the wire section) peaked at 0.76–0.82 × the whole estimate.
 The CUDA side (bf16 activations taken as 2.5 bytes an element, 10 % slack), against ``max_memory_allocated`` on one H100
 at batch 16 (``benchmarks/results/gpu/throughput_h100.json``): small 876/594, medium 6240/3967, llama-150m 24165/22510 MiB.
 
@@ -203,7 +207,7 @@ def estimate(cfg: NodeConfig, model_cfg: Any, device: str, free: tuple[int, int 
     else:
         rows += [Row("model parameters (fp32)", dev, p4), Row("gradients", dev, p4),
                  Row("inner optimizer (AdamW: 2 states)", dev, 2 * p4),
-                 Row("optimizer step temporaries (AdamW, clipping)", dev, 2 * p4)]
+                 _step_temporaries(model_cfg, device, p4)]
         momentum = cfg.outer_hyper[1] > 0 or cfg.algorithm == "noloco"
         rows.append(Row(f"outer state (φ{' + momentum' if momentum else ''}, --outer-device {cfg.outer_device})", outer,
                         p4 * (2 if momentum else 1)))
@@ -236,6 +240,19 @@ def estimate(cfg: NodeConfig, model_cfg: Any, device: str, free: tuple[int, int 
     where = f"stage {stage[0]} of {stage[1]}" if stage else "whole model"
     setting = f"{_label(cfg)} ({params / 1e6:.1f} M parameters, {where}) on {device}"
     return Estimate(rows, device, *free, setting=setting)
+
+
+def _step_temporaries(model_cfg: Any, device: str, p4: int) -> Row:
+    """What the optimizer step and the gradient clipping allocate beside the state. On the CPU, AdamW's fused
+    kernel steps in place and clipping scales the gradients in place: temporaries the size of one tensor
+    at a time (counted as two of the largest). Measured: 115 MiB of growth beyond parameters, gradients,
+    AdamW's states and activations for llama-150m at batch 1 (either AdamW kernel), where 2 × the parameters
+    were counted before. On CUDA the 2 × the parameters stand: the estimate was checked against an H100's
+    ``max_memory_allocated`` with them (module docstring)."""
+    if device != "cuda":
+        largest = max(model_cfg.vocab_size, 4 * model_cfg.d_model, getattr(model_cfg, "d_ff", 0) or 0) * model_cfg.d_model
+        return Row("optimizer step temporaries (AdamW in place, clipping: the largest tensors)", "RAM", 2 * 4 * largest)
+    return Row("optimizer step temporaries (AdamW, clipping)", "VRAM", 2 * p4)
 
 
 def _label(cfg: NodeConfig) -> str:
