@@ -2,7 +2,7 @@
 (``--inner-steps by-replicas``) against rounds paced by time (``--inner-steps auto``, the default).
 
     python -m benchmarks.heterogeneous [--model tiny] [--duration 120] [--seeds 0,1] [--base-slowdown 2]
-        [--churn-seeds 0] [--extra "--batch-size 2 --threads 1"] --out benchmarks/results/heterogeneous.json
+        [--churn-seeds 0] [--cpu-seeds 0] [--extra "--batch-size 2 --threads 1"] --out benchmarks/results/heterogeneous.json
 
 Each run is one ``node swarm`` of 4 real daemons on loopback with a fresh checkpoint folder; node i has seed
 S + i. Speeds come from ``--slowdown``: ``--base-slowdown`` B gives the peers B, B, 2B and 4B, so the four
@@ -18,6 +18,9 @@ of each epoch), in the ``speeds`` scenario only. Scenarios, each in every mode a
   third of the run and then 8× slower (``--slowdown 8 --slowdown-after``: a quarter of their speed),
   and peer 3 is killed 2 s in and restarted 20 s later (it joins late,
   downloading the swarm's state);
+- ``cpu`` (``--cpu-seeds``): peers of speeds 1, 1, ½ and 1/40 (a CPU among GPUs: ``--slowdown`` 40 B for the
+  last), in the modes asked for; mode ``trainers`` is ``auto`` with ``--helper-below 0`` (every peer trains,
+  as before the helper role), against ``auto``, where the last peer helps once it has measured itself;
 - ``homogeneous`` (per seed of ``speeds``): four peers at the fast speed, each stopping after the mean
   inner steps of that seed's ``auto`` run: the same total tokens, for the quality comparison.
 
@@ -49,14 +52,17 @@ from benchmarks import results_io
 from node.config.defaults import steps_for_replicas
 
 MODES = {"fixed": ["--inner-steps", "by-replicas"], "auto": ["--inner-steps", "auto"],
-         "overlap": ["--inner-steps", "auto", "--overlap"]}
+         "overlap": ["--inner-steps", "auto", "--overlap"], "trainers": ["--inner-steps", "auto", "--helper-below", "0"]}
+CPU_SLOWDOWN = 40  # the cpu scenario's last peer, × --base-slowdown: 1/40 of the fast peers' speed
 NODES = 4
 HIVEMIND = "hivemind"  # hivemind.Optimizer's target batch on the same peers (benchmarks.baselines), not a node mode
 HIVEMIND_H = steps_for_replicas(NODES)  # one epoch = the by-replicas table's H for these peers, times their batches
 
 
-def node_args(base: float, churn: bool, duration: float) -> list[str]:
+def node_args(base: float, churn: bool, duration: float, cpu: bool = False) -> list[str]:
     speeds = speeds_of(base)
+    if cpu:
+        speeds[-1] = CPU_SLOWDOWN * base
     args = [f"{i}:--slowdown {s:g}" for i, s in enumerate(speeds)]
     if churn:
         args[1] += f" --slowdown-after {duration / 3:.0f}"
@@ -136,7 +142,7 @@ def run(args: argparse.Namespace, scenario: str, mode: str, seed: int, folder: P
     if scenario == "homogeneous":
         cmd += ["--slowdown", f"{args.base_slowdown:g}", "--max-steps", str(max_steps)]
     else:
-        cmd += node_args(args.base_slowdown, scenario == "churn", args.duration)
+        cmd += node_args(args.base_slowdown, scenario == "churn", args.duration, cpu=scenario == "cpu")
     if scenario == "churn":
         cmd += ["--chaos", "kill:node=3:at=2s", "--restart-killed", "20"]
     started = time.monotonic()
@@ -157,7 +163,7 @@ def peer(n: dict[str, Any]) -> dict[str, Any]:
     start = rounds[0]["t"] - rounds[0]["duration_s"] if rounds else 0.0
     share = (lambda x: round(x / train_s, 4)) if train_s else (lambda x: None)
     return {
-        "exit_code": n["exit_code"], "steps": n["steps"], "outer_rounds": n["outer_rounds"], "train_s": round(train_s, 2),
+        "exit_code": n["exit_code"], "role": n.get("role", "trainer"), "steps": n["steps"], "outer_rounds": n["outer_rounds"], "train_s": round(train_s, 2),
         # an overlapped round's rendezvous runs beside training: only the time the loop was blocked counts
         "training": share(n.get("inner_s", 0.0)), "waiting": share(min(gather, blocked)), "exchanging": share(max(blocked - gather, 0.0)),
         # the held-out evaluations this benchmark asks for after every round (a default node: every 5) and checkpoints
@@ -188,7 +194,10 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             key = f"{scenario}/{mode}"
             out[key] = {
                 "runs": len(mine),
-                "least_training_share": min(p["training"] for r in mine for p in r["peers"] if p["training"] is not None),
+                # of the peers that trained: a helper (--helper-below) stops on purpose
+                "least_training_share": min(p["training"] for r in mine for p in r["peers"]
+                                            if p["training"] is not None and p.get("role") != "helper"),
+                "helpers": sum(p.get("role") == "helper" for r in mine for p in r["peers"]),
                 "fast_peers_waiting": statistics.mean(p["waiting"] for r in mine for p in r["peers"][:2] if p["waiting"] is not None),
                 "val_loss": statistics.mean(p["val_loss"] for r in mine for p in r["peers"] if p["val_loss"] is not None),
                 "tokens": statistics.mean(sum(p["tokens"] for p in r["peers"]) for r in mine),
@@ -221,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=120.0)
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--churn-seeds", default="0")
+    parser.add_argument("--cpu-seeds", default="", help="seeds of the cpu scenario (a peer 40 times slower)")
     parser.add_argument("--base-slowdown", type=float, default=2.0)
     parser.add_argument("--eval-every", type=int, default=1)
     parser.add_argument("--homogeneous", action=argparse.BooleanOptionalAction, default=True,
@@ -249,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         for seed in [int(s) for s in args.churn_seeds.split(",") if s]:
             for mode in [m for m in modes if m != HIVEMIND]:  # (hivemind runs the speeds scenario only)
                 runs.append(run(args, "churn", mode, seed, folder))
+        for seed in [int(s) for s in args.cpu_seeds.split(",") if s]:
+            for mode in [m for m in modes if m != HIVEMIND]:
+                runs.append(run(args, "cpu", mode, seed, folder))
+                print(json.dumps({k: v for k, v in runs[-1].items() if k != "peers"}), flush=True)
     summary = summarise(runs)
     results_io.write(args.out, {"options": vars(args) | {"out": str(args.out)}, "runs": runs, "summary": summary}, meta)
     print(json.dumps(summary, indent=1))
