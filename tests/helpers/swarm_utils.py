@@ -73,6 +73,20 @@ def full_rounds(info: dict[str, Any], members: int, after: float | None = None) 
             and (after is None or r["t"] > after)]
 
 
+def agreed_rounds(infos: list[dict[str, Any]], first: int) -> dict[int, list[dict[str, Any]]]:
+    """The in-sync records of every round from ``first`` on, by round, after checking that the nodes recording a
+    round agree on its contributors and hold the same φ after it."""
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for info in infos:
+        for r in info["rounds"]:
+            if r["in_sync"] and r["round"] >= first:
+                by_round.setdefault(r["round"], []).append(r)
+    for number, records in by_round.items():
+        assert len({tuple(r["members"]) for r in records}) == 1, f"round {number}: members disagree on the contributors: {records}"
+        assert len({r["fingerprint"] for r in records}) == 1, f"round {number}: replicas differ after it: {records}"
+    return by_round
+
+
 def start_node(directory: Path, name: str, args: list[str], initial_peers: list[str] | None = None,
                env: dict[str, str] | None = None, listen: str = "/ip4/127.0.0.1/tcp/0") -> NodeHandle:
     """``node join ARGS`` in its own folder and process group; ``env`` adds environment variables (the

@@ -9,7 +9,7 @@ contributed, and all three hold the same φ after it.
 
 from __future__ import annotations
 
-from tests.helpers.swarm_utils import FAST_ARGS, NodeHandle, start_node
+from tests.helpers.swarm_utils import FAST_ARGS, NodeHandle, agreed_rounds, start_node
 
 DEFAULTS = [a for i, a in enumerate(FAST_ARGS) if "--inner-steps" not in (a, FAST_ARGS[i - 1] if i else "")]
 HELPED_ROUNDS = 6
@@ -48,14 +48,7 @@ def test_a_forty_times_slower_peer_helps_and_stays_bit_identical(tmp_path, nodes
     # while the joiners' records spread, members can close a round with different views and a later round's vote
     # settles it (joining, tested elsewhere): from the first round all three averaged in, they agree every round
     first = min(set.intersection({r["round"] for r in _helped(helper_info)}, *({r["round"] for r in _full(i)} for i in infos[:2])))
-    by_round: dict[int, list[dict]] = {}
-    for info in infos:
-        for r in info["rounds"]:
-            if r["in_sync"] and r["round"] >= first:
-                by_round.setdefault(r["round"], []).append(r)
-    for number, records in by_round.items():
-        assert len({tuple(r["members"]) for r in records}) == 1, f"round {number}: members disagree on the contributors: {records}"
-        assert len({r["fingerprint"] for r in records}) == 1, f"round {number}: replicas differ after it: {records}"
+    for number, records in agreed_rounds(infos, first).items():
         assert all(helper_id not in r["members"] for r in records), f"round {number}: the helper contributed: {records}"
     assert sum(1 for r in _helped(helper_info) if r["round"] >= first) >= HELPED_ROUNDS - 2
     for info in infos:

@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 
-from tests.helpers.swarm_utils import FAST_ARGS, NodeHandle, start_node
+from tests.helpers.swarm_utils import FAST_ARGS, NodeHandle, agreed_rounds, start_node
 
 DEFAULTS = [a for i, a in enumerate(FAST_ARGS) if "--inner-steps" not in (a, FAST_ARGS[i - 1] if i else "")]
 STEADY_ROUNDS = 8
@@ -53,14 +53,7 @@ def test_fast_peers_keep_training_beside_a_four_times_slower_one(tmp_path, nodes
     # close a round with different views (A with B, C with B, B with both), and the fingerprint vote settles
     # it at the next round (a resync): that is joining, tested elsewhere; a quorum that agrees is not built
     first = min(set.intersection(*({r["round"] for r in _full(info)} for info in infos)))
-    by_round: dict[int, list[dict]] = {}
-    for info in infos:
-        for r in info["rounds"]:
-            if r["in_sync"] and r["round"] >= first:
-                by_round.setdefault(r["round"], []).append(r)
-    for number, records in by_round.items():
-        assert len({tuple(r["members"]) for r in records}) == 1, f"round {number}: members disagree on the contributors: {records}"
-        assert len({r["fingerprint"] for r in records}) == 1, f"round {number}: replicas differ after it: {records}"
+    agreed_rounds(infos, first)
     steady = [_full(info)[2:] for info in infos]  # from the third round all three averaged: every speed known
     steps = [statistics.median(r["steps"] for r in rounds) for rounds in steady]
     assert steps[2] <= 0.5 * min(steps[:2]), f"the slow peer takes fewer steps per round than the fast ones: {steps}"
