@@ -154,7 +154,6 @@ class Daemon(HelperRole, NodeBase):
     def _record_fields(self) -> dict[str, Any]:
         return {"inner_step": self.inner_step, "tokens_per_s": self._announced_rate()}
 
-
     def _observe_peers(self, peers: dict[str, PeerRecord]) -> None:
         self.peer_rates = {p: rec.tokens_per_s for p, rec in peers.items() if rec.role == "trainer"}
 
