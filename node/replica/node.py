@@ -42,7 +42,7 @@ from gossip.state_transfer import DownloadedState, StateSnapshot
 from gossip.byzantine import Attacker, served_params
 from node.config import BY_REPLICAS, NodeConfig
 from node.replica.joiner import Joiner
-from node.replica.helping import HelperRole
+from node.replica.paced_rounds import PacedRounds
 from node.replica.pacing import RoundPacer
 from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
 from node.replica.scoring import build_screening
@@ -58,7 +58,7 @@ from swarm.lr_schedule import SCHEDULE_STEP, schedule_position
 logger = logging.getLogger("locomesh.node")
 
 
-class Daemon(HelperRole, NodeBase):
+class Daemon(PacedRounds, NodeBase):
     """One volunteer node. ``run()`` blocks until the node stops and returns its exit code."""
 
     INTERRUPTED = "interrupted during an outer round"
@@ -174,31 +174,6 @@ class Daemon(HelperRole, NodeBase):
 
     def _wind_down(self) -> None:
         self._record_throughput(inner_tokens_per_s=self._inner_rate())
-
-    # ---- what travels ------------------------------------------------------------------------
-    def _plan_round(self, start: float | None = None) -> None:
-        """Plan the next round (``node.replica.pacing``): H steps, or under ``--inner-steps auto`` a time budget
-        (from ``start``, if given: a round already under way)."""
-        self.pacer.own_id = self.summary.peer_id
-        tokens_per_step = self.cfg.batch_size * self.trainer.model.cfg.context
-        shared = len(self.round_rates) > 1  # every member of the last round plans from the same entries
-        # from the moment the round's result arrived (every member's is about the same), not after this node's
-        # evaluation and checkpoint; an overlapped round paces from its start
-        if start is None:
-            start = self.round_ended if self.round_ended is not None and not self.cfg.overlap else time.monotonic()
-        rates = self.round_rates if shared else self.peer_rates
-        if self.helping:
-            pace = self.pacer.plan_helper(self._replicas(), rates, tokens_per_step, start, self.compute_tokens_per_s)
-        else:
-            pace = self.pacer.plan(self._replicas(), self.compute_tokens_per_s, rates, tokens_per_step, start, shared)
-        self.metrics.round_inner_steps.set(pace.expected_steps)
-
-    def _replicas(self) -> int:
-        """How many replicas average together: the members of this node's last round in sync (every member of
-        a round counts the same ones), before any round the trainers whose records this node sees."""
-        if self.last_contributors:
-            return self.last_contributors
-        return 1 + sum(1 for p in self.peer_rates if p != self.summary.peer_id)
 
     # ---- joining -----------------------------------------------------------------------------
     def _established(self, peer: str) -> bool:

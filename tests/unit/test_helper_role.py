@@ -1,4 +1,4 @@
-"""A replica far slower than the others helps instead of training (``--helper-below``, ``node.replica.helping``):
+"""A replica far slower than the others helps instead of training (``--helper-below``, ``node.replica.paced_rounds``):
 when it switches, what it announces, when it arrives, and the round it joins with 0 samples."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""A whole-model replica too slow to train helps instead (``--helper-below``, ``node.replica.pacing``).
+"""How a whole-model replica paces its rounds (``node.replica.pacing``'s plans), and the helper role:
+a replica too slow to train helps instead (``--helper-below``).
 
 A CPU among GPUs, or a laptop among desktops, would hold every round of a swarm paced by time to a step
 of its own that takes longer than the others' whole budget, and add little: its update weighs by the few
@@ -9,7 +10,8 @@ reduce-scatter parts, and serves joiners its state; its zero Δ weighs nothing (
 announces no speed, so the others' budgets do not wait for it. It stays a helper until it restarts: it
 takes no steps, so it measures no new speed.
 
-:class:`HelperRole` is a mixin of :class:`node.replica.node.Daemon`, whose state it reads.
+:class:`PacedRounds` is a mixin of :class:`node.replica.node.Daemon`, whose state it reads; it also plans
+the daemon's rounds (``_plan_round``), which differ for a helper.
 """
 
 from __future__ import annotations
@@ -23,8 +25,32 @@ from node.replica.pacing import should_help
 logger = logging.getLogger(__name__)
 
 
-class HelperRole:
-    """The helper's decisions and round loop, for the replica daemon."""
+class PacedRounds:
+    """The replica daemon's round plans (by time, by steps, or a helper's), the helper's decision and its loop."""
+
+    def _plan_round(self, start: float | None = None) -> None:
+        """Plan the next round (``node.replica.pacing``): H steps, or under ``--inner-steps auto`` a time budget
+        (from ``start``, if given: a round already under way)."""
+        self.pacer.own_id = self.summary.peer_id
+        tokens_per_step = self.cfg.batch_size * self.trainer.model.cfg.context
+        shared = len(self.round_rates) > 1  # every member of the last round plans from the same entries
+        # from the moment the round's result arrived (every member's is about the same), not after this node's
+        # evaluation and checkpoint; an overlapped round paces from its start
+        if start is None:
+            start = self.round_ended if self.round_ended is not None and not self.cfg.overlap else time.monotonic()
+        rates = self.round_rates if shared else self.peer_rates
+        if self.helping:
+            pace = self.pacer.plan_helper(self._replicas(), rates, tokens_per_step, start, self.compute_tokens_per_s)
+        else:
+            pace = self.pacer.plan(self._replicas(), self.compute_tokens_per_s, rates, tokens_per_step, start, shared)
+        self.metrics.round_inner_steps.set(pace.expected_steps)
+
+    def _replicas(self) -> int:
+        """How many replicas average together: the members of this node's last round in sync (every member of
+        a round counts the same ones), before any round the trainers whose records this node sees."""
+        if self.last_contributors:
+            return self.last_contributors
+        return 1 + sum(1 for p in self.peer_rates if p != self.summary.peer_id)
 
     def _announced_rate(self) -> float:
         """The speed this node announces (records, round entries): none while it helps, so it moves no budget."""
