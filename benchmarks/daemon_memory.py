@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,6 +27,11 @@ from benchmarks import results_io
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _env(code: Path) -> dict[str, str]:
+    """This environment, with ``code`` (the revision's checkout) on the import path."""
+    return {**os.environ, "PYTHONPATH": str(code)}
+
+
 def _checkout(rev: str, into: Path) -> Path:
     if rev == ".":
         return ROOT
@@ -36,7 +42,7 @@ def _checkout(rev: str, into: Path) -> Path:
 def _estimate_gib(code: Path, options: list[str], data: Path | None) -> float:
     cmd = [sys.executable, "-m", "node", "join", "--dry-run", *options, "--checkpoint-dir", tempfile.mkdtemp(prefix="lm-dry-"),
            *(["--data", str(data)] if data else [])]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=code, env={"PYTHONPATH": str(code), "PATH": "/usr/bin:/bin"},
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=code, env=_env(code),
                          timeout=300)
     found = re.search(r"total RAM\s*│\s*RAM\s*│\s*([\d.]+) GiB", out.stdout)
     if not found:
@@ -51,7 +57,7 @@ def run_rev(rev: str, options: list[str], data: Path | None, duration: float, wo
         report = work / "report.json"
         cmd = [sys.executable, "-m", "node", "swarm", "--nodes", "2", "--duration", str(duration), "--report", str(report),
                *options, *(["--data", str(data)] if data else [])]
-        subprocess.run(cmd, cwd=code, env={"PYTHONPATH": str(code), "PATH": "/usr/bin:/bin"}, capture_output=True,
+        subprocess.run(cmd, cwd=code, env=_env(code), capture_output=True,
                        timeout=duration + 600, check=True)
         nodes = json.loads(report.read_text())["nodes"]
         estimate = _estimate_gib(code, options, data)

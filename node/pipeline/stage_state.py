@@ -35,6 +35,12 @@ RESYNC_TRIES = 10
 RESYNC_WAIT_S = 0.5
 
 
+def _layout(module: torch.nn.Module) -> dict[str, list[tuple[tuple[int, ...], torch.dtype]]]:
+    """What a stage's state holds: its parameters and their outer momentum, fp32."""
+    shapes = [(tuple(p.shape), torch.float32) for p in module.parameters()]
+    return {"params": shapes, "outer_momentum": shapes}
+
+
 class StageState:
     """Offering, downloading and resyncing a stage's state (attributes: ``StageServer``'s)."""
 
@@ -60,8 +66,7 @@ class StageState:
         backward pass must not see its weights change under it). ``ahead_of``: take only a state that
         holds more than this many stage steps (a resumed checkpoint's)."""
         net = self.net
-        shapes = [(tuple(p.shape), torch.float32) for p in module.parameters()]
-        layout = {"params": shapes, "outer_momentum": shapes}
+        layout = _layout(module)
         rounds = {p: rec.round for p, rec in peers.items() if p != self.summary.peer_id and rec.role == "stage"}
         if self.reachable is not None and rounds:
             try:  # none answering: all of them (a private swarm may refuse this node's probes; downloads say so)
@@ -128,11 +133,10 @@ class StageState:
         peers = self.net.call(list_peers(self.net.dht, sub), timeout=30)
         source = result.sync_peer
         if source is not None and source in peers:
-            shapes = [(tuple(p.shape), torch.float32) for p in worker.stage.parameters()]
+            layout = _layout(worker.stage)
             for _ in range(RESYNC_TRIES):
                 try:
-                    held = self.net.call(state_headers(self.net.transport, [source], sub,
-                                                       {"params": shapes, "outer_momentum": shapes}), timeout=15)
+                    held = self.net.call(state_headers(self.net.transport, [source], sub, layout), timeout=15)
                 except Exception:
                     held = {}
                 if source not in held or held[source][0] >= result.round:

@@ -17,10 +17,9 @@ the daemon's rounds (``_plan_round``), which differ for a helper.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 
-from node.replica.pacing import should_help
+from node.replica.pacing import others_median, should_help
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ class PacedRounds:
         self.slow_rounds = self.slow_rounds + 1 if slow else 0
         if self.slow_rounds < 2:
             return
-        median = statistics.median(r for p, r in rates.items() if p != self.summary.peer_id and r > 0)
+        median = others_median(rates, self.summary.peer_id)
         self.helping = True
         self.summary.role = "helper"
         self.event("helping", tokens_per_s=round(self.compute_tokens_per_s, 1), median_tokens_per_s=round(median, 1),

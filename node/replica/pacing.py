@@ -96,8 +96,7 @@ class RoundPacer:
         their announced speeds (``fallback_rate``, this node's last measured one, while it knows none). An
         inflated claim only brings the helper early; a deflated one is one rank of a median."""
         steps = self.median_steps(replicas)
-        others = [r for p, r in rates.items() if p != self.own_id and r > 0]
-        rate = statistics.median(others) if others else fallback_rate
+        rate = others_median(rates, self.own_id) or fallback_rate
         budget = steps * tokens_per_step / rate if rate > 0 else None
         self.pace = RoundPace(steps=0, budget_s=budget, started=now, expected_steps=0, median_steps=steps)
         return self.pace
@@ -132,7 +131,13 @@ def should_help(mine: float, rates: dict[str, float], own_id: str, below: float)
     """Whether a node whose inner steps run at ``mine`` tokens/s is too slow to train among peers announcing
     ``rates``: below ``below`` × the median of the others' speeds (0: never). Needs a speed of its own and at
     least one other trainer's."""
-    others = [r for p, r in rates.items() if p != own_id and r > 0]
-    if below <= 0 or mine <= 0 or not others:
+    median = others_median(rates, own_id)
+    if below <= 0 or mine <= 0 or median is None:
         return False
-    return mine < below * statistics.median(others)
+    return mine < below * median
+
+
+def others_median(rates: dict[str, float], own_id: str) -> float | None:
+    """The median of the speeds other peers announce (0: not measured, or a helper's), None when there are none."""
+    others = [r for p, r in rates.items() if p != own_id and r > 0]
+    return statistics.median(others) if others else None
