@@ -21,6 +21,8 @@ of each epoch), in the ``speeds`` scenario only. Scenarios, each in every mode a
 - ``cpu`` (``--cpu-seeds``): peers of speeds 1, 1, ½ and 1/40 (a CPU among GPUs: ``--slowdown`` 40 B for the
   last), in the modes asked for; mode ``trainers`` is ``auto`` with ``--helper-below 0`` (every peer trains,
   as before the helper role), against ``auto``, where the last peer helps once it has measured itself;
+- mode ``stop-at-budget`` (any scenario): ``auto`` with ``--no-step-while-gathering``: every peer stops at its
+  budget and waits at the rendezvous, as before fast peers stepped on through it;
 - ``homogeneous`` (per seed of ``speeds``): four peers at the fast speed, each stopping after the mean
   inner steps of that seed's ``auto`` run: the same total tokens, for the quality comparison.
 
@@ -52,7 +54,8 @@ from benchmarks import results_io
 from node.config.defaults import steps_for_replicas
 
 MODES = {"fixed": ["--inner-steps", "by-replicas"], "auto": ["--inner-steps", "auto"],
-         "overlap": ["--inner-steps", "auto", "--overlap"], "trainers": ["--inner-steps", "auto", "--helper-below", "0"]}
+         "overlap": ["--inner-steps", "auto", "--overlap"], "trainers": ["--inner-steps", "auto", "--helper-below", "0"],
+         "stop-at-budget": ["--inner-steps", "auto", "--no-step-while-gathering"]}
 CPU_SLOWDOWN = 40  # the cpu scenario's last peer, × --base-slowdown: 1/40 of the fast peers' speed
 NODES = 4
 HIVEMIND = "hivemind"  # hivemind.Optimizer's target batch on the same peers (benchmarks.baselines), not a node mode

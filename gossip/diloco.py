@@ -67,6 +67,17 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class Handover:
+    """θ of a round whose member kept training through the rendezvous (``DiLoCoAverager.run_round``'s ``later``):
+    the weights (read in place: the member waits for the round), its samples, and when it stopped
+    (``time.monotonic()``)."""
+
+    theta: Sequence[torch.Tensor]
+    samples: int
+    at: float
+
+
+@dataclass
 class _Round:
     """One outer round on this member, filled in step by step by :meth:`DiLoCoAverager.run_round`."""
 
@@ -147,16 +158,20 @@ class DiLoCoAverager(GroupedRendezvous, ReduceScatterRound):
         self.max_group_size, self.weight_codec = max_group_size, weight_codec
         self.tenure = Tenure()  # whose fingerprint votes count (gossip.votes)
         self.reachable: Reachable | None = None  # set by the node: rendezvous wait only for members that answer
+        self._gathering: int | None = None  # the round whose rendezvous runs while this member keeps training
+        self._poke = asyncio.Event()  # set when a member asks for that round's contribution (gossip.rendezvous.gather_group)
+        exchange.asked_early = self._asked_early
 
     async def run_round(
         self,
         round_no: int,
         phi: Sequence[torch.Tensor],
-        theta: Sequence[torch.Tensor],
+        theta: Sequence[torch.Tensor] | None,
         samples: int,
         before_gather: Callable[[], Awaitable[None]] | None = None,
         indices: Sequence[int] | None = None,
         feedback: Sequence[ErrorFeedback | None] | None = None,
+        later: Callable[[], Awaitable[Handover]] | None = None,
     ) -> RoundResult:
         """Average this member's Δ with its group and step ``phi`` in place (when in sync).
 
@@ -167,15 +182,22 @@ class DiLoCoAverager(GroupedRendezvous, ReduceScatterRound):
 
         :param indices: which model parameters ``phi``/``theta`` hold (streaming: one fragment)
         :param feedback: error-feedback buffers of the round's wire parts, if the codec is lossy
+        :param later: θ comes after the rendezvous: this member registers first and keeps taking inner steps
+            while it waits for the others; ``later()``, awaited once the group is complete, hands over θ and
+            the samples (``theta`` and ``samples`` are then unused)
         """
         rnd = _Round(round_no, phi, samples, indices, time.monotonic(), [tuple(p.shape) for p in phi], fingerprint(phi))
-        delta = await asyncio.to_thread(lambda: to_host(pseudo_gradient(phi, theta)))  # codecs and the wire work on the CPU
-        await self._choose_group(rnd)
-        await self._publish(rnd, delta, feedback)
-        del delta  # the wire parts hold what was sent: Δ itself is not kept through the exchange
-        if before_gather is not None:
-            await before_gather()
-        group = await self._rendezvous(rnd)
+        if later is None:
+            assert theta is not None
+            delta = await asyncio.to_thread(lambda: to_host(pseudo_gradient(phi, theta)))  # codecs and the wire work on the CPU
+            await self._choose_group(rnd)
+            await self._publish(rnd, delta, feedback)
+            del delta  # the wire parts hold what was sent: Δ itself is not kept through the exchange
+            if before_gather is not None:
+                await before_gather()
+            group = await self._rendezvous(rnd)
+        else:
+            group = await self._gather_first(rnd, before_gather, later, feedback)
         self.exchange.close_group(rnd.number, {e.peer_id for e in group})
         self.ask_ahead(rnd.number, [e.peer_id for e in group])
         contributions, failures = await self._exchange(rnd, group)
@@ -189,6 +211,33 @@ class DiLoCoAverager(GroupedRendezvous, ReduceScatterRound):
         self.tenure.observe(result.contributors, rnd.number)
         result.duration_s = time.monotonic() - rnd.started
         return result
+
+    async def _gather_first(self, rnd: _Round, before_gather: Callable[[], Awaitable[None]] | None,
+                            later: Callable[[], Awaitable[Handover]], feedback: Sequence[ErrorFeedback | None] | None) -> list[RoundEntry]:
+        """The rendezvous first, while this member keeps training; then θ (``later``), Δ and the contribution.
+        The round's times count from the hand-over, when the member stopped: its wait at the rendezvous is what
+        it stood still (it reached the most steps it may take before the group was complete)."""
+        await self._choose_group(rnd)
+        rnd.wire = self.exchange.wire_of(rnd.number)
+        if before_gather is not None:
+            await before_gather()
+        self._gathering = rnd.number
+        try:
+            group = await self._rendezvous(rnd)
+        finally:
+            self._gathering = None
+        handover = await later()
+        rnd.samples, rnd.started = handover.samples, handover.at
+        rnd.gathered = max(rnd.gathered, handover.at)
+        delta = await asyncio.to_thread(lambda: to_host(pseudo_gradient(rnd.phi, handover.theta)))
+        del handover
+        await self._publish(rnd, delta, feedback)
+        return group
+
+    def _asked_early(self, round_no: int) -> None:
+        """A member asked for this node's contribution to the round it is gathering: it found the group complete."""
+        if round_no == self._gathering:
+            self._poke.set()
 
     async def _publish(self, rnd: _Round, delta: list[torch.Tensor], feedback: Sequence[ErrorFeedback | None] | None) -> None:
         """Encode this member's contribution and serve it: its Δ cut into wire parts (with error feedback),

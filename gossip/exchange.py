@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
@@ -108,6 +108,9 @@ class RoundExchange:
         self._reduced_ready: dict[int, asyncio.Event] = {}
         self._regrouped: dict[int, tuple[list[PartSpec], str]] = {}
         self.rates = TransferRates()  # how fast each peer's answers arrived (fetch deadlines grow with payload ÷ rate)
+        # called with the round when a member asks for a contribution not published yet: it found its group
+        # complete, so this node's rendezvous may look again at once (gossip.rendezvous.gather_group's poke)
+        self.asked_early: Callable[[int], None] | None = None
 
     def regroup(self, round_no: int, specs: Sequence[PartSpec], tag: str) -> None:
         """Round ``round_no`` averages in a bounded group (``gossip.groups``): it sends ``specs`` instead of
@@ -212,6 +215,8 @@ class RoundExchange:
         if run_id != self.run_id:
             raise SchemaError(f"this node trains run {self.run_id!r}, not {run_id!r}")
         reduced = msg.kind == "fetch_reduced"
+        if not reduced and round_no not in self._contributions and self.asked_early is not None:
+            self.asked_early(round_no)
         if wire != self.wire_of(round_no) and round_no > max(self._contributions, default=-1):  # not yet published
             # a grouped round's tag is set just before this node publishes the round: a member that found
             # its group first may ask before that (seen under load), so judge the wire once it is published

@@ -11,6 +11,7 @@ under a neighbouring grouping (near a grouping boundary only).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Awaitable, Callable
 
@@ -22,8 +23,12 @@ from protocol.records import RoundEntry
 class GroupedRendezvous:
     """The rendezvous steps of a DiLoCo round (a mixin of :class:`gossip.diloco.DiLoCoAverager`, whose
     attributes it reads: ``dht``, ``validator``, ``run_id``, ``peer_id``, ``member_role``,
-    ``max_group_size``, ``reachable``, ``deadline``, ``up_mbit``). A round, ``rnd``, is
+    ``max_group_size``, ``reachable``, ``deadline``, ``up_mbit``, and ``_gathering``/``_poke``: a round whose member keeps
+    training while it waits polls again when a member asks for its contribution). A round, ``rnd``, is
     ``gossip.diloco._Round``: typed ``Any`` here, since importing it would make an import circle."""
+
+    _gathering: int | None = None
+    _poke: asyncio.Event
 
     async def expected_members(self, round_no: int) -> set[str]:
         return await round_members(self.dht, self.run_id, round_no, self.member_role)
@@ -87,7 +92,8 @@ class GroupedRendezvous:
                                              self.max_group_size))
         group, complete = await gather_group(self.dht, self.validator, self.run_id, rnd.number, entry,
                                              self._rendezvous_view(rnd.number, rnd.members, rnd.grouping),
-                                             rnd.deadline_s, group=rnd.tag, elsewhere=elsewhere if near else None)
+                                             rnd.deadline_s, group=rnd.tag, elsewhere=elsewhere if near else None,
+                                             poke=self._poke if self._gathering == rnd.number else None)
         rnd.gathered = time.monotonic()
         self.deadline.observe(rnd.gathered - registered, complete)
         return group

@@ -344,6 +344,7 @@ class Reachable:
 FIRST_POLLS = (0.02, 0.04, 0.08)  # seconds before the rendezvous's 2nd, 3rd and 4th reads (a few extra DHT reads a round)
 MEMBERS_EVERY_S = 1.0  # how often a rendezvous reads again which members it waits for
 ELSEWHERE_CHECK_S = 1.0  # how often a rendezvous looks for its awaited peers in the round's other groupings
+POKED_POLL_S = 0.02  # the shortest pause between two polls when members' requests bring them forward
 
 
 async def gather_group(
@@ -357,6 +358,7 @@ async def gather_group(
     poll_interval: float = 0.2,
     group: str = "",
     elsewhere: Callable[[set[str]], Awaitable[set[str]]] | None = None,
+    poke: asyncio.Event | None = None,
 ) -> tuple[list[RoundEntry], bool]:
     """Register for round ``round_no`` (in ``group``'s rendezvous, if named); returns the group
     (sorted by peer id, self included) and whether it is complete.
@@ -370,6 +372,8 @@ async def gather_group(
     kept two CPU cores busy with DHT requests).
     ``elsewhere(awaited)``, asked every ``ELSEWHERE_CHECK_S`` while peers are awaited, names those of
     them that registered in another rendezvous of the round (another grouping): they are not waited for.
+    ``poke``, when set (a member asked this node for the round's contribution: it found the group complete),
+    brings the next poll forward, to at least ``POKED_POLL_S`` after the last one.
     """
     await register_round(dht, validator, run_id, round_no, entry, min(max(60.0, 4 * timeout), MAX_RECORD_TTL_S), group)
     deadline = time.monotonic() + timeout
@@ -380,6 +384,8 @@ async def gather_group(
     members: set[str] = set()
     members_read = -math.inf
     while True:
+        if poke is not None:
+            poke.clear()  # a poke that comes during this poll's reads brings the next one forward
         entries.update({peer: e for peer, (e, _) in (await read_round_entries(dht, run_id, round_no, group)).items()})
         waiting_for = members - set(entries) - moved
         if not waiting_for or time.monotonic() - members_read >= MEMBERS_EVERY_S:
@@ -397,4 +403,12 @@ async def gather_group(
                 logger.info("round %d: gave up waiting for %s", round_no, sorted(waiting_for))
             return [entries[p] for p in sorted(entries)], not waiting_for
         polls += 1
-        await asyncio.sleep(FIRST_POLLS[polls - 1] if polls <= len(FIRST_POLLS) else poll_interval)
+        pause = FIRST_POLLS[polls - 1] if polls <= len(FIRST_POLLS) else poll_interval
+        if poke is None:
+            await asyncio.sleep(pause)
+            continue
+        try:
+            await asyncio.wait_for(poke.wait(), pause)
+            await asyncio.sleep(POKED_POLL_S)  # a peer that pokes again and again costs a read every POKED_POLL_S at most
+        except asyncio.TimeoutError:
+            pass

@@ -104,6 +104,8 @@ def _pipeline_refusals(cfg: Any) -> None:
         (cfg.overlap_mode != "asap", "--overlap-mode: a stage server applies each round's result when it arrives (asap)"),
         (cfg.slowdown_after > 0, "--slowdown-after times a whole-model replica's inner steps (a stage server takes --slowdown "
                                   "from the start)"),
+        (not cfg.step_while_gathering, "--no-step-while-gathering paces a whole-model replica's rounds (a stage server keeps "
+                                       "serving while its stage averages)"),
         (cfg.helper_below != HELPER_BELOW, "--helper-below picks a whole-model replica's role; a pipeline routes fewer "
                                            "microbatches to a slow stage server instead"),
         (cfg.fragments > 1, "--fragments streams a whole-model replica's rounds; a pipeline averages each stage on its "

@@ -142,6 +142,10 @@ class NodeConfig(DerivedSettings, BaseModel):
         "every round (Moshpit); such rounds average each member's stepped weights", AVG, ge=2, le=4096)
     fragments: int = option(1, "Streaming: split the model into P fragments synchronised in rotation, one every H/P steps", AVG,
                             ge=1, le=64)
+    step_while_gathering: bool = option(
+        True, "With --inner-steps auto (diloco, sparseloco) and blocking rounds: a node whose steps are no longer than 1.5× "
+        "the median peer's keeps taking inner steps while its round waits for the others, and sends its update once the "
+        "group is complete; every round is due when its time budget has run out", AVG)
     overlap: bool = option(
         False, "Keep training while a round's exchange runs; the steps taken meanwhile stay on top of the round's result "
         "(a one-step-delayed outer update: it hides the round's time but costs loss per step, docs/benchmarks.md)", AVG)

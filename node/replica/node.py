@@ -239,7 +239,7 @@ class Daemon(PacedRounds, NodeBase):
         tokens_per_step = cfg.batch_size * self.trainer.model.cfg.context
         window_start, window_tokens = time.monotonic(), 0
         self.summary.inner_s, self.inner_tokens = 0.0, 0  # the inner steps' time and tokens, outer rounds left out
-        samples = 0
+        self.round_samples = 0
         if self.inner_step == 0:  # else a joiner's plan of what is left of its first round stands
             self._plan_round()
         while not self.stop.is_set() and not self._deadline_reached():
@@ -255,7 +255,7 @@ class Daemon(PacedRounds, NodeBase):
             rate = tokens_per_step / max(time.monotonic() - step_started, 1e-6)
             self.compute_tokens_per_s = rate if self.compute_tokens_per_s == 0 else 0.9 * self.compute_tokens_per_s + 0.1 * rate
             self.inner_step += 1
-            samples += x.shape[0]
+            self.round_samples += x.shape[0]
             self._count_steps(1, tokens_per_step, loss)
             if self.pacer.provisional and any(r > 0 and p != self.summary.peer_id for p, r in self.peer_rates.items()):
                 self._plan_round(start=self.pacer.pace.started)  # speeds are known now: the rest of the round by time
@@ -272,16 +272,25 @@ class Daemon(PacedRounds, NodeBase):
                 window_start, window_tokens = time.monotonic(), 0
             if cfg.overlap_mode != "delayed" and self.rounds.ready():
                 self._finish_pending()
-            if self.pacer.due(self.inner_step, time.monotonic(), step_s):
+            if self.rounds.stepping():  # the round's rendezvous runs: steps go on until its group is complete
+                if self.rounds.gathered() or self.inner_step >= self.pacer.pace.steps:
+                    self._hand_over()
+                    self._next_round()
+            elif self.pacer.due(self.inner_step, time.monotonic(), step_s, spent=self._gathers_first()):
                 self._finish_pending()
-                self._start_round(samples)
-                samples, before = 0, self.pacer.pace.median_steps
-                self._consider_helping()
-                self._plan_round()
-                if self.pacer.pace.median_steps != before and self.cfg.inner_steps in ("auto", BY_REPLICAS):
-                    logger.info("rounds of %d inner steps (at the median speed) from now on: %d replicas averaged in the last one",
-                                self.pacer.pace.median_steps, self._replicas())
+                self._start_round(self.round_samples)
+                if not self.rounds.stepping():
+                    self._next_round()
         self._finish_pending(final=True)
+
+    def _next_round(self) -> None:
+        """After a round: plan the next one (and consider helping)."""
+        before = self.pacer.pace.median_steps
+        self._consider_helping()
+        self._plan_round()
+        if self.pacer.pace.median_steps != before and self.cfg.inner_steps in ("auto", BY_REPLICAS):
+            logger.info("rounds of %d inner steps (at the median speed) from now on: %d replicas averaged in the last one",
+                        self.pacer.pace.median_steps, self._replicas())
 
     def _inner_rate(self) -> float:
         """Tokens per second of the inner steps so far (batch, step and bookkeeping; outer rounds left out)."""
@@ -289,18 +298,43 @@ class Daemon(PacedRounds, NodeBase):
         return self.inner_tokens / inner_s if inner_s > 0 else 0.0
 
     def _start_round(self, samples: int) -> None:
-        """Run the outer round of the fragment that is due: in the background with ``--overlap``,
-        else right away (the training loop waits)."""
+        """Run the outer round of the fragment that is due: in the background with ``--overlap``; registered at
+        once while the training loop steps on until the group is complete (``--step-while-gathering``, a node
+        fast enough); else right away (the training loop waits)."""
         fragment = fragment_of_round(self.round, self.cfg.fragments)
         self.averager.speed = self._announced_rate()
+        stepping = samples > 0 and self._steps_while_gathering()
         self.rounds.start(self.round, fragment, self.plan.fragments[fragment], self.phi, self.trainer.parameters(), samples,
-                          self.inner_step, self.plan.feedback[fragment], overlapped=self.cfg.overlap)
-        self.inner_step = 0
+                          self.inner_step, self.plan.feedback[fragment], overlapped=self.cfg.overlap, stepping=stepping)
+        if stepping:
+            return
+        self.inner_step, self.round_samples = 0, 0
         if not self.cfg.overlap:
             self._finish_pending()
 
+    def _gathers_first(self) -> bool:
+        """Whether the swarm's fast peers step on through a round's rendezvous (``--step-while-gathering``): blocking
+        DiLoCo rounds paced by time. Every peer's round is then due once its budget has run out (``RoundPacer.due``)."""
+        cfg = self.cfg
+        return cfg.step_while_gathering and not cfg.overlap and self.pacer.by_time and isinstance(self.averager, DiLoCoAverager)
+
+    def _steps_while_gathering(self) -> bool:
+        """Whether this node's round registers at once and its inner steps go on until the group is complete: a
+        node whose steps are short enough not to hold the others once it is (``node.replica.pacing``)."""
+        return (self._gathers_first() and not self.helping
+                and self.pacer.steps_while_gathering(self.compute_tokens_per_s, self.cfg.batch_size * self.trainer.model.cfg.context))
+
+    def _hand_over(self, final: bool = False) -> None:
+        """Stop stepping for a round that registered first: hand θ over and wait for the round's result."""
+        self.rounds.hand_over(self.trainer.parameters(), self.round_samples, self.inner_step)
+        self.inner_step, self.round_samples = 0, 0
+        self._finish_pending(final)
+
     def _finish_pending(self, final: bool = False) -> None:
         """Wait for the round in flight (counted as communication wait) and apply its result."""
+        if self.rounds.stepping():  # (the node stops: the round takes the steps so far)
+            self._hand_over(final)
+            return
         waited = time.monotonic()
         try:
             done = self.rounds.wait(final)

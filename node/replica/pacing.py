@@ -31,6 +31,9 @@ from gossip.fragments import sync_interval
 from node.config import AUTO_STEPS_MAX_FACTOR, NodeConfig
 
 
+GATHER_STEP_FACTOR = 1.5  # a node steps on through a round's rendezvous if its steps are at most this × the median's
+
+
 @dataclass(frozen=True)
 class RoundPace:
     """The current round's plan: ``steps`` (time pacing: the most steps, a sample cap), ``budget_s`` (the
@@ -115,16 +118,27 @@ class RoundPacer:
         done = min(progress_steps / pace.median_steps, 0.9)
         self.pace = RoundPace(pace.steps, pace.budget_s, now - done * pace.budget_s, pace.expected_steps, pace.median_steps)
 
-    def due(self, steps_taken: int, now: float, step_s: float) -> bool:
+    def due(self, steps_taken: int, now: float, step_s: float, spent: bool = False) -> bool:
         """Whether the round is due after ``steps_taken`` steps, the last of which took ``step_s``: by
         steps, at the plan's count; by time, once another step would end further past the budget than
-        stopping now ends before it (at least one step, at most the cap)."""
+        stopping now ends before it (at least one step, at most the cap); with ``spent`` (the swarm's fast
+        peers step on until the group is complete), once the budget has run out: a slow peer then arrives
+        late rather than early, and the others train meanwhile instead of the slow peer waiting for them."""
         pace = self.pace
         if steps_taken >= pace.steps:
             return True
         if pace.budget_s is None or steps_taken < 1:
             return False
-        return now - pace.started + step_s / 2 >= pace.budget_s
+        return now - pace.started + (0.0 if spent else step_s / 2) >= pace.budget_s
+
+    def steps_while_gathering(self, mine: float, tokens_per_step: int) -> bool:
+        """Whether a node of ``mine`` tokens/s may take inner steps while its round waits for the group: rounds
+        paced by time, and its steps at most ``GATHER_STEP_FACTOR`` × as long as the median peer's (a longer
+        step, begun just before the group is complete, would hold everyone)."""
+        pace = self.pace
+        if not self.by_time or pace.budget_s is None or pace.budget_s <= 0 or mine <= 0:
+            return False
+        return mine * GATHER_STEP_FACTOR >= pace.median_steps * tokens_per_step / pace.budget_s
 
 
 def should_help(mine: float, rates: dict[str, float], own_id: str, below: float) -> bool:

@@ -8,6 +8,7 @@ updates); the daemon hands it the averager and the views of its weights and appl
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 import time
@@ -17,7 +18,7 @@ from typing import Awaitable, Callable
 import torch
 
 from compression import ErrorFeedback
-from gossip.diloco import DiLoCoAverager
+from gossip.diloco import DiLoCoAverager, Handover
 from gossip.group_round import RoundResult
 from gossip.wire_parts import PartSpec
 from gossip.fragments import assign_fragments, fragment_of_round, merge_fragment
@@ -79,6 +80,29 @@ class PendingRound:
     future: concurrent.futures.Future
     eager: list[torch.Tensor] | None = None  # the estimate of the fragment's new φ already applied (eager mode)
     start: list[torch.Tensor] | None = None  # θ when the round began, kept while training goes on beside it
+    handover: "ThetaHandover | None" = None  # the round registered first: θ follows once the node stops stepping
+    indices: list[int] | None = None  # (the fragment's parameters, for the hand-over)
+
+
+class ThetaHandover:
+    """θ of a round whose rendezvous runs while the training loop keeps stepping (``--step-while-gathering``):
+    the round waits for :meth:`give` once its group is complete (``gathered`` is then set)."""
+
+    def __init__(self) -> None:
+        self.gathered = threading.Event()
+        self.given = False
+        self._handover: concurrent.futures.Future = concurrent.futures.Future()
+
+    async def __call__(self) -> Handover:
+        """On the network thread, after the rendezvous: θ, once the training loop hands it over."""
+        self.gathered.set()
+        return await asyncio.wrap_future(self._handover)
+
+    def give(self, theta: list[torch.Tensor], samples: int) -> None:
+        """From the training loop: θ (read in place: the loop now waits for the round) and the round's samples."""
+        self.given = True
+        if not self._handover.done():  # (a round cancelled as the node stops no longer waits for it)
+            self._handover.set_result(Handover(theta, samples, time.monotonic()))
 
 
 class RoundRunner:
@@ -103,13 +127,21 @@ class RoundRunner:
         self.others_prev: dict[int, tuple[list[torch.Tensor], int]] = {}  # fragment → others' Σ samples·Δ, samples
 
     def start(self, round_no: int, fragment: int, indices: list[int], phi: list[torch.Tensor], params: list[torch.nn.Parameter],
-              samples: int, steps: int, feedback: list | None, overlapped: bool = False) -> PendingRound:
+              samples: int, steps: int, feedback: list | None, overlapped: bool = False, stepping: bool = False) -> PendingRound:
         """Start the round of ``fragment`` (parameters ``indices``); ``phi`` is the node's φ, stepped in place.
         ``overlapped``: training goes on while the round runs, so the round keeps θ's snapshot (``start``) for
-        :func:`gossip.fragments.merge_fragment` (the snapshot the round sends from anyway: no extra copy)."""
+        :func:`gossip.fragments.merge_fragment` (the snapshot the round sends from anyway: no extra copy).
+        ``stepping``: the round registers at once and the training loop steps on until its group is complete
+        (:meth:`gathered`), then hands θ over (:meth:`hand_over`) and waits for the round (DiLoCo rounds only)."""
+        phi_fragment = [phi[i] for i in indices]
+        if stepping:
+            handover = ThetaHandover()
+            coro = self.averager.run_round(round_no, phi_fragment, None, 0, before_gather=self.before_gather,  # type: ignore[call-arg]
+                                           indices=indices, feedback=feedback, later=handover)
+            self.pending = PendingRound(round_no, fragment, steps, self.net.submit(coro), handover=handover, indices=indices)
+            return self.pending
         # a blocking round reads θ in place: the training loop waits for it (eager rounds step θ at once)
         theta = self.placement.snapshot_of([params[i] for i in indices], kept_still=not overlapped and not self.eager)
-        phi_fragment = [phi[i] for i in indices]
         coro = self.averager.run_round(round_no, phi_fragment, theta, samples, before_gather=self.before_gather,
                                        indices=indices, feedback=feedback)
         estimate = None
@@ -119,6 +151,22 @@ class RoundRunner:
         self.pending = PendingRound(round_no, fragment, steps, self.net.submit(coro), estimate,
                                     theta if overlapped and estimate is None else None)
         return self.pending
+
+    def stepping(self) -> bool:
+        """Whether a round's rendezvous runs while the training loop steps on (θ not handed over yet)."""
+        return self.pending is not None and self.pending.handover is not None and not self.pending.handover.given
+
+    def gathered(self) -> bool:
+        """Whether that round's group is complete (or the round ended early): time to hand θ over."""
+        pending = self.pending
+        return pending is not None and pending.handover is not None and (pending.handover.gathered.is_set() or pending.future.done())
+
+    def hand_over(self, params: list[torch.nn.Parameter], samples: int, steps: int) -> None:
+        """The training loop stops: θ (read in place, the loop waits for the round now) and the round's samples and steps."""
+        pending = self.pending
+        assert pending is not None and pending.handover is not None and pending.indices is not None
+        pending.steps = steps
+        pending.handover.give(self.placement.snapshot_of([params[i] for i in pending.indices], kept_still=True), samples)
 
     def _apply_eager(self, round_no: int, fragment: int, indices: list[int], phi: list[torch.Tensor], theta: list[torch.Tensor],
                      params: list[torch.nn.Parameter], samples: int) -> list[torch.Tensor]:

@@ -77,6 +77,7 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
                                     "every --sync-every seconds")),
     "round_steps": (10, ("refused", "--round-steps counts a whole-model replica's steps")),
     "helper_below": (0.2, ("refused", "--helper-below picks a whole-model replica's role")),
+    "step_while_gathering": (False, ("refused", "--no-step-while-gathering paces a whole-model replica's rounds")),
     # averaging (a stage's replicas run the replicas' DiLoCo rounds)
     "algorithm": ("noloco", ("refused", "pipeline stages average with --algorithm diloco")),
     "compression": ("q8", ("applied", [(SERVER, "cfg.codec")])),

@@ -1,0 +1,162 @@
+"""Fast peers step on through a round's rendezvous (``--step-while-gathering``, the default of rounds paced by
+time): the round registers first, θ follows once the group is complete.
+
+- ``node.replica.pacing``: every round is due once its budget has run out (a slow peer arrives late, not
+  early), and only a node whose steps are at most ``GATHER_STEP_FACTOR`` × the median's steps on.
+- ``gossip.diloco``/``node.replica.rounds``: a round whose θ is handed over after the rendezvous averages the
+  θ of the hand-over, not of the start, and its members end bit-identical with a member that did not step on;
+  a member that asks for a contribution not published yet wakes the owner's rendezvous at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+import gossip.group_rendezvous as rendezvous_steps
+import gossip.rendezvous as rendezvous
+from node.config import NodeConfig
+from node.replica.pacing import GATHER_STEP_FACTOR, RoundPacer
+from node.replica.rounds import RoundRunner
+from protocol.records import RoundEntry
+from tests.helpers.diloco_members import diloco_members
+from tests.helpers.memory_transport import Network
+from tests.unit.test_rounds import LoopThread, _noop
+
+SHAPES = [(24, 16), (16,), (7, 5)]
+TOKENS = 64  # tokens per step
+RATE = 640.0  # tokens/s of the median peer: a step is 0.1 s
+
+
+def _pacer(inner_steps: str | int = "auto") -> RoundPacer:
+    pacer = RoundPacer(NodeConfig(inner_steps=inner_steps, round_steps=20), "me")
+    pacer.plan(2, RATE, {"other": RATE}, TOKENS, now=0.0)
+    return pacer
+
+
+def test_with_peers_stepping_on_a_round_is_due_only_once_its_budget_has_run_out() -> None:
+    pacer = _pacer()
+    budget = pacer.pace.budget_s
+    assert budget == pytest.approx(20 * TOKENS / RATE)
+    step = 0.4  # a slow peer's step
+    before = budget - 0.1  # stopping now ends 0.1 s early; another step would end 0.3 s late
+    assert pacer.due(5, before, step), "alone, it stops at the nearer end"
+    assert not pacer.due(5, before, step, spent=True), "the others step on: it takes the step that runs past the budget"
+    assert pacer.due(5, budget, step, spent=True)
+    assert pacer.due(pacer.pace.steps, 0.0, step, spent=True), "the cap still ends a round"
+
+
+@pytest.mark.parametrize("speed, steps_on", [(1.0, True), (4.0, True), (1 / GATHER_STEP_FACTOR, True), (0.5, False), (0.0, False)])
+def test_only_a_node_whose_steps_are_short_enough_steps_on(speed: float, steps_on: bool) -> None:
+    assert _pacer().steps_while_gathering(speed * RATE * 1.0000001, TOKENS) is steps_on
+
+
+def test_rounds_paced_by_steps_never_step_on() -> None:
+    pacer = _pacer(inner_steps=20)
+    assert not pacer.steps_while_gathering(4 * RATE, TOKENS)
+    provisional = RoundPacer(NodeConfig(inner_steps="auto"), "me")  # no speed yet: its first round counts steps
+    provisional.plan(2, 0.0, {}, TOKENS, now=0.0)
+    assert not provisional.steps_while_gathering(RATE, TOKENS)
+
+
+@pytest.fixture
+def members(monkeypatch):
+    """Two DiLoCo members (samples 8 and 16, outer η 1, no momentum), each with its own blocking RoundRunner."""
+    network = Network()
+    phi0, members = diloco_members(2, network, SHAPES, "none", part_numel=64, seed=5, fetch_timeout=10, serve_timeout=10)
+    entries = sorted((RoundEntry(peer_id=m["peer"], samples=m["samples"], codec="none") for m in members), key=lambda e: e.peer_id)
+
+    async def fixed_group(*args, **kwargs):
+        return entries, True
+
+    monkeypatch.setattr(rendezvous_steps, "gather_group", fixed_group)
+    net = LoopThread()
+    for m in members:
+        net.submit(m["exchange"].start()).result(10)
+        m["runner"] = RoundRunner(net=net, averager=m["averager"], eager=False, before_gather=_noop, stop=threading.Event(),  # type: ignore[arg-type]
+                                  final_timeout=20)
+    yield phi0, members
+    net.close()
+
+
+def test_a_member_that_steps_on_sends_the_weights_it_hands_over(members) -> None:
+    phi0, (a, b) = members
+    indices = list(range(len(SHAPES)))
+    params_a = [torch.nn.Parameter(t.clone()) for t in a["theta"]]
+    a["runner"].start(0, 0, indices, a["phi"], params_a, 0, 3, None, stepping=True)
+    assert a["runner"].stepping()
+    b_params = [torch.nn.Parameter(t.clone()) for t in b["theta"]]
+    b["runner"].start(0, 0, indices, b["phi"], b_params, b["samples"], 10, None)  # a blocking member beside it
+    for _ in range(200):  # the fixed group is complete at once
+        if a["runner"].gathered():
+            break
+        threading.Event().wait(0.05)
+    assert a["runner"].gathered() and a["runner"].stepping()
+    with torch.no_grad():  # the steps taken while the group gathered
+        extra = [torch.full_like(p, 0.25) for p in params_a]
+        for p, e in zip(params_a, extra):
+            p.sub_(e)
+    a["runner"].hand_over(params_a, 24, 5)
+    assert not a["runner"].stepping()
+    result_a, pending_a = a["runner"].wait()
+    result_b, _ = b["runner"].wait()
+    assert pending_a.steps == 5
+    assert result_a.in_sync and result_b.in_sync and result_a.contributors == result_b.contributors == sorted([a["peer"], b["peer"]])
+    # what was averaged is the θ of the hand-over (24 samples), not the θ of the start
+    delta_a = [d + e for d, e in zip(a["delta"], extra)]
+    expected = [p - (24 * da + b["samples"] * db) / (24 + b["samples"]) for p, da, db in zip(phi0, delta_a, b["delta"])]
+    for mine, theirs, want in zip(a["phi"], b["phi"], expected):
+        assert torch.equal(mine, theirs), "both members hold the same φ, bit for bit"
+        assert torch.allclose(mine, want, atol=1e-5), "φ stepped with the mean of the handed-over Δ"
+    assert result_a.samples == result_b.samples == 24 + b["samples"]
+    assert result_a.gather_s == 0.0, "it stood still for none of the rendezvous"
+
+
+def test_a_request_for_a_round_not_published_yet_wakes_the_rendezvous(monkeypatch) -> None:
+    """gather_group with a 60 s poll: the poke (a member asked for the contribution) brings the next poll forward."""
+    registered: dict[str, RoundEntry] = {}
+
+    async def register(dht, validator, run_id, round_no, entry, ttl, group=""):
+        registered[entry.peer_id] = entry
+        return True
+
+    async def read(dht, run_id, round_no, group=""):
+        return {p: (e, 0.0) for p, e in registered.items()}
+
+    monkeypatch.setattr(rendezvous, "register_round", register)
+    monkeypatch.setattr(rendezvous, "read_round_entries", read)
+
+    async def scenario() -> tuple[list[RoundEntry], bool]:
+        poke = asyncio.Event()
+
+        async def expected() -> set[str]:
+            return {"a", "b"}
+
+        gathering = asyncio.ensure_future(rendezvous.gather_group(
+            None, None, "run", 0, RoundEntry(peer_id="a", samples=1, codec="none"), expected, timeout=120.0,  # type: ignore[arg-type]
+            poll_interval=60.0, poke=poke))
+        await asyncio.sleep(0.5)  # past the first quick polls: the next one would come in a minute
+        assert not gathering.done()
+        registered["b"] = RoundEntry(peer_id="b", samples=1, codec="none")
+        poke.set()  # b found the group complete and asked a for its contribution
+        return await asyncio.wait_for(gathering, 20.0)
+
+    group, complete = asyncio.run(scenario())
+    assert complete and [e.peer_id for e in group] == ["a", "b"]
+
+
+def test_the_exchange_reports_a_request_for_a_round_it_has_not_published(members) -> None:
+    """The hook that pokes the rendezvous: a fetch of a round not published yet (and only that) calls it."""
+    _, (a, b) = members
+    asked: list[int] = []
+    a["exchange"].asked_early = asked.append
+
+    async def fetch_early() -> None:
+        with pytest.raises(Exception):
+            await asyncio.wait_for(b["exchange"].fetch(a["peer"], 7), 1.0)
+
+    asyncio.run_coroutine_threadsafe(fetch_early(), a["runner"].net.loop).result(20)
+    assert asked == [7]
