@@ -1,10 +1,11 @@
 """Volunteers of every speed, live: three daemons on their defaults (``--inner-steps auto``), one of them
 four times slower (``--slowdown 4``).
 
-Rounds are paced by time, so the fast peers keep training while the slow one finishes its fewer steps:
-they wait for it at the rendezvous for a small share of their time (with every peer taking the same H,
-``--inner-steps by-replicas``, they would stand still about three quarters of it), every member of a
-round agrees on who contributed, and the replicas are bit-identical after each round.
+Rounds are paced by time, so the fast peers keep training while the slow one finishes its fewer steps,
+and they step on through the rendezvous until the group is complete (``--step-while-gathering``): they
+stand still at the rendezvous for a small share of their time, in most rounds for none of it (with every
+peer taking the same H, ``--inner-steps by-replicas``, they would stand still about three quarters of it),
+every member of a round agrees on who contributed, and the replicas are bit-identical after each round.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def test_fast_peers_keep_training_beside_a_four_times_slower_one(tmp_path, nodes
         share = _wait_share(rounds)
         assert share < WAIT_SHARE_BOUND, (f"{info['peer_id'][-8:]} waited {share:.0%} of its time at the rendezvous "
                                           f"(steps per round: {steps}; gathers: {[r['gather_s'] for r in rounds]})")
+        # the fast peers step on until the group is complete (--step-while-gathering): in most rounds they stood
+        # still at the rendezvous for none of it (a round's gather_s is the time its member stood still there)
+        assert statistics.median(r["gather_s"] for r in rounds) == 0.0, [r["gather_s"] for r in rounds]
     for info in infos:
         late = [r for r in info["rounds"] if not r["in_sync"] and r["round"] > first]
         assert not late, f"{info['peer_id'][-8:]} fell out of sync once all three averaged: {late}"
