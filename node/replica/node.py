@@ -332,8 +332,11 @@ class Daemon(PacedRounds, NodeBase):
 
     def _finish_pending(self, final: bool = False) -> None:
         """Wait for the round in flight (counted as communication wait) and apply its result."""
-        if self.rounds.stepping():  # (the node stops: the round takes the steps so far)
-            self._hand_over(final)
+        if self.rounds.stepping():
+            if self.stop.is_set():  # stopped (a signal) while the round still gathers: given up, as a blocking round is
+                self.rounds.give_up()
+            else:  # the node's deadline (--max-steps, --duration): the round takes the steps so far
+                self._hand_over(final)
             return
         waited = time.monotonic()
         try:

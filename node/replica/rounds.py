@@ -179,6 +179,12 @@ class RoundRunner:
         merge_fragment([params[i].data for i in indices], phi_estimate, 0.0)
         return phi_estimate
 
+    def give_up(self) -> None:
+        """Cancel the round in flight (the node stops while its round still gathers)."""
+        if self.pending is not None:
+            self.pending.future.cancel()
+            self.pending = None
+
     def ready(self) -> bool:
         return self.pending is not None and self.pending.future.done()
 

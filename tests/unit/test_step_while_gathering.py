@@ -160,3 +160,24 @@ def test_the_exchange_reports_a_request_for_a_round_it_has_not_published(members
 
     asyncio.run_coroutine_threadsafe(fetch_early(), a["runner"].net.loop).result(20)
     assert asked == [7]
+
+
+def test_a_round_still_gathering_when_the_node_stops_is_given_up(members) -> None:
+    """A signal while the round gathers: the node does not hand θ over and wait out the round (up to its final
+    timeout, minutes), it cancels it, as a blocking round is cancelled."""
+    _, (a, _) = members
+
+    async def never(*args, **kwargs):
+        await asyncio.sleep(3600)
+
+    a["averager"]._rendezvous = never  # a group that never completes
+    params = [torch.nn.Parameter(t.clone()) for t in a["theta"]]
+    pending = a["runner"].start(0, 0, list(range(len(SHAPES))), a["phi"], params, 0, 3, None, stepping=True)
+    assert a["runner"].stepping() and not a["runner"].gathered()
+    a["runner"].give_up()
+    assert a["runner"].pending is None and not a["runner"].stepping()
+    for _ in range(100):
+        if pending.future.done():
+            break
+        threading.Event().wait(0.05)
+    assert pending.future.cancelled()
