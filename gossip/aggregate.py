@@ -65,6 +65,7 @@ from gossip.outer import l2_norm, weighted_mean
 METHODS = ("mean", "sparse-mean", "centered-clip", "sparse-clip", "median-clip", "trimmed-mean")
 ROBUST = ("centered-clip", "sparse-clip", "median-clip", "trimmed-mean")  # bounded influence of any one update
 CLIP_ITERATIONS = 3
+CLIP_RUN = 1 << 22  # values: centered clipping joins small parts into runs of up to this many (gossip.aggregate._runs)
 SUPPORT_FACTOR = 2.0  # a claim weighs at most this many times the samples its norm stands for (robust methods)
 
 
@@ -206,16 +207,41 @@ def _median_center(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
 
 
+def _runs(shapes: Sequence[torch.Size], limit: int) -> list[list[int]]:
+    """Consecutive part indices grouped into runs of at most ``limit`` values (a larger part is a run of its own)."""
+    runs: list[list[int]] = []
+    size = limit
+    for i, shape in enumerate(shapes):
+        n = shape.numel()
+        if size + n > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(i)
+        size += n
+    return runs
+
+
+def _join_runs(update: Sequence[torch.Tensor], runs: list[list[int]]) -> list[torch.Tensor]:
+    """One flat float32 tensor per run (a run of one part: a view of it where it is float32 and contiguous)."""
+    return [update[r[0]].reshape(-1).to(torch.float32) if len(r) == 1
+            else torch.cat([update[i].reshape(-1).to(torch.float32) for i in r]) for r in runs]
+
+
 def _centered_clip(updates: Sequence[Sequence[torch.Tensor]], weights: Sequence[float],
                    iterations: int = CLIP_ITERATIONS) -> tuple[list[torch.Tensor], list[float]]:
     """Centered clipping around the coordinate-wise median; returns the aggregate and, per update, the
-    smallest factor its distance from the centre was scaled by (1.0: never clipped)."""
+    smallest factor its distance from the centre was scaled by (1.0: never clipped). Small parts are clipped
+    joined into runs of up to ``CLIP_RUN`` values: a reduce-scatter owner of a small model holds dozens of
+    parts, and the per-part operations (a few thousand for four members) took most of a round's exchange."""
     n = len(updates)
-    center = [_median_center(tensors) for tensors in zip(*updates)]
+    shapes = [t.shape for t in updates[0]]
+    runs = _runs(shapes, CLIP_RUN)
+    joined = [_join_runs(u, runs) for u in updates]
+    center = [_median_center(tensors) for tensors in zip(*joined)]
     total = float(sum(weights))
 
     def distances(v: list[torch.Tensor]) -> list[float]:
-        return [math.sqrt(sum(float(torch.linalg.vector_norm(t.to(torch.float32) - c)) ** 2 for t, c in zip(u, v))) for u in updates]
+        return [math.sqrt(sum(float(torch.linalg.vector_norm(t - c)) ** 2 for t, c in zip(u, v))) for u in joined]
 
     tau = _lower_median(distances(center))
     factors = [1.0] * n
@@ -226,12 +252,15 @@ def _centered_clip(updates: Sequence[Sequence[torch.Tensor]], weights: Sequence[
         factors = [min(f, s) for f, s in zip(factors, scales)]
         for acc in step:
             acc.zero_()
-        for u, w, s in zip(updates, weights, scales):
+        for u, w, s in zip(joined, weights, scales):
             for acc, t, c in zip(step, u, center):
-                acc.add_(t.to(torch.float32) - c, alpha=float(w) * s / total)
+                acc.add_(t - c, alpha=float(w) * s / total)
         for c, d in zip(center, step):
             c.add_(d)
-    return center, factors
+    out: list[torch.Tensor] = []
+    for run, c in zip(runs, center):
+        out += [piece.view(shapes[i]) for i, piece in zip(run, c.split([shapes[i].numel() for i in run]))]
+    return out, factors
 
 
 def _clip_sparse(updates: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], norms: Sequence[float],

@@ -196,3 +196,22 @@ def test_sparse_mean_divides_by_fractional_weights() -> None:
     assert torch.equal(out[0], torch.tensor([2.0, 0.0]))
     out = _sparse_mean([[torch.tensor([2.0, 0.0])], [torch.tensor([4.0, 0.0])]], [0.25, 0.25])
     assert torch.equal(out[0], torch.tensor([3.0, 0.0]))
+
+
+@pytest.mark.parametrize("run", [1, 37, 1 << 22])
+def test_centered_clip_over_parts_joined_into_runs_matches_the_reference(monkeypatch, run: int) -> None:
+    """Small parts are clipped joined into runs (fewer, larger operations); parts larger than a run go alone.
+    The result, part by part in the parts' shapes, is the reference's (float64) to float32 rounding."""
+    import gossip.aggregate as aggregate_module
+
+    monkeypatch.setattr(aggregate_module, "CLIP_RUN", run)
+    g = torch.Generator().manual_seed(3)
+    shapes = [(4, 5), (3,), (64,), (2, 2, 2), (1,), (50,)]
+    updates = [[torch.randn(s, generator=g) * (1 + k) for s in shapes] for k in range(5)]
+    updates[4] = [t * 40 for t in updates[4]]  # one far away: clipped
+    center, factors = _centered_clip(updates, [1, 2, 3, 4, 5])
+    want, want_factors = _ref_centered_clip(updates, [1, 2, 3, 4, 5])
+    assert factors == pytest.approx(want_factors, rel=1e-5) and factors[4] < 1.0
+    assert [tuple(c.shape) for c in center] == shapes and all(c.is_contiguous() and c.dtype == torch.float32 for c in center)
+    for c, w in zip(center, want):
+        torch.testing.assert_close(c.double(), w, rtol=1e-5, atol=1e-5)
