@@ -273,7 +273,7 @@ class Daemon(PacedRounds, NodeBase):
             if cfg.overlap_mode != "delayed" and self.rounds.ready():
                 self._finish_pending()
             if self.rounds.stepping():  # the round's rendezvous runs: steps go on until its group is complete
-                if self.rounds.gathered() or self.inner_step >= self.pacer.pace.steps:
+                if self.rounds.gathered() or self.inner_step >= self.pacer.step_cap:
                     self._hand_over()
                     self._next_round()
             elif self.pacer.due(self.inner_step, time.monotonic(), step_s, spent=self._gathers_first()):

@@ -134,11 +134,20 @@ class RoundPacer:
     def steps_while_gathering(self, mine: float, tokens_per_step: int) -> bool:
         """Whether a node of ``mine`` tokens/s may take inner steps while its round waits for the group: rounds
         paced by time, and its steps at most ``GATHER_STEP_FACTOR`` × as long as the median peer's (a longer
-        step, begun just before the group is complete, would hold everyone)."""
+        step, begun just before the group is complete, would hold everyone); in the first round, which counts
+        the median's steps before speeds are known, every node (the slowest arrives last)."""
         pace = self.pace
-        if not self.by_time or pace.budget_s is None or pace.budget_s <= 0 or mine <= 0:
+        if not self.by_time or mine <= 0:
             return False
-        return mine * GATHER_STEP_FACTOR >= pace.median_steps * tokens_per_step / pace.budget_s
+        if pace.budget_s is None:  # the first round counts the median's steps: who gets there first steps on
+            return True
+        return pace.budget_s > 0 and mine * GATHER_STEP_FACTOR >= pace.median_steps * tokens_per_step / pace.budget_s
+
+    @property
+    def step_cap(self) -> int:
+        """The most steps a round paced by time may hold (a node stepping on through its rendezvous stops there)."""
+        pace = self.pace
+        return pace.steps if pace.budget_s is not None else pace.median_steps * AUTO_STEPS_MAX_FACTOR
 
 
 def should_help(mine: float, rates: dict[str, float], own_id: str, below: float) -> bool:

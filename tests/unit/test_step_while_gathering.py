@@ -18,7 +18,7 @@ import torch
 
 import gossip.group_rendezvous as rendezvous_steps
 import gossip.rendezvous as rendezvous
-from node.config import NodeConfig
+from node.config import AUTO_STEPS_MAX_FACTOR, NodeConfig
 from node.replica.pacing import GATHER_STEP_FACTOR, RoundPacer
 from node.replica.rounds import RoundRunner
 from protocol.records import RoundEntry
@@ -57,9 +57,18 @@ def test_only_a_node_whose_steps_are_short_enough_steps_on(speed: float, steps_o
 def test_rounds_paced_by_steps_never_step_on() -> None:
     pacer = _pacer(inner_steps=20)
     assert not pacer.steps_while_gathering(4 * RATE, TOKENS)
-    provisional = RoundPacer(NodeConfig(inner_steps="auto"), "me")  # no speed yet: its first round counts steps
+
+
+
+def test_in_the_first_round_every_node_that_gets_there_steps_on_up_to_the_cap() -> None:
+    """Before speeds are known the first round counts the median's steps: the fast get there first and step
+    on (the slowest arrives last), up to the cap of a round paced by time."""
+    provisional = RoundPacer(NodeConfig(inner_steps="auto", round_steps=20), "me")
     provisional.plan(2, 0.0, {}, TOKENS, now=0.0)
-    assert not provisional.steps_while_gathering(RATE, TOKENS)
+    assert provisional.provisional and provisional.due(20, 0.0, 0.1)
+    assert provisional.steps_while_gathering(RATE / 4, TOKENS) and not provisional.steps_while_gathering(0.0, TOKENS)
+    assert provisional.step_cap == 20 * AUTO_STEPS_MAX_FACTOR
+    assert _pacer().step_cap == _pacer().pace.steps
 
 
 @pytest.fixture
