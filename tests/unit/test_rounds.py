@@ -9,42 +9,16 @@ other member's Δ changed. Values are checked against a hand-written Nesterov st
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import pytest
 import torch
 
-import gossip.group_rendezvous as diloco_module  # the rendezvous steps of a DiLoCo round live there
 from gossip.outer import NesterovOuter
-from node.replica.rounds import RoundRunner
-from protocol.records import RoundEntry
 from tests.helpers.diloco_members import diloco_members
 from tests.helpers.memory_transport import Network
+from tests.helpers.round_runners import with_runners
 
 SHAPES = [(24, 16), (16,), (7, 5)]
 LR, MU = 0.7, 0.9
-
-
-class LoopThread:
-    """The part of NetworkThread that RoundRunner uses: ``submit`` a coroutine to a loop on a thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def submit(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
-
-
-async def _noop() -> None:
-    return None
 
 
 @pytest.fixture
@@ -52,19 +26,10 @@ def pair(monkeypatch):
     """Two members (samples 8 and 16, outer η 0.7, Nesterov μ 0.9), each with an eager RoundRunner."""
     network = Network()
     phi0, members = diloco_members(2, network, SHAPES, "none", part_numel=64, seed=11, fetch_timeout=10, serve_timeout=10)
-    entries = sorted((RoundEntry(peer_id=m["peer"], samples=m["samples"], codec="none") for m in members), key=lambda e: e.peer_id)
-
-    async def fixed_group(*args, **kwargs):
-        return entries, True
-
-    monkeypatch.setattr(diloco_module, "gather_group", fixed_group)
-    net = LoopThread()
     for m in members:
         m["averager"].outer = NesterovOuter(lr=LR, momentum=MU)
         m["averager"].keep_others = True
-        net.submit(m["exchange"].start()).result(10)
-        m["runner"] = RoundRunner(net=net, averager=m["averager"], eager=True, before_gather=_noop, stop=threading.Event(),  # type: ignore[arg-type]
-                                  final_timeout=20)
+    net = with_runners(monkeypatch, members, eager=True)
     yield phi0, members
     net.close()
 

@@ -16,15 +16,13 @@ import threading
 import pytest
 import torch
 
-import gossip.group_rendezvous as rendezvous_steps
 import gossip.rendezvous as rendezvous
 from node.config import AUTO_STEPS_MAX_FACTOR, NodeConfig
 from node.replica.pacing import GATHER_STEP_FACTOR, RoundPacer
-from node.replica.rounds import RoundRunner
 from protocol.records import RoundEntry
 from tests.helpers.diloco_members import diloco_members
 from tests.helpers.memory_transport import Network
-from tests.unit.test_rounds import LoopThread, _noop
+from tests.helpers.round_runners import with_runners
 
 SHAPES = [(24, 16), (16,), (7, 5)]
 TOKENS = 64  # tokens per step
@@ -74,19 +72,8 @@ def test_in_the_first_round_every_node_that_gets_there_steps_on_up_to_the_cap() 
 @pytest.fixture
 def members(monkeypatch):
     """Two DiLoCo members (samples 8 and 16, outer η 1, no momentum), each with its own blocking RoundRunner."""
-    network = Network()
-    phi0, members = diloco_members(2, network, SHAPES, "none", part_numel=64, seed=5, fetch_timeout=10, serve_timeout=10)
-    entries = sorted((RoundEntry(peer_id=m["peer"], samples=m["samples"], codec="none") for m in members), key=lambda e: e.peer_id)
-
-    async def fixed_group(*args, **kwargs):
-        return entries, True
-
-    monkeypatch.setattr(rendezvous_steps, "gather_group", fixed_group)
-    net = LoopThread()
-    for m in members:
-        net.submit(m["exchange"].start()).result(10)
-        m["runner"] = RoundRunner(net=net, averager=m["averager"], eager=False, before_gather=_noop, stop=threading.Event(),  # type: ignore[arg-type]
-                                  final_timeout=20)
+    phi0, members = diloco_members(2, Network(), SHAPES, "none", part_numel=64, seed=5, fetch_timeout=10, serve_timeout=10)
+    net = with_runners(monkeypatch, members, eager=False)
     yield phi0, members
     net.close()
 
