@@ -157,18 +157,28 @@ def test_the_exchange_reports_a_request_for_a_round_it_has_not_published(members
     asyncio.run_coroutine_threadsafe(fetch_early(), a["runner"].net.loop).result(20)
     assert asked == [7]
 
+    async def release() -> None:  # let the waiting request end (refused: nothing published) before the loop closes
+        a["exchange"]._ready[7].set()
+        await asyncio.sleep(0.2)
+
+    asyncio.run_coroutine_threadsafe(release(), a["runner"].net.loop).result(20)
+
 
 def test_a_round_still_gathering_when_the_node_stops_is_given_up(members) -> None:
     """A signal while the round gathers: the node does not hand θ over and wait out the round (up to its final
     timeout, minutes), it cancels it, as a blocking round is cancelled."""
     _, (a, _) = members
 
+    waiting = threading.Event()
+
     async def never(*args, **kwargs):
+        waiting.set()
         await asyncio.sleep(3600)
 
     a["averager"]._rendezvous = never  # a group that never completes
     params = [torch.nn.Parameter(t.clone()) for t in a["theta"]]
     pending = a["runner"].start(0, 0, list(range(len(SHAPES))), a["phi"], params, 0, 3, None, stepping=True)
+    assert waiting.wait(20), "the round reached its rendezvous"
     assert a["runner"].stepping() and not a["runner"].gathered()
     a["runner"].give_up()
     assert a["runner"].pending is None and not a["runner"].stepping()
