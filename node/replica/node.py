@@ -40,7 +40,7 @@ from gossip.placement import OuterPlacement
 from gossip.state_server import StateServer
 from gossip.state_transfer import DownloadedState, StateSnapshot
 from gossip.byzantine import Attacker, served_params
-from node.config import BY_REPLICAS, NodeConfig
+from node.config import NodeConfig
 from node.replica.joiner import Joiner
 from node.replica.paced_rounds import PacedRounds
 from node.replica.pacing import RoundPacer
@@ -283,15 +283,6 @@ class Daemon(PacedRounds, NodeBase):
                     self._next_round()
         self._finish_pending(final=True)
 
-    def _next_round(self) -> None:
-        """After a round: plan the next one (and consider helping)."""
-        before = self.pacer.pace.median_steps
-        self._consider_helping()
-        self._plan_round()
-        if self.pacer.pace.median_steps != before and self.cfg.inner_steps in ("auto", BY_REPLICAS):
-            logger.info("rounds of %d inner steps (at the median speed) from now on: %d replicas averaged in the last one",
-                        self.pacer.pace.median_steps, self._replicas())
-
     def _inner_rate(self) -> float:
         """Tokens per second of the inner steps so far (batch, step and bookkeeping; outer rounds left out)."""
         inner_s = self.summary.inner_s
@@ -311,18 +302,6 @@ class Daemon(PacedRounds, NodeBase):
         self.inner_step, self.round_samples = 0, 0
         if not self.cfg.overlap:
             self._finish_pending()
-
-    def _gathers_first(self) -> bool:
-        """Whether the swarm's fast peers step on through a round's rendezvous (``--step-while-gathering``): blocking
-        DiLoCo rounds paced by time. Every peer's round is then due once its budget has run out (``RoundPacer.due``)."""
-        cfg = self.cfg
-        return cfg.step_while_gathering and not cfg.overlap and self.pacer.by_time and isinstance(self.averager, DiLoCoAverager)
-
-    def _steps_while_gathering(self) -> bool:
-        """Whether this node's round registers at once and its inner steps go on until the group is complete: a
-        node whose steps are short enough not to hold the others once it is (``node.replica.pacing``)."""
-        return (self._gathers_first() and not self.helping
-                and self.pacer.steps_while_gathering(self.compute_tokens_per_s, self.cfg.batch_size * self.trainer.model.cfg.context))
 
     def _hand_over(self, final: bool = False) -> None:
         """Stop stepping for a round that registered first: hand θ over and wait for the round's result."""

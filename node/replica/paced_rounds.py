@@ -19,13 +19,16 @@ from __future__ import annotations
 import logging
 import time
 
+from gossip.diloco import DiLoCoAverager
+from node.config import BY_REPLICAS
 from node.replica.pacing import others_median, should_help
 
 logger = logging.getLogger(__name__)
 
 
 class PacedRounds:
-    """The replica daemon's round plans (by time, by steps, or a helper's), the helper's decision and its loop."""
+    """The replica daemon's round plans (by time, by steps, or a helper's), whether it steps on through a round's
+    rendezvous (``--step-while-gathering``), the helper's decision and its loop."""
 
     def _plan_round(self, start: float | None = None) -> None:
         """Plan the next round (``node.replica.pacing``): H steps, or under ``--inner-steps auto`` a time budget
@@ -43,6 +46,27 @@ class PacedRounds:
         else:
             pace = self.pacer.plan(self._replicas(), self.compute_tokens_per_s, rates, tokens_per_step, start, shared)
         self.metrics.round_inner_steps.set(pace.expected_steps)
+
+    def _next_round(self) -> None:
+        """After a round: plan the next one (and consider helping)."""
+        before = self.pacer.pace.median_steps
+        self._consider_helping()
+        self._plan_round()
+        if self.pacer.pace.median_steps != before and self.cfg.inner_steps in ("auto", BY_REPLICAS):
+            logger.info("rounds of %d inner steps (at the median speed) from now on: %d replicas averaged in the last one",
+                        self.pacer.pace.median_steps, self._replicas())
+
+    def _gathers_first(self) -> bool:
+        """Whether the swarm's fast peers step on through a round's rendezvous (``--step-while-gathering``): blocking
+        DiLoCo rounds paced by time. Every peer's round is then due once its budget has run out (``RoundPacer.due``)."""
+        cfg = self.cfg
+        return cfg.step_while_gathering and not cfg.overlap and self.pacer.by_time and isinstance(self.averager, DiLoCoAverager)
+
+    def _steps_while_gathering(self) -> bool:
+        """Whether this node's round registers at once and its inner steps go on until the group is complete: a
+        node whose steps are short enough not to hold the others once it is (``node.replica.pacing``)."""
+        return (self._gathers_first() and not self.helping
+                and self.pacer.steps_while_gathering(self.compute_tokens_per_s, self.cfg.batch_size * self.trainer.model.cfg.context))
 
     def _replicas(self) -> int:
         """How many replicas average together: the members of this node's last round in sync (every member of
