@@ -56,7 +56,7 @@ from gossip.partition import Partition
 from gossip.placement import to_host
 from gossip.reduce_scatter import assign_owners, is_dense, use_reduce_scatter
 from gossip.reduce_scatter_round import ReduceScatterRound
-from gossip.rendezvous import Reachable
+from gossip.reachable import Reachable
 from gossip.scores import MIN_MEMBERS
 from gossip.screen_votes import agree_on_screen
 from gossip.votes import Tenure, vote

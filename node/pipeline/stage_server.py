@@ -33,7 +33,8 @@ from gossip.exchange import RoundExchange
 from gossip.fingerprint import fingerprint
 from gossip.outer import NesterovOuter
 from gossip.placement import OuterPlacement
-from gossip.rendezvous import Reachable, list_peers
+from gossip.reachable import Reachable
+from gossip.rendezvous import list_peers
 from gossip.state_server import StateServer
 from node.config import NodeConfig
 from node.pipeline.checkpoint import resumes_stage, stage_cut

@@ -74,7 +74,7 @@ class Joiner:
         self.metrics, self.event, self.stop, self.join_timeout = metrics, event, stop, join_timeout
         self.up_caps: dict[str, float] = {}  # peers' announced --max-upload-mbit, from their last records read
         self.established = established  # whether this node saw a peer in enough of its rounds (gossip.votes)
-        self.answering = answering  # the peers among some that answer a probe (gossip.rendezvous.Reachable.check)
+        self.answering = answering  # the peers among some that answer a probe (gossip.reachable.Reachable.check)
         self.dissenters: set[str] = set()  # peers already logged and counted for serving a state other than the majority's
         self.measured = measured  # bytes/s this node measured from a peer's answers (0: never), which bound its announced cap
         self.judge = judge

@@ -82,7 +82,7 @@ def wait_for_peers(net: NetworkThread, run_id: str, me: str, wanted: int, timeou
     for. Raises :class:`NotStarted` after ``timeout`` seconds or when the run's peers have stopped,
     :class:`Interrupted` when ``stop`` is set.
 
-    ``answering`` (``gossip.rendezvous.Reachable.check``): only trainers that answer a status probe count
+    ``answering`` (``gossip.reachable.Reachable.check``): only trainers that answer a status probe count
     (a record signed by a key no daemon runs would release the barrier), and a record saying its peer left
     ends the wait only when this wait saw that peer train (one invented ``leaving`` record ended it)."""
     deadline = time.monotonic() + timeout

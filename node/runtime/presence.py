@@ -15,7 +15,8 @@ import time
 from typing import Any
 
 from gossip.byzantine import announced_up_mbit
-from gossip.rendezvous import Reachable, list_peers, publish_peer, reconnect_routing_table
+from gossip.reachable import Reachable
+from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
 from node.config import read_swarm_key
 from node.errors import UserError
 from node.runtime.reachability import dialable_addresses
@@ -39,7 +40,7 @@ class NetworkPresence:
 
     def reachable_members(self) -> Reachable:
         """Filters the members a rendezvous waits for to those that answer a status request: a signed
-        record proves a key, not a running peer (gossip.rendezvous.Reachable)."""
+        record proves a key, not a running peer (gossip.reachable.Reachable)."""
 
         async def probe(peer: str) -> None:
             await fetch_status(self.net.transport, peer)

@@ -197,7 +197,7 @@ async def _attacker(boot: str, run_id: str, rounds: int, scales: list[float], lo
     transport = Transport(p2p)
     me = transport.peer_id
 
-    async def status(stream) -> None:  # members wait only for peers that answer (gossip.rendezvous.Reachable)
+    async def status(stream) -> None:  # members wait only for peers that answer (gossip.reachable.Reachable)
         await stream.recv(expect="get_status")
         await stream.send("status", {})
 

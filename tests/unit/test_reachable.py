@@ -1,11 +1,11 @@
-"""Who counts as a live peer (gossip.rendezvous.Reachable): a signed record proves a key, not a daemon,
+"""Who counts as a live peer (gossip.reachable.Reachable): a signed record proves a key, not a daemon,
 so a peer counts only until its first probe fails, and stays out while it is probed again until it answers."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gossip.rendezvous import Reachable
+from gossip.reachable import Reachable
 
 
 def test_a_peer_that_fails_its_probe_stays_out_until_it_answers() -> None:
@@ -52,7 +52,7 @@ def test_failed_peers_are_bounded() -> None:
 def test_peers_past_the_probe_cap_count_only_once_their_probe_is_under_way() -> None:
     """200 invented records at once: those past the 64 probes that may run do not count meanwhile (they used
     to count, unprobed, and every rendezvous waited for them)."""
-    from gossip.rendezvous import MAX_PENDING
+    from gossip.reachable import MAX_PENDING
 
     async def run() -> tuple[int, int, int]:
         release = asyncio.Event()
