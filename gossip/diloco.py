@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
@@ -158,9 +159,10 @@ class DiLoCoAverager(GroupedRendezvous, ReduceScatterRound):
         self.max_group_size, self.weight_codec = max_group_size, weight_codec
         self.tenure = Tenure()  # whose fingerprint votes count (gossip.votes)
         self.reachable: Reachable | None = None  # set by the node: rendezvous wait only for members that answer
-        self._gathering: int | None = None  # the round whose rendezvous runs while this member keeps training
+        self._gathering: int | None = None  # the round whose rendezvous runs
         self._poke = asyncio.Event()  # set when a member asks for that round's contribution (gossip.rendezvous.gather_group)
-        exchange.asked_early = self._asked_early
+        self._on_asked: Callable[[], None] | None = None  # and what else to tell then (run_round's ``asked``)
+        exchange.asked = self._asked
 
     async def run_round(
         self,
@@ -172,6 +174,7 @@ class DiLoCoAverager(GroupedRendezvous, ReduceScatterRound):
         indices: Sequence[int] | None = None,
         feedback: Sequence[ErrorFeedback | None] | None = None,
         later: Callable[[], Awaitable[Handover]] | None = None,
+        asked: Callable[[], None] | None = None,
     ) -> RoundResult:
         """Average this member's Δ with its group and step ``phi`` in place (when in sync).
 
@@ -185,6 +188,8 @@ class DiLoCoAverager(GroupedRendezvous, ReduceScatterRound):
         :param later: θ comes after the rendezvous: this member registers first and keeps taking inner steps
             while it waits for the others; ``later()``, awaited once the group is complete, hands over θ and
             the samples (``theta`` and ``samples`` are then unused)
+        :param asked: called (on the event loop) when a member asks for this round's contribution while this
+            member's rendezvous still runs: that member found the group complete and waits for this one
         """
         rnd = _Round(round_no, phi, samples, indices, time.monotonic(), [tuple(p.shape) for p in phi], fingerprint(phi))
         if later is None:
@@ -195,9 +200,9 @@ class DiLoCoAverager(GroupedRendezvous, ReduceScatterRound):
             del delta  # the wire parts hold what was sent: Δ itself is not kept through the exchange
             if before_gather is not None:
                 await before_gather()
-            group = await self._rendezvous(rnd)
+            group = await self._gather(rnd, asked)
         else:
-            group = await self._gather_first(rnd, before_gather, later, feedback)
+            group = await self._gather_first(rnd, before_gather, later, feedback, asked)
         self.exchange.close_group(rnd.number, {e.peer_id for e in group})
         self.ask_ahead(rnd.number, [e.peer_id for e in group])
         contributions, failures = await self._exchange(rnd, group)
@@ -212,32 +217,63 @@ class DiLoCoAverager(GroupedRendezvous, ReduceScatterRound):
         result.duration_s = time.monotonic() - rnd.started
         return result
 
+    async def _gather(self, rnd: _Round, asked: Callable[[], None] | None) -> list[RoundEntry]:
+        """The round's rendezvous; a member that asks for this round's contribution meanwhile (it found the group
+        complete) brings its next poll forward and is passed on to ``asked``."""
+        self._gathering, self._on_asked = rnd.number, asked
+        try:
+            return await self._rendezvous(rnd)
+        finally:
+            self._gathering, self._on_asked = None, None
+
     async def _gather_first(self, rnd: _Round, before_gather: Callable[[], Awaitable[None]] | None,
-                            later: Callable[[], Awaitable[Handover]], feedback: Sequence[ErrorFeedback | None] | None) -> list[RoundEntry]:
+                            later: Callable[[], Awaitable[Handover]], feedback: Sequence[ErrorFeedback | None] | None,
+                            asked: Callable[[], None] | None = None) -> list[RoundEntry]:
         """The rendezvous first, while this member keeps training; then θ (``later``), Δ and the contribution.
+        θ is asked for once the group is complete, or as soon as a member asks for this contribution (it waits for
+        this one): Δ and the contribution are then made while the rendezvous still reads the DHT.
         The round's times count from the hand-over, when the member stopped: its wait at the rendezvous is what
         it stood still (it reached the most steps it may take before the group was complete)."""
         await self._choose_group(rnd)
         rnd.wire = self.exchange.wire_of(rnd.number)
         if before_gather is not None:
             await before_gather()
-        self._gathering = rnd.number
+        wanted = asyncio.Event()
+        asked_at = math.inf
+
+        def on_asked() -> None:
+            nonlocal asked_at
+            asked_at = min(asked_at, time.monotonic())
+            wanted.set()
+            if asked is not None:
+                asked()
+
+        gathering = asyncio.ensure_future(self._gather(rnd, on_asked))
+        waiting = asyncio.ensure_future(wanted.wait())
         try:
-            group = await self._rendezvous(rnd)
+            await asyncio.wait({gathering, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            if gathering.done():
+                gathering.result()  # a rendezvous that failed ends the round here
+            handover = await later()
+            rnd.samples, rnd.started = handover.samples, handover.at
+            delta = await asyncio.to_thread(lambda: to_host(pseudo_gradient(rnd.phi, handover.theta)))
+            del handover
+            await self._publish(rnd, delta, feedback)
+            group = await gathering
         finally:
-            self._gathering = None
-        handover = await later()
-        rnd.samples, rnd.started = handover.samples, handover.at
-        rnd.gathered = max(rnd.gathered, handover.at)
-        delta = await asyncio.to_thread(lambda: to_host(pseudo_gradient(rnd.phi, handover.theta)))
-        del handover
-        await self._publish(rnd, delta, feedback)
+            waiting.cancel()
+            gathering.cancel()
+        # the group was complete for a member that asked: from then on this one's own reads are the exchange's time
+        rnd.gathered = max(min(rnd.gathered, asked_at), rnd.started)
         return group
 
-    def _asked_early(self, round_no: int) -> None:
-        """A member asked for this node's contribution to the round it is gathering: it found the group complete."""
+    def _asked(self, round_no: int) -> None:
+        """A member asked for this node's contribution to ``round_no``: if that is the round it gathers, the member
+        found the group complete, so the rendezvous polls at once (and ``run_round``'s ``asked`` hears of it)."""
         if round_no == self._gathering:
             self._poke.set()
+            if self._on_asked is not None:
+                self._on_asked()
 
     async def _publish(self, rnd: _Round, delta: list[torch.Tensor], feedback: Sequence[ErrorFeedback | None] | None) -> None:
         """Encode this member's contribution and serve it: its Δ cut into wire parts (with error feedback),

@@ -108,9 +108,9 @@ class RoundExchange:
         self._reduced_ready: dict[int, asyncio.Event] = {}
         self._regrouped: dict[int, tuple[list[PartSpec], str]] = {}
         self.rates = TransferRates()  # how fast each peer's answers arrived (fetch deadlines grow with payload ÷ rate)
-        # called with the round when a member asks for a contribution not published yet: it found its group
-        # complete, so this node's rendezvous may look again at once (gossip.rendezvous.gather_group's poke)
-        self.asked_early: Callable[[int], None] | None = None
+        # called with the round whenever a member asks for a contribution: it found its group complete, so
+        # this node's rendezvous of that round, if it still runs, may look again at once (gather_group's poke)
+        self.asked: Callable[[int], None] | None = None
 
     def regroup(self, round_no: int, specs: Sequence[PartSpec], tag: str) -> None:
         """Round ``round_no`` averages in a bounded group (``gossip.groups``): it sends ``specs`` instead of
@@ -215,8 +215,8 @@ class RoundExchange:
         if run_id != self.run_id:
             raise SchemaError(f"this node trains run {self.run_id!r}, not {run_id!r}")
         reduced = msg.kind == "fetch_reduced"
-        if not reduced and round_no not in self._contributions and self.asked_early is not None:
-            self.asked_early(round_no)
+        if not reduced and self.asked is not None:
+            self.asked(round_no)
         if wire != self.wire_of(round_no) and round_no > max(self._contributions, default=-1):  # not yet published
             # a grouped round's tag is set just before this node publishes the round: a member that found
             # its group first may ask before that (seen under load), so judge the wire once it is published

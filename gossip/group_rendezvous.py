@@ -23,8 +23,8 @@ from protocol.records import RoundEntry
 class GroupedRendezvous:
     """The rendezvous steps of a DiLoCo round (a mixin of :class:`gossip.diloco.DiLoCoAverager`, whose
     attributes it reads: ``dht``, ``validator``, ``run_id``, ``peer_id``, ``member_role``,
-    ``max_group_size``, ``reachable``, ``deadline``, ``up_mbit``, and ``_gathering``/``_poke``: a round whose member keeps
-    training while it waits polls again when a member asks for its contribution). A round, ``rnd``, is
+    ``max_group_size``, ``reachable``, ``deadline``, ``up_mbit``, and ``_gathering``/``_poke``: a round's rendezvous
+    polls again at once when a member asks for its contribution). A round, ``rnd``, is
     ``gossip.diloco._Round``: typed ``Any`` here, since importing it would make an import circle."""
 
     _gathering: int | None = None

@@ -313,7 +313,7 @@ async def gather_group(
     ``elsewhere(awaited)``, asked every ``ELSEWHERE_CHECK_S`` while peers are awaited, names those of
     them that registered in another rendezvous of the round (another grouping): they are not waited for.
     ``poke``, when set (a member asked this node for the round's contribution: it found the group complete),
-    brings the next poll forward, to at least ``POKED_POLL_S`` after the last one.
+    brings the next poll forward, to at least ``POKED_POLL_S`` after the last one began.
     """
     await register_round(dht, validator, run_id, round_no, entry, min(max(60.0, 4 * timeout), MAX_RECORD_TTL_S), group)
     deadline = time.monotonic() + timeout
@@ -326,6 +326,7 @@ async def gather_group(
     while True:
         if poke is not None:
             poke.clear()  # a poke that comes during this poll's reads brings the next one forward
+        polled = time.monotonic()
         entries.update({peer: e for peer, (e, _) in (await read_round_entries(dht, run_id, round_no, group)).items()})
         waiting_for = members - set(entries) - moved
         if not waiting_for or time.monotonic() - members_read >= MEMBERS_EVERY_S:
@@ -349,6 +350,7 @@ async def gather_group(
             continue
         try:
             await asyncio.wait_for(poke.wait(), pause)
-            await asyncio.sleep(POKED_POLL_S)  # a peer that pokes again and again costs a read every POKED_POLL_S at most
+            # a peer that pokes again and again costs a read every POKED_POLL_S at most
+            await asyncio.sleep(max(0.0, polled + POKED_POLL_S - time.monotonic()))
         except asyncio.TimeoutError:
             pass

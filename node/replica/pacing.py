@@ -32,6 +32,8 @@ from node.config import AUTO_STEPS_MAX_FACTOR, NodeConfig
 
 
 GATHER_STEP_FACTOR = 1.5  # a node steps on through a round's rendezvous if its steps are at most this × the median's
+REGISTER_LEAD = 0.1  # such a node registers this share of the budget before it runs out ...
+REGISTER_LEAD_S = (0.25, 2.0)  # ... but at least and at most this many seconds (never more than half the budget)
 
 
 @dataclass(frozen=True)
@@ -118,18 +120,29 @@ class RoundPacer:
         done = min(progress_steps / pace.median_steps, 0.9)
         self.pace = RoundPace(pace.steps, pace.budget_s, now - done * pace.budget_s, pace.expected_steps, pace.median_steps)
 
-    def due(self, steps_taken: int, now: float, step_s: float, spent: bool = False) -> bool:
+    def due(self, steps_taken: int, now: float, step_s: float, spent: bool = False, early: bool = False) -> bool:
         """Whether the round is due after ``steps_taken`` steps, the last of which took ``step_s``: by
         steps, at the plan's count; by time, once another step would end further past the budget than
         stopping now ends before it (at least one step, at most the cap); with ``spent`` (the swarm's fast
         peers step on until the group is complete), once the budget has run out: a slow peer then arrives
-        late rather than early, and the others train meanwhile instead of the slow peer waiting for them."""
+        late rather than early, and the others train meanwhile instead of the slow peer waiting for them.
+        ``early``: this node is one of those that step on; its round is due (it registers) ``register_lead``
+        before the budget runs out, so that nobody who stops at the budget waits for it to register."""
         pace = self.pace
         if steps_taken >= pace.steps:
             return True
         if pace.budget_s is None or steps_taken < 1:
             return False
+        if early:
+            return now - pace.started + register_lead(pace.budget_s) >= pace.budget_s
         return now - pace.started + (0.0 if spent else step_s / 2) >= pace.budget_s
+
+    def spent(self, now: float) -> bool:
+        """Whether the round's budget has run out (always, pacing by steps or before speeds are known): a node
+        that steps on through the rendezvous hands θ over once its group is complete *and* this holds, unless a
+        member already waits for it."""
+        pace = self.pace
+        return pace.budget_s is None or now - pace.started >= pace.budget_s
 
     def steps_while_gathering(self, mine: float, tokens_per_step: int) -> bool:
         """Whether a node of ``mine`` tokens/s may take inner steps while its round waits for the group: rounds
@@ -148,6 +161,14 @@ class RoundPacer:
         """The most steps a round paced by time may hold (a node stepping on through its rendezvous stops there)."""
         pace = self.pace
         return pace.steps if pace.budget_s is not None else pace.median_steps * AUTO_STEPS_MAX_FACTOR
+
+
+def register_lead(budget_s: float) -> float:
+    """How long before its budget runs out a node that steps on through the rendezvous registers: the members'
+    rounds start apart by the spread of the last round's end (and of what each does after it), and a node that
+    registered late would keep those who stop at the budget standing still for it."""
+    low, high = REGISTER_LEAD_S
+    return min(max(REGISTER_LEAD * budget_s, low), high, budget_s / 2)
 
 
 def should_help(mine: float, rates: dict[str, float], own_id: str, below: float) -> bool:

@@ -86,15 +86,17 @@ class PendingRound:
 
 class ThetaHandover:
     """θ of a round whose rendezvous runs while the training loop keeps stepping (``--step-while-gathering``):
-    the round waits for :meth:`give` once its group is complete (``gathered`` is then set)."""
+    the round waits for :meth:`give` once its group is complete or a member waits for this node (``gathered`` is
+    then set). ``asked`` is set when a member asked for this node's contribution: it found the group complete."""
 
     def __init__(self) -> None:
         self.gathered = threading.Event()
+        self.asked = threading.Event()
         self.given = False
         self._handover: concurrent.futures.Future = concurrent.futures.Future()
 
     async def __call__(self) -> Handover:
-        """On the network thread, after the rendezvous: θ, once the training loop hands it over."""
+        """On the network thread, once the group is complete or a member asked: θ, once the training loop hands it over."""
         self.gathered.set()
         return await asyncio.wrap_future(self._handover)
 
@@ -137,7 +139,7 @@ class RoundRunner:
         if stepping:
             handover = ThetaHandover()
             coro = self.averager.run_round(round_no, phi_fragment, None, 0, before_gather=self.before_gather,  # type: ignore[call-arg]
-                                           indices=indices, feedback=feedback, later=handover)
+                                           indices=indices, feedback=feedback, later=handover, asked=handover.asked.set)
             self.pending = PendingRound(round_no, fragment, steps, self.net.submit(coro), handover=handover, indices=indices)
             return self.pending
         # a blocking round reads θ in place: the training loop waits for it (eager rounds step θ at once)
@@ -157,9 +159,15 @@ class RoundRunner:
         return self.pending is not None and self.pending.handover is not None and not self.pending.handover.given
 
     def gathered(self) -> bool:
-        """Whether that round's group is complete (or the round ended early): time to hand θ over."""
+        """Whether that round's group is complete (or the round ended early): time to hand θ over once the budget is spent."""
         pending = self.pending
         return pending is not None and pending.handover is not None and (pending.handover.gathered.is_set() or pending.future.done())
+
+    def waited_for(self) -> bool:
+        """Whether a member of that round waits for this node's θ (it asked for the contribution), or the round
+        ended early: time to hand θ over, whatever is left of the budget."""
+        pending = self.pending
+        return pending is not None and pending.handover is not None and (pending.handover.asked.is_set() or pending.future.done())
 
     def hand_over(self, params: list[torch.nn.Parameter], samples: int, steps: int) -> None:
         """The training loop stops: θ (read in place, the loop waits for the round now) and the round's samples and steps."""

@@ -21,6 +21,9 @@ STEADY_ROUNDS = 8
 # share of a fast peer's wall time spent waiting for the others at the rendezvous over the steady rounds:
 # measured 0.03–0.12 with time pacing on a quiet 2-core machine, and 0.6–0.7 with every peer at the same H
 WAIT_SHARE_BOUND = 0.35
+# a fast peer's median time standing still at the rendezvous in a steady round (gather_s, until the group was
+# complete for some member): 0 stepping on, 0.06–0.17 s a round stopping at the budget (--no-step-while-gathering)
+STILL_BOUND_S = 0.03
 
 
 def _full(info: dict) -> list[dict]:
@@ -64,7 +67,7 @@ def test_fast_peers_keep_training_beside_a_four_times_slower_one(tmp_path, nodes
                                           f"(steps per round: {steps}; gathers: {[r['gather_s'] for r in rounds]})")
         # the fast peers step on until the group is complete (--step-while-gathering): in most rounds they stood
         # still at the rendezvous for none of it (a round's gather_s is the time its member stood still there)
-        assert statistics.median(r["gather_s"] for r in rounds) == 0.0, [r["gather_s"] for r in rounds]
+        assert statistics.median(r["gather_s"] for r in rounds) < STILL_BOUND_S, [r["gather_s"] for r in rounds]
     for info in infos:
         late = [r for r in info["rounds"] if not r["in_sync"] and r["round"] > first]
         assert not late, f"{info['peer_id'][-8:]} fell out of sync once all three averaged: {late}"

@@ -2,10 +2,11 @@
 time): the round registers first, θ follows once the group is complete.
 
 - ``node.replica.pacing``: every round is due once its budget has run out (a slow peer arrives late, not
-  early), and only a node whose steps are at most ``GATHER_STEP_FACTOR`` × the median's steps on.
+  early), and only a node whose steps are at most ``GATHER_STEP_FACTOR`` × the median's steps on; such a
+  node registers ``register_lead`` ahead of the budget and hands over once it is spent.
 - ``gossip.diloco``/``node.replica.rounds``: a round whose θ is handed over after the rendezvous averages the
   θ of the hand-over, not of the start, and its members end bit-identical with a member that did not step on;
-  a member that asks for a contribution not published yet wakes the owner's rendezvous at once.
+  a member that asks for a contribution wakes the owner's rendezvous at once, and has θ handed over.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 import gossip.rendezvous as rendezvous
 from node.config import AUTO_STEPS_MAX_FACTOR, NodeConfig
-from node.replica.pacing import GATHER_STEP_FACTOR, RoundPacer
+from node.replica.pacing import GATHER_STEP_FACTOR, RoundPacer, register_lead
 from protocol.records import RoundEntry
 from tests.helpers.diloco_members import diloco_members
 from tests.helpers.memory_transport import Network
@@ -45,6 +46,27 @@ def test_with_peers_stepping_on_a_round_is_due_only_once_its_budget_has_run_out(
     assert not pacer.due(5, before, step, spent=True), "the others step on: it takes the step that runs past the budget"
     assert pacer.due(5, budget, step, spent=True)
     assert pacer.due(pacer.pace.steps, 0.0, step, spent=True), "the cap still ends a round"
+
+
+def test_a_node_that_steps_on_registers_ahead_of_the_budget_and_hands_over_once_it_is_spent() -> None:
+    """Members' rounds start apart (the last round ended apart for each): a node that steps on registers
+    ``register_lead`` early, so none who stop at the budget wait for it, and still steps to the budget's end."""
+    pacer = _pacer()
+    budget = pacer.pace.budget_s
+    lead = register_lead(budget)
+    assert 0 < lead <= budget / 2
+    assert not pacer.due(5, budget - lead - 0.01, 0.1, spent=True, early=True)
+    assert pacer.due(5, budget - lead, 0.1, spent=True, early=True)
+    assert not pacer.due(5, budget - lead, 0.1, spent=True), "a node that stops at the budget registers when it is spent"
+    assert not pacer.spent(budget - 0.01) and pacer.spent(budget)
+    provisional = RoundPacer(NodeConfig(inner_steps="auto", round_steps=20), "me")
+    provisional.plan(2, 0.0, {}, TOKENS, now=0.0)
+    assert provisional.spent(0.0), "before speeds are known there is no budget to wait for"
+
+
+@pytest.mark.parametrize("budget, lead", [(1.0, 0.25), (0.4, 0.2), (10.0, 1.0), (100.0, 2.0)])
+def test_the_lead_is_a_share_of_the_budget_within_bounds(budget: float, lead: float) -> None:
+    assert register_lead(budget) == pytest.approx(lead)
 
 
 @pytest.mark.parametrize("speed, steps_on", [(1.0, True), (4.0, True), (1 / GATHER_STEP_FACTOR, True), (0.5, False), (0.0, False)])
@@ -144,24 +166,67 @@ def test_a_request_for_a_round_not_published_yet_wakes_the_rendezvous(monkeypatc
     assert complete and [e.peer_id for e in group] == ["a", "b"]
 
 
-def test_the_exchange_reports_a_request_for_a_round_it_has_not_published(members) -> None:
-    """The hook that pokes the rendezvous: a fetch of a round not published yet (and only that) calls it."""
+def test_the_exchange_reports_every_request_for_a_contribution(members) -> None:
+    """The hook that pokes the rendezvous: every fetch of a contribution calls it, of a round published (a member
+    that stopped at the budget and published before its rendezvous) or not yet (one that steps on)."""
     _, (a, b) = members
+    indices = list(range(len(SHAPES)))
+    for m in (a, b):  # a blocking round: both publish round 0
+        m["runner"].start(0, 0, indices, m["phi"], [torch.nn.Parameter(t.clone()) for t in m["theta"]], m["samples"], 10, None)
+    assert a["runner"].wait()[0].in_sync and b["runner"].wait()[0].in_sync
     asked: list[int] = []
-    a["exchange"].asked_early = asked.append
+    a["exchange"].asked = asked.append
+
+    async def fetch_published() -> None:
+        await asyncio.wait_for(b["exchange"].fetch(a["peer"], 0), 10.0)
 
     async def fetch_early() -> None:
         with pytest.raises(Exception):
             await asyncio.wait_for(b["exchange"].fetch(a["peer"], 7), 1.0)
 
+    asyncio.run_coroutine_threadsafe(fetch_published(), a["runner"].net.loop).result(20)
+    assert asked == [0]
     asyncio.run_coroutine_threadsafe(fetch_early(), a["runner"].net.loop).result(20)
-    assert asked == [7]
+    assert asked == [0, 7]
 
     async def release() -> None:  # let the waiting request end (refused: nothing published) before the loop closes
         a["exchange"]._ready[7].set()
         await asyncio.sleep(0.2)
 
     asyncio.run_coroutine_threadsafe(release(), a["runner"].net.loop).result(20)
+
+
+def test_a_member_asking_for_the_contribution_of_a_round_still_gathering_has_theta_handed_over(members) -> None:
+    """A member that found the group complete and asks for this node's contribution waits for it: the training
+    loop hears of it (``waited_for``) before this node's own rendezvous has seen the group complete, hands θ over,
+    and the contribution is served while that rendezvous still reads the DHT."""
+    _, (a, b) = members
+    waiting = threading.Event()
+
+    async def slow_to_see(*args, **kwargs):  # this node's rendezvous has not seen the group complete yet
+        waiting.set()
+        await asyncio.sleep(3600)
+
+    a["averager"]._rendezvous = slow_to_see
+    params = [torch.nn.Parameter(t.clone()) for t in a["theta"]]
+    a["runner"].start(0, 0, list(range(len(SHAPES))), a["phi"], params, 0, 3, None, stepping=True)
+    assert waiting.wait(20), "the round reached its rendezvous"
+    assert not a["runner"].waited_for() and not a["runner"].gathered()
+
+    async def ask():
+        return await asyncio.wait_for(b["exchange"].fetch(a["peer"], 0), 20.0)
+
+    asking = asyncio.run_coroutine_threadsafe(ask(), b["runner"].net.loop)
+    for _ in range(200):
+        if a["runner"].waited_for():
+            break
+        threading.Event().wait(0.05)
+    assert a["runner"].waited_for() and a["runner"].stepping()
+    assert not asking.done(), "nothing is served before θ is handed over"
+    a["runner"].hand_over(params, 24, 5)
+    got = asking.result(20)
+    assert got.samples == 24 and got.peer == a["peer"]
+    a["runner"].give_up()
 
 
 def test_a_round_still_gathering_when_the_node_stops_is_given_up(members) -> None:
