@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,26 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import results_io
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _env(code: Path) -> dict[str, str]:
-    """This environment, with ``code`` (the revision's checkout) on the import path."""
-    return {**os.environ, "PYTHONPATH": str(code)}
-
-
-def _checkout(rev: str, into: Path) -> Path:
-    if rev == ".":
-        return ROOT
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(into), rev], check=True, capture_output=True)
-    return into
+from benchmarks.revisions import checkout, env_for, label, remove
 
 
 def _estimate_gib(code: Path, options: list[str], data: Path | None) -> float:
     cmd = [sys.executable, "-m", "node", "join", "--dry-run", *options, "--checkpoint-dir", tempfile.mkdtemp(prefix="lm-dry-"),
            *(["--data", str(data)] if data else [])]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=code, env=_env(code),
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=code, env=env_for(code),
                          timeout=300)
     found = re.search(r"total RAM\s*│\s*RAM\s*│\s*([\d.]+) GiB", out.stdout)
     if not found:
@@ -51,18 +37,17 @@ def _estimate_gib(code: Path, options: list[str], data: Path | None) -> float:
 
 
 def run_rev(rev: str, options: list[str], data: Path | None, duration: float, work: Path) -> dict[str, Any]:
-    code = _checkout(rev, work / "code")
+    code = checkout(rev, work / "code")
     try:
-        commit = subprocess.run(["git", "-C", str(code), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         report = work / "report.json"
         cmd = [sys.executable, "-m", "node", "swarm", "--nodes", "2", "--duration", str(duration), "--report", str(report),
                *options, *(["--data", str(data)] if data else [])]
-        subprocess.run(cmd, cwd=code, env=_env(code), capture_output=True,
+        subprocess.run(cmd, cwd=code, env=env_for(code), capture_output=True,
                        timeout=duration + 600, check=True)
         nodes = json.loads(report.read_text())["nodes"]
         estimate = _estimate_gib(code, options, data)
         peaks = [round(n["peak_mem_mb"] / 1024, 2) for n in nodes]
-        return {"rev": rev, "commit": commit + (" (working tree)" if rev == "." else ""), "peak_rss_gib": peaks,
+        return {"rev": rev, "commit": label(rev, code), "peak_rss_gib": peaks,
                 "dry_run_gib": estimate, "ratio_to_estimate": [round(p / estimate, 2) for p in peaks],
                 "rounds_each": [n["outer_rounds"] for n in nodes],
                 "rounds_with_both_peers": [sum(1 for r in n["rounds"] if r["contributors"] == 2) for n in nodes],
@@ -70,8 +55,7 @@ def run_rev(rev: str, options: list[str], data: Path | None, duration: float, wo
                 "median_round_s": [sorted(r["duration_s"] for r in n["rounds"])[len(n["rounds"]) // 2] if n["rounds"] else None
                                    for n in nodes]}
     finally:
-        if code != ROOT:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(code)], capture_output=True)
+        remove(code)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,6 +26,10 @@ of each epoch), in the ``speeds`` scenario only. Scenarios, each in every mode a
 - ``homogeneous`` (per seed of ``speeds``): four peers at the fast speed, each stopping after the mean
   inner steps of that seed's ``auto`` run: the same total tokens, for the quality comparison.
 
+``--revs A,B`` runs every node mode of each seed once per build (git revisions checked out in temporary
+worktrees, ``benchmarks.revisions``), alternating which build goes first from seed to seed, and labels the
+modes ``mode@commit``: builds compared side by side in one invocation.
+
 Per peer: shares of its training loop's wall time spent in inner steps (``training``), waiting at the
 rendezvous for the others (``waiting``, the rounds' ``gather_s``), exchanging (the rest of the
 rounds' time), in the held-out evaluations after every round that this benchmark asks for
@@ -51,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import results_io
+from benchmarks.revisions import ROOT, checkouts, env_for
 from node.config.defaults import steps_for_replicas
 
 MODES = {"fixed": ["--inner-steps", "by-replicas"], "auto": ["--inner-steps", "auto"],
@@ -134,10 +139,12 @@ def hivemind_peer(w: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace, scenario: str, mode: str, seed: int, folder: Path, max_steps: int | None = None) -> dict[str, Any]:
+def run(args: argparse.Namespace, scenario: str, mode: str, seed: int, folder: Path, max_steps: int | None = None,
+        code: Path = ROOT) -> dict[str, Any]:
+    """One run; ``code``: the checkout whose daemons run (``--revs``)."""
     if mode == HIVEMIND:
         return run_hivemind(args, seed, folder)
-    name = f"{scenario}-{mode}-{seed}"
+    name = f"{scenario}-{mode}-{seed}-{code.name}"
     report = folder / f"{name}.json"
     cmd = [sys.executable, "-m", "node", "swarm", "--nodes", str(NODES), "--model", args.model, "--duration", str(args.duration),
            "--seed", str(seed), "--report", str(report), "--checkpoint-dir", str(folder / name), "--eval-every", str(args.eval_every),
@@ -149,7 +156,7 @@ def run(args: argparse.Namespace, scenario: str, mode: str, seed: int, folder: P
     if scenario == "churn":
         cmd += ["--chaos", "kill:node=3:at=2s", "--restart-killed", "20"]
     started = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration * 3 + 300)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration * 3 + 300, cwd=code, env=env_for(code))
     wall = time.monotonic() - started
     if not report.exists():
         return {"scenario": scenario, "mode": mode, "seed": seed, "error": done.stderr[-2000:] or done.stdout[-2000:]}
@@ -206,10 +213,11 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "tokens": statistics.mean(sum(p["tokens"] for p in r["peers"]) for r in mine),
                 "out_of_sync": sum(p["out_of_sync"] for r in mine for p in r["peers"]),
             }
-            if mode != "fixed":
+            base, at, build = mode.partition("@")
+            if base != "fixed":
                 fractions = []
                 for r in mine:
-                    fixed = next((f for f in ok if (f["scenario"], f["mode"], f["seed"]) == (scenario, "fixed", r["seed"])), None)
+                    fixed = next((f for f in ok if (f["scenario"], f["mode"], f["seed"]) == (scenario, "fixed" + at + build, r["seed"])), None)
                     if fixed is None or not fixed["peers"][0]["curve"]:
                         continue
                     target = statistics.mean(p["val_loss"] for p in fixed["peers"] if p["val_loss"] is not None)
@@ -242,30 +250,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hivemind-eval-steps", type=int, default=60,
                         help="the hivemind workers evaluate every this many of their steps (the nodes: every round)")
     parser.add_argument("--extra", default="--batch-size 2 --threads 1 --eval-batches 8")
+    parser.add_argument("--revs", default=".", help="comma-separated git revisions whose daemons run ('.' = the working tree); "
+                        "with more than one, every run of a seed runs for each, alternating their order from seed to seed, and "
+                        "modes are labelled mode@commit")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if unknown := [m for m in modes if m not in MODES and m != HIVEMIND]:
         parser.error(f"--modes: unknown {', '.join(unknown)} (known: {', '.join([*MODES, HIVEMIND])})")
     meta = results_io.begin(None if argv is None else ["python", "-m", "benchmarks.heterogeneous", *argv])
+    revs = [r for r in args.revs.split(",") if r]
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="heterogeneous-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="heterogeneous-") as tmp, checkouts(revs) as builds:
         folder = Path(tmp)
+
+        def each_build(scenario: str, seed: int, mode: str, **kwargs: Any) -> None:
+            order = revs if seed % 2 == 0 else revs[::-1]  # a build that always ran first would meet a cooler machine
+            for rev in order if mode != HIVEMIND else revs[:1]:
+                code, name = builds[rev]
+                result = run(args, scenario, mode, seed, folder, code=code, **kwargs)
+                if len(revs) > 1:
+                    result["mode"] = f"{mode}@{name}"
+                runs.append(result)
+                print(json.dumps({k: v for k, v in result.items() if k != "peers"}), flush=True)
+
         for seed in [int(s) for s in args.seeds.split(",") if s]:
             for mode in modes:
-                runs.append(run(args, "speeds", mode, seed, folder))
-                print(json.dumps({k: v for k, v in runs[-1].items() if k != "peers"}), flush=True)
-            auto = next((r for r in runs if (r["scenario"], r["mode"], r["seed"]) == ("speeds", "auto", seed)), None)
+                each_build("speeds", seed, mode)
+            auto = next((r for r in runs if (r["scenario"], r["mode"].split("@")[0], r["seed"]) == ("speeds", "auto", seed)), None)
             if args.homogeneous and auto is not None and "error" not in auto:
                 steps = round(statistics.mean(p["steps"] for p in auto["peers"]))
-                runs.append(run(args, "homogeneous", "auto", seed, folder, max_steps=steps))
+                each_build("homogeneous", seed, "auto", max_steps=steps)
         for seed in [int(s) for s in args.churn_seeds.split(",") if s]:
             for mode in [m for m in modes if m != HIVEMIND]:  # (hivemind runs the speeds scenario only)
-                runs.append(run(args, "churn", mode, seed, folder))
+                each_build("churn", seed, mode)
         for seed in [int(s) for s in args.cpu_seeds.split(",") if s]:
             for mode in [m for m in modes if m != HIVEMIND]:
-                runs.append(run(args, "cpu", mode, seed, folder))
-                print(json.dumps({k: v for k, v in runs[-1].items() if k != "peers"}), flush=True)
+                each_build("cpu", seed, mode)
     summary = summarise(runs)
     results_io.write(args.out, {"options": vars(args) | {"out": str(args.out)}, "runs": runs, "summary": summary}, meta)
     print(json.dumps(summary, indent=1))

@@ -14,9 +14,9 @@ from hivemind.p2p import P2P
 
 from compression import get_codec
 from gossip.exchange import Contribution, RoundExchange
-from gossip.reduce_scatter import wire_partition
 from gossip.rendezvous import gather_group, list_peers, publish_peer
 from swarm.models.presets import GPT, preset
+from node.replica.rounds import RoundPlan
 from node.runtime.status_service import fetch_status
 from protocol import RemoteError, encode_frame, encode_message, ids
 from protocol.auth import hello_body
@@ -202,8 +202,12 @@ async def _attacker(boot: str, run_id: str, rounds: int, scales: list[float], lo
         await stream.send("status", {})
 
     await transport.serve(ids.STATUS, status)
-    shapes = [tuple(p.shape) for p in GPT(preset("nano")).parameters()]
-    exchange = RoundExchange(transport, run_id, "none", wire_partition("none", shapes).shapes(shapes), serve_timeout=60)
+    model = GPT(preset("nano"))
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    plan = RoundPlan(names=[n for n, _ in model.named_parameters()], shapes=shapes, codec="none", feedback_decay=0.0, fragments=1,
+                     noloco=False)
+    wire = plan.wire()  # the honest nodes' (a small model's dense parts are flat runs: "none|flat")
+    exchange = RoundExchange(transport, run_id, wire, plan.layout, serve_timeout=60)
     await exchange.start()
     try:
         peers = await list_peers(dht, run_id)
@@ -219,8 +223,8 @@ async def _attacker(boot: str, run_id: str, rounds: int, scales: list[float], lo
             scale = scales[i % len(scales)]
             evil = [t * scale for t in good.decoded]
             blobs = [get_codec("none").encode(t).to_bytes() for t in evil]
-            exchange.publish(Contribution(r, good.samples, good.fingerprint, "none", blobs, me, evil))
-            entry = RoundEntry(peer_id=me, samples=good.samples, codec="none")
+            exchange.publish(Contribution(r, good.samples, good.fingerprint, wire, blobs, me, evil))
+            entry = RoundEntry(peer_id=me, samples=good.samples, codec=wire)
 
             async def nobody() -> set:
                 return set()
