@@ -36,11 +36,11 @@ DENSE_CODECS = frozenset({"none", "fp16", "bf16", "q8", "q4", "q2", "rot1", "rot
 FINE_PARTS = 256  # a dense round's wire parts per model: enough for even shares in groups of up to 64
 ELEMENTWISE_CODECS = frozenset({"none", "fp16", "bf16"})  # no per-part tables: small parts cost only a header
 # ... but every part costs a frame, a decode, a check and a share of the aggregation and the outer step on each
-# member: a model of up to FLAT_MAX values sent by an elementwise codec travels in about FLAT_PARTS flat runs
-# across its tensors instead of row blocks of each (tiny's 238 parts, a third of them 128-value norms, made its
-# four-member exchange ~1.5 × as long); joining the runs back costs a copy of the update, small at that size
+# member: a model of up to FLAT_MAX values sent by an elementwise codec travels in equal flat runs across its
+# tensors, of at least FLAT_PART_FLOOR values, instead of row blocks of each (tiny's 238 parts, a third of them
+# 128-value norms, made its four-member exchange ~1.5 × as long; now 49); joining the runs back costs a copy of
+# the update, small at that size
 FLAT_MAX = 1 << 24
-FLAT_PARTS = 64  # even shares for groups of up to 16 (±25 % beyond)
 FLAT_PART_FLOOR = 16384
 
 
@@ -58,14 +58,14 @@ def fine_part_numel(total_numel: int, max_numel: int = 1 << 20, floor: int = 163
 
 def wire_partition(codec: str, shapes: Sequence[Sequence[int]], noloco: bool = False) -> Partition:
     """How a run's pseudo-gradients are cut into wire parts: fine parts for dense codecs (their rounds
-    may reduce-scatter; a small model under an elementwise codec: ``FLAT_PARTS`` flat runs), flat runs for top-k
+    may reduce-scatter; a small model under an elementwise codec: equal flat runs), flat runs for top-k
     whose values are scaled per chunk (float32 or ``+q2``: its
     chunks need no tensor structure, and one payload header serves many small tensors), the default
     row blocks otherwise (NoLoCo's pairs always
     all-gather; DCT and shared-seed codecs work per tensor)."""
     total = sum(math.prod(shape) for shape in shapes)
     if codec in ELEMENTWISE_CODECS and not noloco and total <= FLAT_MAX:
-        return Partition(max(FLAT_PART_FLOOR, -(-total // FLAT_PARTS)), flat=True)
+        return Partition(fine_part_numel(total, floor=FLAT_PART_FLOOR), flat=True)
     if is_dense(codec) and not noloco:
         # an elementwise codec's part costs only its ~250-byte header, so small models get finer parts
         # and even shares (nano in 12 members: the busiest member sent 2.4x the payload with 16384-value parts)

@@ -228,6 +228,11 @@ def test_a_member_asking_for_the_contribution_of_a_round_still_gathering_has_the
     assert got.samples == 24 and got.peer == a["peer"]
     a["runner"].give_up()
 
+    async def settle() -> None:  # let the cancelled round unwind (its rendezvous task too) before the loop closes
+        await asyncio.sleep(0.2)
+
+    asyncio.run_coroutine_threadsafe(settle(), a["runner"].net.loop).result(20)
+
 
 def test_a_round_still_gathering_when_the_node_stops_is_given_up(members) -> None:
     """A signal while the round gathers: the node does not hand θ over and wait out the round (up to its final
