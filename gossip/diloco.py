@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
@@ -59,23 +58,13 @@ from gossip.reduce_scatter import assign_owners, is_dense, use_reduce_scatter
 from gossip.reduce_scatter_round import ReduceScatterRound
 from gossip.reachable import Reachable
 from gossip.scores import MIN_MEMBERS
+from gossip.stepping_rendezvous import Handover, SteppingRendezvous
 from gossip.screen_votes import agree_on_screen
 from gossip.votes import Tenure, vote
 from gossip.wire_parts import PartSpec
 from protocol.records import RoundEntry
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Handover:
-    """θ of a round whose member kept training through the rendezvous (``DiLoCoAverager.run_round``'s ``later``):
-    the weights (read in place: the member waits for the round), its samples, and when it stopped
-    (``time.monotonic()``)."""
-
-    theta: Sequence[torch.Tensor]
-    samples: int
-    at: float
 
 
 @dataclass
@@ -113,7 +102,7 @@ def _assign(phi: Sequence[torch.Tensor], mean: Sequence[torch.Tensor], indices: 
             p.copy_(m)
 
 
-class DiLoCoAverager(GroupedRendezvous, ReduceScatterRound):
+class DiLoCoAverager(SteppingRendezvous, GroupedRendezvous, ReduceScatterRound):
     """Runs DiLoCo outer rounds for one member.
 
     :param dht: the node's DHT
@@ -216,64 +205,6 @@ class DiLoCoAverager(GroupedRendezvous, ReduceScatterRound):
         self.tenure.observe(result.contributors, rnd.number)
         result.duration_s = time.monotonic() - rnd.started
         return result
-
-    async def _gather(self, rnd: _Round, asked: Callable[[], None] | None) -> list[RoundEntry]:
-        """The round's rendezvous; a member that asks for this round's contribution meanwhile (it found the group
-        complete) brings its next poll forward and is passed on to ``asked``."""
-        self._gathering, self._on_asked = rnd.number, asked
-        try:
-            return await self._rendezvous(rnd)
-        finally:
-            self._gathering, self._on_asked = None, None
-
-    async def _gather_first(self, rnd: _Round, before_gather: Callable[[], Awaitable[None]] | None,
-                            later: Callable[[], Awaitable[Handover]], feedback: Sequence[ErrorFeedback | None] | None,
-                            asked: Callable[[], None] | None = None) -> list[RoundEntry]:
-        """The rendezvous first, while this member keeps training; then θ (``later``), Δ and the contribution.
-        θ is asked for once the group is complete, or as soon as a member asks for this contribution (it waits for
-        this one): Δ and the contribution are then made while the rendezvous still reads the DHT.
-        The round's times count from the hand-over, when the member stopped: its wait at the rendezvous is what
-        it stood still (it reached the most steps it may take before the group was complete)."""
-        await self._choose_group(rnd)
-        rnd.wire = self.exchange.wire_of(rnd.number)
-        if before_gather is not None:
-            await before_gather()
-        wanted = asyncio.Event()
-        asked_at = math.inf
-
-        def on_asked() -> None:
-            nonlocal asked_at
-            asked_at = min(asked_at, time.monotonic())
-            wanted.set()
-            if asked is not None:
-                asked()
-
-        gathering = asyncio.ensure_future(self._gather(rnd, on_asked))
-        waiting = asyncio.ensure_future(wanted.wait())
-        try:
-            await asyncio.wait({gathering, waiting}, return_when=asyncio.FIRST_COMPLETED)
-            if gathering.done():
-                gathering.result()  # a rendezvous that failed ends the round here
-            handover = await later()
-            rnd.samples, rnd.started = handover.samples, handover.at
-            delta = await asyncio.to_thread(lambda: to_host(pseudo_gradient(rnd.phi, handover.theta)))
-            del handover
-            await self._publish(rnd, delta, feedback)
-            group = await gathering
-        finally:
-            waiting.cancel()
-            gathering.cancel()
-        # the group was complete for a member that asked: from then on this one's own reads are the exchange's time
-        rnd.gathered = max(min(rnd.gathered, asked_at), rnd.started)
-        return group
-
-    def _asked(self, round_no: int) -> None:
-        """A member asked for this node's contribution to ``round_no``: if that is the round it gathers, the member
-        found the group complete, so the rendezvous polls at once (and ``run_round``'s ``asked`` hears of it)."""
-        if round_no == self._gathering:
-            self._poke.set()
-            if self._on_asked is not None:
-                self._on_asked()
 
     async def _publish(self, rnd: _Round, delta: list[torch.Tensor], feedback: Sequence[ErrorFeedback | None] | None) -> None:
         """Encode this member's contribution and serve it: its Δ cut into wire parts (with error feedback),

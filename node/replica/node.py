@@ -272,14 +272,11 @@ class Daemon(PacedRounds, NodeBase):
                 window_start, window_tokens = time.monotonic(), 0
             if cfg.overlap_mode != "delayed" and self.rounds.ready():
                 self._finish_pending()
-            if self.rounds.stepping():  # the round's rendezvous runs: steps go on until the group is complete and
-                # the budget spent, or until a member waits for this node (it asked for the contribution)
-                if (self.rounds.waited_for() or (self.rounds.gathered() and self.pacer.spent(time.monotonic()))
-                        or self.inner_step >= self.pacer.step_cap):
+            if self.rounds.stepping():  # the round's rendezvous runs while this node steps on
+                if self._hand_over_due():
                     self._hand_over()
                     self._next_round()
-            elif self.pacer.due(self.inner_step, time.monotonic(), step_s, spent=self._gathers_first(),
-                                early=self._steps_while_gathering()):
+            elif self._round_due(step_s):
                 self._finish_pending()
                 self._start_round(self.round_samples)
                 if not self.rounds.stepping():

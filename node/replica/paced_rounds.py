@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 class PacedRounds:
-    """The replica daemon's round plans (by time, by steps, or a helper's), whether it steps on through a round's
-    rendezvous (``--step-while-gathering``), the helper's decision and its loop."""
+    """The replica daemon's round plans (by time, by steps, or a helper's), when a round is due, whether it steps on
+    through a round's rendezvous (``--step-while-gathering``) and when it stops, the helper's decision and its loop."""
 
     def _plan_round(self, start: float | None = None) -> None:
         """Plan the next round (``node.replica.pacing``): H steps, or under ``--inner-steps auto`` a time budget
@@ -67,6 +67,20 @@ class PacedRounds:
         node whose steps are short enough not to hold the others once it is (``node.replica.pacing``)."""
         return (self._gathers_first() and not self.helping
                 and self.pacer.steps_while_gathering(self.compute_tokens_per_s, self.cfg.batch_size * self.trainer.model.cfg.context))
+
+    def _round_due(self, step_s: float) -> bool:
+        """Whether this node's next round is due after a step of ``step_s`` (``RoundPacer.due``): a node that steps on
+        through the rendezvous registers ahead of its budget, every other one when the budget is spent (with fast
+        peers stepping on) or at the nearer end of it."""
+        return self.pacer.due(self.inner_step, time.monotonic(), step_s, spent=self._gathers_first(),
+                              early=self._steps_while_gathering())
+
+    def _hand_over_due(self) -> bool:
+        """Whether a node stepping on through its round's rendezvous stops now: a member waits for it (it asked for
+        the contribution), the group is complete and the budget spent, or the round holds the most steps it may."""
+        rounds = self.rounds
+        return (rounds.waited_for() or (rounds.gathered() and self.pacer.spent(time.monotonic()))
+                or self.inner_step >= self.pacer.step_cap)
 
     def _replicas(self) -> int:
         """How many replicas average together: the members of this node's last round in sync (every member of
