@@ -58,8 +58,8 @@ from gossip.reduce_scatter import assign_owners, is_dense, use_reduce_scatter
 from gossip.reduce_scatter_round import ReduceScatterRound
 from gossip.reachable import Reachable
 from gossip.scores import MIN_MEMBERS
-from gossip.stepping_rendezvous import Handover, SteppingRendezvous
 from gossip.screen_votes import agree_on_screen
+from gossip.stepping_rendezvous import Handover, SteppingRendezvous
 from gossip.votes import Tenure, vote
 from gossip.wire_parts import PartSpec
 from protocol.records import RoundEntry

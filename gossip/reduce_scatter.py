@@ -34,14 +34,12 @@ from gossip.partition import DEFAULT_PART_NUMEL, Partition
 # shared-seed payloads keep the all-gather, which is cheaper for them
 DENSE_CODECS = frozenset({"none", "fp16", "bf16", "q8", "q4", "q2", "rot1", "rot2", "rot4", "rot8", "int8-block"})
 FINE_PARTS = 256  # a dense round's wire parts per model: enough for even shares in groups of up to 64
-ELEMENTWISE_CODECS = frozenset({"none", "fp16", "bf16"})  # no per-part tables: small parts cost only a header
-# ... but every part costs a frame, a decode, a check and a share of the aggregation and the outer step on each
-# member: a model of up to FLAT_MAX values sent by an elementwise codec travels in equal flat runs across its
-# tensors, of at least FLAT_PART_FLOOR values, instead of row blocks of each (tiny's 238 parts, a third of them
-# 128-value norms, made its four-member exchange ~1.5 × as long; now 49); joining the runs back costs a copy of
-# the update, small at that size
+ELEMENTWISE_CODECS = frozenset({"none", "fp16", "bf16"})  # no per-part tables: a run across tensors codes as well
+# every part costs each member a frame, a decode, a check and a share of the aggregation and the outer step: a
+# model of up to FLAT_MAX values under an elementwise codec travels in equal flat runs across its tensors instead
+# of row blocks of each (tiny's 238 parts, a third of them 128-value norms, made its four-member exchange ~1.5 × as
+# long; now 49); joining the runs back costs a copy of the update, small at that size
 FLAT_MAX = 1 << 24
-FLAT_PART_FLOOR = 16384
 
 
 def is_dense(codec: str) -> bool:
@@ -65,11 +63,9 @@ def wire_partition(codec: str, shapes: Sequence[Sequence[int]], noloco: bool = F
     all-gather; DCT and shared-seed codecs work per tensor)."""
     total = sum(math.prod(shape) for shape in shapes)
     if codec in ELEMENTWISE_CODECS and not noloco and total <= FLAT_MAX:
-        return Partition(fine_part_numel(total, floor=FLAT_PART_FLOOR), flat=True)
+        return Partition(fine_part_numel(total), flat=True)
     if is_dense(codec) and not noloco:
-        # an elementwise codec's part costs only its ~250-byte header, so small models get finer parts
-        # and even shares (nano in 12 members: the busiest member sent 2.4x the payload with 16384-value parts)
-        return Partition(fine_part_numel(total, floor=4096 if codec in ELEMENTWISE_CODECS else 16384))
+        return Partition(fine_part_numel(total))  # row blocks: φ and the momentum step through views of them
     chosen = get_codec(codec)
     return Partition(DEFAULT_PART_NUMEL, flat=type(chosen) is TopKCompression and chosen.chunk_local)
 

@@ -105,4 +105,3 @@ class SteppingRendezvous:
             self._poke.set()
             if self._on_asked is not None:
                 self._on_asked()
-

@@ -138,12 +138,12 @@ def test_a_late_member_that_counts_more_members_than_the_others_is_refused_at_on
 
 def test_wire_partition_per_codec():
     from gossip.partition import Partition
-    from gossip.reduce_scatter import FINE_PARTS, FLAT_PART_FLOOR, wire_partition
+    from gossip.reduce_scatter import FINE_PARTS, wire_partition
     shapes = [(256, 128), (128,), (64, 64)]
     assert not wire_partition("q2", shapes).flat and wire_partition("q2", shapes).max_numel == 16384
     # a small model under an elementwise codec: flat runs across tensors (its norms are no parts of their own)
     for codec in ("none", "fp16", "bf16"):
-        assert wire_partition(codec, shapes) == Partition(FLAT_PART_FLOOR, flat=True)
+        assert wire_partition(codec, shapes) == Partition(16384, flat=True)
     many = [(4096, 256)] * 64 + [(256,)] * 64  # 67 M values
     assert wire_partition("none", many).flat is False, "a large model keeps row blocks: views, no joined copy"
     small = [(1024, 1024)] * 15 + [(1024,)] * 15  # 15.7 M values: FINE_PARTS equal runs (the last one shorter)
