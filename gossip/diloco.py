@@ -150,7 +150,6 @@ class DiLoCoAverager(SteppingRendezvous, GroupedRendezvous, ReduceScatterRound):
         self.reachable: Reachable | None = None  # set by the node: rendezvous wait only for members that answer
         self._gathering: int | None = None  # the round whose rendezvous runs
         self._poke = asyncio.Event()  # set when a member asks for that round's contribution (gossip.rendezvous.gather_group)
-        self._on_asked: Callable[[], None] | None = None  # and what else to tell then (run_round's ``asked``)
         exchange.asked = self._asked
 
     async def run_round(

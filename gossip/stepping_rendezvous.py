@@ -41,7 +41,7 @@ class SteppingRendezvous:
     """The rendezvous steps of a round whose member registers first (a mixin: see the module's docstring)."""
 
     _gathering: int | None = None
-    _on_asked: Callable[[], None] | None = None
+    _on_asked: Callable[[], None] | None = None  # what else to tell when a member asks (run_round's ``asked``)
     _poke: asyncio.Event
     exchange: Any
     _choose_group: Callable[[Any], Awaitable[None]]  # (gossip.group_rendezvous.GroupedRendezvous)

@@ -160,14 +160,16 @@ class RoundRunner:
 
     def gathered(self) -> bool:
         """Whether that round's group is complete (or the round ended early): time to hand θ over once the budget is spent."""
-        pending = self.pending
-        return pending is not None and pending.handover is not None and (pending.handover.gathered.is_set() or pending.future.done())
+        return self._handover_signalled(lambda h: h.gathered)
 
     def waited_for(self) -> bool:
         """Whether a member of that round waits for this node's θ (it asked for the contribution), or the round
         ended early: time to hand θ over, whatever is left of the budget."""
+        return self._handover_signalled(lambda h: h.asked)
+
+    def _handover_signalled(self, event: Callable[[ThetaHandover], threading.Event]) -> bool:
         pending = self.pending
-        return pending is not None and pending.handover is not None and (pending.handover.asked.is_set() or pending.future.done())
+        return pending is not None and pending.handover is not None and (event(pending.handover).is_set() or pending.future.done())
 
     def hand_over(self, params: list[torch.nn.Parameter], samples: int, steps: int) -> None:
         """The training loop stops: θ (read in place, the loop waits for the round now) and the round's samples and steps."""
