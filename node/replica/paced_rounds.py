@@ -63,14 +63,13 @@ class PacedRounds:
         return cfg.step_while_gathering and not cfg.overlap and self.pacer.by_time and isinstance(self.averager, DiLoCoAverager)
 
     def _steps_while_gathering(self) -> bool:
-        """Whether this node's round registers at once and its inner steps go on until the group is complete: a
-        node whose steps are short enough not to hold the others once it is (``node.replica.pacing``)."""
-        return (self._gathers_first() and not self.helping
-                and self.pacer.steps_while_gathering(self.compute_tokens_per_s, self.cfg.batch_size * self.trainer.model.cfg.context))
+        """Whether this node's round registers ahead of its budget and its inner steps go on until it hands θ over
+        (``node.replica.pacing``): every training node of a swarm whose peers step on, once it has a speed."""
+        return self._gathers_first() and not self.helping and self.pacer.steps_while_gathering(self.compute_tokens_per_s)
 
     def _round_due(self, step_s: float) -> bool:
         """Whether this node's next round is due after a step of ``step_s`` (``RoundPacer.due``): a node that steps on
-        through the rendezvous registers ahead of its budget, every other one when the budget is spent (with fast
+        through the rendezvous registers ahead of its budget, every other one when the budget is spent (with its
         peers stepping on) or at the nearer end of it."""
         return self.pacer.due(self.inner_step, time.monotonic(), step_s, spent=self._gathers_first(),
                               early=self._steps_while_gathering())

@@ -31,9 +31,8 @@ from gossip.fragments import sync_interval
 from node.config import AUTO_STEPS_MAX_FACTOR, NodeConfig
 
 
-GATHER_STEP_FACTOR = 1.5  # a node steps on through a round's rendezvous if its steps are at most this × the median's
-REGISTER_LEAD = 0.1  # such a node registers this share of the budget before it runs out ...
-REGISTER_LEAD_S = (0.25, 2.0)  # ... but at least and at most this many seconds (never more than half the budget)
+REGISTER_LEAD = 0.1  # a node that steps on through a round's rendezvous registers this share of the budget before it runs out ...
+REGISTER_LEAD_S = (0.25, 2.0)  # ... but at least and at most this many seconds (or one of its steps; never more than half the budget)
 
 
 @dataclass(frozen=True)
@@ -126,15 +125,15 @@ class RoundPacer:
         stopping now ends before it (at least one step, at most the cap); with ``spent`` (the swarm's fast
         peers step on until the group is complete), once the budget has run out: a slow peer then arrives
         late rather than early, and the others train meanwhile instead of the slow peer waiting for them.
-        ``early``: this node is one of those that step on; its round is due (it registers) ``register_lead``
-        before the budget runs out, so that nobody who stops at the budget waits for it to register."""
+        ``early``: this node steps on through the rendezvous; its round is due (it registers) ``register_lead``
+        before the budget runs out, so that nobody waits for it to register."""
         pace = self.pace
         if steps_taken >= pace.steps:
             return True
         if pace.budget_s is None or steps_taken < 1:
             return False
         if early:
-            return now - pace.started + register_lead(pace.budget_s) >= pace.budget_s
+            return now - pace.started + register_lead(pace.budget_s, step_s) >= pace.budget_s
         return now - pace.started + (0.0 if spent else step_s / 2) >= pace.budget_s
 
     def spent(self, now: float) -> bool:
@@ -144,17 +143,13 @@ class RoundPacer:
         pace = self.pace
         return pace.budget_s is None or now - pace.started >= pace.budget_s
 
-    def steps_while_gathering(self, mine: float, tokens_per_step: int) -> bool:
-        """Whether a node of ``mine`` tokens/s may take inner steps while its round waits for the group: rounds
-        paced by time, and its steps at most ``GATHER_STEP_FACTOR`` × as long as the median peer's (a longer
-        step, begun just before the group is complete, would hold everyone); in the first round, which counts
-        the median's steps before speeds are known, every node (the slowest arrives last)."""
-        pace = self.pace
-        if not self.by_time or mine <= 0:
-            return False
-        if pace.budget_s is None:  # the first round counts the median's steps: who gets there first steps on
-            return True
-        return pace.budget_s > 0 and mine * GATHER_STEP_FACTOR >= pace.median_steps * tokens_per_step / pace.budget_s
+    def steps_while_gathering(self, mine: float) -> bool:
+        """Whether a node of ``mine`` tokens/s takes inner steps while its round waits for the group: rounds paced
+        by time, once it has a speed, whatever that speed. A slow node steps no longer for it: it hands θ over
+        once the budget is spent, as a node that stops at the budget would, or at the end of the step in which a
+        member asks for its update (also about when the budget runs out: nobody hands over earlier), and its
+        registration and DHT reads are done while it takes its last steps instead of after them."""
+        return self.by_time and mine > 0
 
     @property
     def step_cap(self) -> int:
@@ -163,12 +158,13 @@ class RoundPacer:
         return pace.steps if pace.budget_s is not None else pace.median_steps * AUTO_STEPS_MAX_FACTOR
 
 
-def register_lead(budget_s: float) -> float:
+def register_lead(budget_s: float, step_s: float = 0.0) -> float:
     """How long before its budget runs out a node that steps on through the rendezvous registers: the members'
     rounds start apart by the spread of the last round's end (and of what each does after it), and a node that
-    registered late would keep those who stop at the budget standing still for it."""
+    registered late would keep the others standing still for it. At least one of its steps (``step_s``, the
+    last one's time), so that a slow node's registration lands before the step that crosses the budget."""
     low, high = REGISTER_LEAD_S
-    return min(max(REGISTER_LEAD * budget_s, low), high, budget_s / 2)
+    return min(max(REGISTER_LEAD * budget_s, low, min(step_s, high)), high, budget_s / 2)
 
 
 def should_help(mine: float, rates: dict[str, float], own_id: str, below: float) -> bool:

@@ -2,8 +2,8 @@
 time): the round registers first, θ follows once the group is complete.
 
 - ``node.replica.pacing``: every round is due once its budget has run out (a slow peer arrives late, not
-  early), and only a node whose steps are at most ``GATHER_STEP_FACTOR`` × the median's steps on; such a
-  node registers ``register_lead`` ahead of the budget and hands over once it is spent.
+  early), and every node with a speed steps on: it registers ``register_lead`` (at least one of its steps)
+  ahead of the budget and hands over once it is spent.
 - ``gossip.diloco``/``node.replica.rounds``: a round whose θ is handed over after the rendezvous averages the
   θ of the hand-over, not of the start, and its members end bit-identical with a member that did not step on;
   a member that asks for a contribution wakes the owner's rendezvous at once, and has θ handed over.
@@ -19,7 +19,7 @@ import torch
 
 import gossip.rendezvous as rendezvous
 from node.config import AUTO_STEPS_MAX_FACTOR, NodeConfig
-from node.replica.pacing import GATHER_STEP_FACTOR, RoundPacer, register_lead
+from node.replica.pacing import RoundPacer, register_lead
 from protocol.records import RoundEntry
 from tests.helpers.diloco_members import diloco_members
 from tests.helpers.memory_transport import Network
@@ -64,19 +64,33 @@ def test_a_node_that_steps_on_registers_ahead_of_the_budget_and_hands_over_once_
     assert provisional.spent(0.0), "before speeds are known there is no budget to wait for"
 
 
-@pytest.mark.parametrize("budget, lead", [(1.0, 0.25), (0.4, 0.2), (10.0, 1.0), (100.0, 2.0)])
-def test_the_lead_is_a_share_of_the_budget_within_bounds(budget: float, lead: float) -> None:
-    assert register_lead(budget) == pytest.approx(lead)
+@pytest.mark.parametrize("budget, step, lead", [(1.0, 0.0, 0.25), (0.4, 0.0, 0.2), (10.0, 0.0, 1.0), (100.0, 0.0, 2.0),
+                                               (10.0, 1.5, 1.5), (10.0, 0.5, 1.0), (10.0, 4.0, 2.0), (2.0, 1.5, 1.0)])
+def test_the_lead_is_a_share_of_the_budget_or_one_step_within_bounds(budget: float, step: float, lead: float) -> None:
+    assert register_lead(budget, step) == pytest.approx(lead)
 
 
-@pytest.mark.parametrize("speed, steps_on", [(1.0, True), (4.0, True), (1 / GATHER_STEP_FACTOR, True), (0.5, False), (0.0, False)])
-def test_only_a_node_whose_steps_are_short_enough_steps_on(speed: float, steps_on: bool) -> None:
-    assert _pacer().steps_while_gathering(speed * RATE * 1.0000001, TOKENS) is steps_on
+def test_a_slow_node_registers_a_step_ahead_and_still_hands_over_when_the_budget_is_spent() -> None:
+    """A node four times slower than the median (a step of 0.4 s, longer than the 10 % lead of a 2 s budget)
+    registers before the step that crosses the budget, so its registration and the others' DHT reads are done
+    while it takes that step; it steps on until the budget is spent, as a node that stops at the budget would."""
+    pacer = _pacer()
+    budget = pacer.pace.budget_s
+    step = 0.4
+    assert register_lead(budget, step) == pytest.approx(step) and step > register_lead(budget)
+    assert not pacer.due(3, budget - step - 0.01, step, spent=True, early=True)
+    assert pacer.due(3, budget - step, step, spent=True, early=True)
+    assert not pacer.spent(budget - 0.01) and pacer.spent(budget)
 
 
-def test_rounds_paced_by_steps_never_step_on() -> None:
-    pacer = _pacer(inner_steps=20)
-    assert not pacer.steps_while_gathering(4 * RATE, TOKENS)
+@pytest.mark.parametrize("speed", [4.0, 1.0, 0.5, 0.25, 0.01])
+def test_every_node_with_a_speed_steps_on_whatever_that_speed(speed: float) -> None:
+    assert _pacer().steps_while_gathering(speed * RATE)
+
+
+def test_a_node_without_a_speed_and_rounds_paced_by_steps_never_step_on() -> None:
+    assert not _pacer().steps_while_gathering(0.0)
+    assert not _pacer(inner_steps=20).steps_while_gathering(4 * RATE)
 
 
 
@@ -86,7 +100,7 @@ def test_in_the_first_round_every_node_that_gets_there_steps_on_up_to_the_cap() 
     provisional = RoundPacer(NodeConfig(inner_steps="auto", round_steps=20), "me")
     provisional.plan(2, 0.0, {}, TOKENS, now=0.0)
     assert provisional.provisional and provisional.due(20, 0.0, 0.1)
-    assert provisional.steps_while_gathering(RATE / 4, TOKENS) and not provisional.steps_while_gathering(0.0, TOKENS)
+    assert provisional.steps_while_gathering(RATE / 4) and not provisional.steps_while_gathering(0.0)
     assert provisional.step_cap == 20 * AUTO_STEPS_MAX_FACTOR
     assert _pacer().step_cap == _pacer().pace.steps
 
