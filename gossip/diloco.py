@@ -161,7 +161,7 @@ class DiLoCoAverager(SteppingRendezvous, GroupedRendezvous, ReduceScatterRound):
         before_gather: Callable[[], Awaitable[None]] | None = None,
         indices: Sequence[int] | None = None,
         feedback: Sequence[ErrorFeedback | None] | None = None,
-        later: Callable[[], Awaitable[Handover]] | None = None,
+        later: Callable[[Sequence[RoundEntry]], Awaitable[Handover]] | None = None,
         asked: Callable[[], None] | None = None,
     ) -> RoundResult:
         """Average this member's Δ with its group and step ``phi`` in place (when in sync).
@@ -174,10 +174,10 @@ class DiLoCoAverager(SteppingRendezvous, GroupedRendezvous, ReduceScatterRound):
         :param indices: which model parameters ``phi``/``theta`` hold (streaming: one fragment)
         :param feedback: error-feedback buffers of the round's wire parts, if the codec is lossy
         :param later: θ comes after the rendezvous: this member registers first and keeps taking inner steps
-            while it waits for the others; ``later()``, awaited once the group is complete, hands over θ and
-            the samples (``theta`` and ``samples`` are then unused)
-        :param asked: called (on the event loop) when a member asks for this round's contribution while this
-            member's rendezvous still runs: that member found the group complete and waits for this one
+            while it waits for the others; ``later(group)``, awaited once the group is complete (with its entries)
+            or a member asks (with none), hands over θ and the samples (``theta`` and ``samples`` are then unused)
+        :param asked: called (on the event loop) when a member asks for this round's contribution before this
+            member handed θ over: that member found the group complete and waits for this one
         """
         rnd = _Round(round_no, phi, samples, indices, time.monotonic(), [tuple(p.shape) for p in phi], fingerprint(phi))
         if later is None:

@@ -42,6 +42,7 @@ class SteppingRendezvous:
 
     _gathering: int | None = None
     _on_asked: Callable[[], None] | None = None  # what else to tell when a member asks (run_round's ``asked``)
+    _stepping: tuple[int, Callable[[], None]] | None = None  # (round, its hook) while θ of a stepping member is awaited
     _poke: asyncio.Event
     exchange: Any
     _choose_group: Callable[[Any], Awaitable[None]]  # (gossip.group_rendezvous.GroupedRendezvous)
@@ -58,11 +59,14 @@ class SteppingRendezvous:
             self._gathering, self._on_asked = None, None
 
     async def _gather_first(self, rnd: Any, before_gather: Callable[[], Awaitable[None]] | None,
-                            later: Callable[[], Awaitable[Handover]], feedback: Sequence[ErrorFeedback | None] | None,
+                            later: Callable[[Sequence[RoundEntry]], Awaitable[Handover]],
+                            feedback: Sequence[ErrorFeedback | None] | None,
                             asked: Callable[[], None] | None = None) -> list[RoundEntry]:
         """The rendezvous first, while this member keeps training; then θ (``later``), Δ and the contribution.
-        θ is asked for once the group is complete, or as soon as a member asks for this contribution (it waits for
-        this one): Δ and the contribution are then made while the rendezvous still reads the DHT.
+        θ is asked for once the group is complete (``later`` gets the group's entries), or as soon as a member asks
+        for this contribution (it waits for this one; ``later`` gets none): Δ and the contribution are then made
+        while the rendezvous still reads the DHT. A member that asks after the group was complete, while this one
+        still steps (it waits for a slower member, ``node.replica.pacing``), is passed on to ``asked`` too.
         The round's times count from the hand-over, when the member stopped: its wait at the rendezvous is what
         it stood still (it reached the most steps it may take before the group was complete)."""
         await self._choose_group(rnd)
@@ -81,17 +85,18 @@ class SteppingRendezvous:
 
         gathering = asyncio.ensure_future(self._gather(rnd, on_asked))
         waiting = asyncio.ensure_future(wanted.wait())
+        self._stepping = (rnd.number, on_asked)
         try:
             await asyncio.wait({gathering, waiting}, return_when=asyncio.FIRST_COMPLETED)
-            if gathering.done():
-                gathering.result()  # a rendezvous that failed ends the round here
-            handover = await later()
+            handover = await later(gathering.result() if gathering.done() else [])  # (a rendezvous that failed ends the round here)
+            self._stepping = None
             rnd.samples, rnd.started = handover.samples, handover.at
             delta = await asyncio.to_thread(lambda: to_host(pseudo_gradient(rnd.phi, handover.theta)))
             del handover
             await self._publish(rnd, delta, feedback)
             group = await gathering
         finally:
+            self._stepping = None
             waiting.cancel()
             gathering.cancel()
         # the group was complete for a member that asked: from then on this one's own reads are the exchange's time
@@ -100,8 +105,11 @@ class SteppingRendezvous:
 
     def _asked(self, round_no: int) -> None:
         """A member asked for this node's contribution to ``round_no``: if that is the round it gathers, the member
-        found the group complete, so the rendezvous polls at once (and ``run_round``'s ``asked`` hears of it)."""
+        found the group complete, so the rendezvous polls at once (and ``run_round``'s ``asked`` hears of it); if this
+        node's group of that round is complete and it still steps, ``asked`` hears of it."""
         if round_no == self._gathering:
             self._poke.set()
             if self._on_asked is not None:
                 self._on_asked()
+        elif self._stepping is not None and self._stepping[0] == round_no:
+            self._stepping[1]()

@@ -143,10 +143,9 @@ class NodeConfig(DerivedSettings, BaseModel):
     fragments: int = option(1, "Streaming: split the model into P fragments synchronised in rotation, one every H/P steps", AVG,
                             ge=1, le=64)
     step_while_gathering: bool = option(
-        True, "With --inner-steps auto (diloco, sparseloco) and blocking rounds: a node whose steps are no longer than 1.5× "
-        "the median peer's registers a little before its time budget runs out and keeps taking inner steps until the group "
-        "is complete and the budget spent, or a member asks for its update; a slower node's round is due when its budget "
-        "has run out", AVG)
+        True, "With --inner-steps auto (diloco, sparseloco) and blocking rounds: a node registers a little before its time "
+        "budget runs out (at least one of its steps) and keeps taking inner steps until the group is complete and the budget "
+        "spent, or a member asks for its update", AVG)
     overlap: bool = option(
         False, "Keep training while a round's exchange runs; the steps taken meanwhile stay on top of the round's result "
         "(a one-step-delayed outer update: it hides the round's time but costs loss per step, docs/benchmarks.md)", AVG)

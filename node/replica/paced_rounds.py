@@ -76,10 +76,15 @@ class PacedRounds:
 
     def _hand_over_due(self) -> bool:
         """Whether a node stepping on through its round's rendezvous stops now: a member waits for it (it asked for
-        the contribution), the group is complete and the budget spent, or the round holds the most steps it may."""
-        rounds = self.rounds
-        return (rounds.waited_for() or (rounds.gathered() and self.pacer.spent(time.monotonic()))
-                or self.inner_step >= self.pacer.step_cap)
+        the contribution), the group is complete and the budget spent (and no member much slower than this node is
+        still taking its last step: ``RoundPacer.waits_for_slower``), or the round holds the most steps it may."""
+        rounds, now = self.rounds, time.monotonic()
+        if rounds.waited_for() or self.inner_step >= self.pacer.step_cap:
+            return True
+        if not rounds.gathered() or not self.pacer.spent(now):
+            return False
+        tokens_per_step = self.cfg.batch_size * self.trainer.model.cfg.context
+        return not self.pacer.waits_for_slower(now, self.compute_tokens_per_s, rounds.group_rates(), tokens_per_step)
 
     def _replicas(self) -> int:
         """How many replicas average together: the members of this node's last round in sync (every member of

@@ -13,7 +13,7 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ from gossip.fragments import assign_fragments, fragment_of_round, merge_fragment
 from gossip.noloco import NoLoCoAverager
 from gossip.reduce_scatter import wire_partition
 from gossip.placement import OuterPlacement
+from protocol.records import RoundEntry
 from node.runtime.network import Interrupted, NetworkThread
 
 
@@ -87,16 +88,20 @@ class PendingRound:
 class ThetaHandover:
     """θ of a round whose rendezvous runs while the training loop keeps stepping (``--step-while-gathering``):
     the round waits for :meth:`give` once its group is complete or a member waits for this node (``gathered`` is
-    then set). ``asked`` is set when a member asked for this node's contribution: it found the group complete."""
+    then set, and ``rates`` holds the speeds the group's members announced). ``asked`` is set when a member asked for
+    this node's contribution: it found the group complete."""
 
     def __init__(self) -> None:
         self.gathered = threading.Event()
         self.asked = threading.Event()
         self.given = False
+        self.rates: dict[str, float] = {}
         self._handover: concurrent.futures.Future = concurrent.futures.Future()
 
-    async def __call__(self) -> Handover:
-        """On the network thread, once the group is complete or a member asked: θ, once the training loop hands it over."""
+    async def __call__(self, group: Sequence[RoundEntry]) -> Handover:
+        """On the network thread, once the group is complete (its entries) or a member asked (none): θ, once the
+        training loop hands it over."""
+        self.rates = {e.peer_id: e.tokens_per_s for e in group}
         self.gathered.set()
         return await asyncio.wrap_future(self._handover)
 
@@ -161,6 +166,11 @@ class RoundRunner:
     def gathered(self) -> bool:
         """Whether that round's group is complete (or the round ended early): time to hand θ over once the budget is spent."""
         return self._handover_signalled(lambda h: h.gathered)
+
+    def group_rates(self) -> dict[str, float]:
+        """The speeds (tokens/s) the members of the stepping round's complete group announced (none before)."""
+        pending = self.pending
+        return {} if pending is None or pending.handover is None else pending.handover.rates
 
     def waited_for(self) -> bool:
         """Whether a member of that round waits for this node's θ (it asked for the contribution), or the round

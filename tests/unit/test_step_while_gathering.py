@@ -83,6 +83,26 @@ def test_a_slow_node_registers_a_step_ahead_and_still_hands_over_when_the_budget
     assert not pacer.spent(budget - 0.01) and pacer.spent(budget)
 
 
+def test_a_node_steps_past_its_spent_budget_while_a_much_slower_member_takes_its_last_step() -> None:
+    """The group is complete and the budget spent, but a member four times slower is still in the step that crosses
+    the budget: this node trains on until that member asks for its update, for at most two of its steps."""
+    pacer = _pacer()
+    budget = pacer.pace.budget_s
+    slow_step = TOKENS / (RATE / 4)  # 0.4 s
+    rates = {"me": RATE, "slow": RATE / 4, "fast": 2 * RATE}
+    assert pacer.waits_for_slower(budget, RATE, rates, TOKENS)
+    assert pacer.waits_for_slower(budget + 2 * slow_step - 0.01, RATE, rates, TOKENS)
+    assert not pacer.waits_for_slower(budget + 2 * slow_step, RATE, rates, TOKENS), "at most two of its steps"
+    assert not pacer.waits_for_slower(budget, RATE, {"me": RATE, "near": RATE / 1.4, "fast": 2 * RATE}, TOKENS), \
+        "a member less than 1.5 × slower hands over when its budget is spent too"
+    assert not pacer.waits_for_slower(budget, RATE, {"me": RATE, "helper": 0.0}, TOKENS), "a helper announces no speed"
+    assert not pacer.waits_for_slower(budget, RATE / 4, rates, TOKENS), "the slowest member waits for nobody"
+    liar = {"me": RATE, "liar": 1e-9}
+    assert pacer.waits_for_slower(budget + budget / 2 - 0.01, RATE, liar, TOKENS)
+    assert not pacer.waits_for_slower(budget + budget / 2, RATE, liar, TOKENS), "a claim of a crawl holds it half a budget at most"
+    assert not _pacer(inner_steps=20).waits_for_slower(10.0, RATE, rates, TOKENS), "rounds paced by steps never wait"
+
+
 @pytest.mark.parametrize("speed", [4.0, 1.0, 0.5, 0.25, 0.01])
 def test_every_node_with_a_speed_steps_on_whatever_that_speed(speed: float) -> None:
     assert _pacer().steps_while_gathering(speed * RATE)
@@ -246,6 +266,47 @@ def test_a_member_asking_for_the_contribution_of_a_round_still_gathering_has_the
         await asyncio.sleep(0.2)
 
     asyncio.run_coroutine_threadsafe(settle(), a["runner"].net.loop).result(20)
+
+
+def test_a_member_asking_once_the_group_is_complete_has_theta_handed_over_by_a_node_still_stepping(members) -> None:
+    """A node whose group is complete steps on while a much slower member takes its last step
+    (``RoundPacer.waits_for_slower``, from the speeds of the group's entries); that member's request for the
+    contribution, sent once it has handed its own θ over, reaches the training loop (``waited_for``) though this
+    node's rendezvous is over."""
+    _, (a, b) = members
+    group = [RoundEntry(peer_id=p, samples=1, codec="none", tokens_per_s=r) for p, r in sorted([(a["peer"], RATE), (b["peer"], RATE / 4)])]
+
+    async def complete(rnd):  # the group is complete at once
+        return group
+
+    async def nobody_else(*args, **kwargs):  # (b never runs the round: a averages alone once it has its θ)
+        return {}, {}
+
+    a["averager"]._rendezvous = complete
+    a["exchange"].gather = nobody_else
+    params = [torch.nn.Parameter(t.clone()) for t in a["theta"]]
+    a["runner"].start(0, 0, list(range(len(SHAPES))), a["phi"], params, 0, 3, None, stepping=True)
+    for _ in range(200):
+        if a["runner"].gathered():
+            break
+        threading.Event().wait(0.05)
+    assert a["runner"].gathered() and a["runner"].stepping() and not a["runner"].waited_for()
+    assert a["runner"].group_rates() == {a["peer"]: RATE, b["peer"]: RATE / 4}
+
+    async def ask():
+        return await asyncio.wait_for(b["exchange"].fetch(a["peer"], 0), 20.0)
+
+    asking = asyncio.run_coroutine_threadsafe(ask(), b["runner"].net.loop)
+    for _ in range(200):
+        if a["runner"].waited_for():
+            break
+        threading.Event().wait(0.05)
+    assert a["runner"].waited_for() and a["runner"].stepping()
+    a["runner"].hand_over(params, 24, 5)
+    got = asking.result(20)
+    assert got.samples == 24 and got.peer == a["peer"]
+    result, pending = a["runner"].wait()
+    assert pending.steps == 5 and result.samples == 24
 
 
 def test_a_round_still_gathering_when_the_node_stops_is_given_up(members) -> None:
