@@ -164,10 +164,10 @@ class RoundPacer:
 
     def steps_while_gathering(self, mine: float) -> bool:
         """Whether a node of ``mine`` tokens/s takes inner steps while its round waits for the group: rounds paced
-        by time, once it has a speed, whatever that speed. A slow node steps no longer for it: it hands θ over
-        once the budget is spent, as a node that stops at the budget would, or at the end of the step in which a
-        member asks for its update (also about when the budget runs out: nobody hands over earlier), and its
-        registration and DHT reads are done while it takes its last steps instead of after them."""
+        by time, once it has a speed, whatever that speed. A slow node's round does not get longer for it: it hands
+        θ over once the budget is spent, as a node that stops at the budget would, or at the end of the step in which
+        a member asks for its update (about when the budget runs out: nobody hands over earlier); but its
+        registration and DHT reads are done while it takes its last step instead of after it."""
         return self.by_time and mine > 0
 
     @property
@@ -183,7 +183,7 @@ def register_lead(budget_s: float, step_s: float = 0.0) -> float:
     registered late would keep the others standing still for it. At least one of its steps (``step_s``, the
     last one's time), so that a slow node's registration lands before the step that crosses the budget."""
     low, high = REGISTER_LEAD_S
-    return min(max(REGISTER_LEAD * budget_s, low, min(step_s, high)), high, budget_s / 2)
+    return min(max(REGISTER_LEAD * budget_s, low, step_s), high, budget_s / 2)
 
 
 def should_help(mine: float, rates: dict[str, float], own_id: str, below: float) -> bool:
