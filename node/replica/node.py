@@ -291,7 +291,7 @@ class Daemon(PacedRounds, NodeBase):
     def _start_round(self, samples: int) -> None:
         """Run the outer round of the fragment that is due: in the background with ``--overlap``; registered at
         once while the training loop steps on until the group is complete (``--step-while-gathering``, a node
-        fast enough); else right away (the training loop waits)."""
+        that knows its speed); else right away (the training loop waits)."""
         fragment = fragment_of_round(self.round, self.cfg.fragments)
         self.averager.speed = self._announced_rate()
         stepping = samples > 0 and self._steps_while_gathering()

@@ -12,7 +12,9 @@ time): the round registers first, θ follows once the group is complete.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
+from typing import Callable
 
 import pytest
 import torch
@@ -123,6 +125,23 @@ def test_in_the_first_round_every_node_that_gets_there_steps_on_up_to_the_cap() 
     assert provisional.steps_while_gathering(RATE / 4) and not provisional.steps_while_gathering(0.0)
     assert provisional.step_cap == 20 * AUTO_STEPS_MAX_FACTOR
     assert _pacer().step_cap == _pacer().pace.steps
+
+
+def _until(condition: Callable[[], bool]) -> None:
+    for _ in range(200):
+        if condition():
+            return
+        threading.Event().wait(0.05)
+
+
+def _ask(a: dict, b: dict) -> concurrent.futures.Future:
+    """``b`` asks ``a`` for its contribution to round 0; returns the request once ``a``'s training loop heard of it."""
+    async def ask():
+        return await asyncio.wait_for(b["exchange"].fetch(a["peer"], 0), 20.0)
+
+    asking = asyncio.run_coroutine_threadsafe(ask(), b["runner"].net.loop)
+    _until(a["runner"].waited_for)
+    return asking
 
 
 @pytest.fixture
@@ -246,15 +265,7 @@ def test_a_member_asking_for_the_contribution_of_a_round_still_gathering_has_the
     a["runner"].start(0, 0, list(range(len(SHAPES))), a["phi"], params, 0, 3, None, stepping=True)
     assert waiting.wait(20), "the round reached its rendezvous"
     assert not a["runner"].waited_for() and not a["runner"].gathered()
-
-    async def ask():
-        return await asyncio.wait_for(b["exchange"].fetch(a["peer"], 0), 20.0)
-
-    asking = asyncio.run_coroutine_threadsafe(ask(), b["runner"].net.loop)
-    for _ in range(200):
-        if a["runner"].waited_for():
-            break
-        threading.Event().wait(0.05)
+    asking = _ask(a, b)
     assert a["runner"].waited_for() and a["runner"].stepping()
     assert not asking.done(), "nothing is served before θ is handed over"
     a["runner"].hand_over(params, 24, 5)
@@ -286,21 +297,10 @@ def test_a_member_asking_once_the_group_is_complete_has_theta_handed_over_by_a_n
     a["exchange"].gather = nobody_else
     params = [torch.nn.Parameter(t.clone()) for t in a["theta"]]
     a["runner"].start(0, 0, list(range(len(SHAPES))), a["phi"], params, 0, 3, None, stepping=True)
-    for _ in range(200):
-        if a["runner"].gathered():
-            break
-        threading.Event().wait(0.05)
+    _until(a["runner"].gathered)
     assert a["runner"].gathered() and a["runner"].stepping() and not a["runner"].waited_for()
     assert a["runner"].group_rates() == {a["peer"]: RATE, b["peer"]: RATE / 4}
-
-    async def ask():
-        return await asyncio.wait_for(b["exchange"].fetch(a["peer"], 0), 20.0)
-
-    asking = asyncio.run_coroutine_threadsafe(ask(), b["runner"].net.loop)
-    for _ in range(200):
-        if a["runner"].waited_for():
-            break
-        threading.Event().wait(0.05)
+    asking = _ask(a, b)
     assert a["runner"].waited_for() and a["runner"].stepping()
     a["runner"].hand_over(params, 24, 5)
     got = asking.result(20)
