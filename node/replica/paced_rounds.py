@@ -83,8 +83,8 @@ class PacedRounds:
             return True
         if not rounds.gathered() or not self.pacer.spent(now):
             return False
-        tokens_per_step = self.cfg.batch_size * self.trainer.model.cfg.context
-        return not self.pacer.waits_for_slower(now, self.compute_tokens_per_s, rounds.group_rates(), tokens_per_step)
+        longest = self.averager.deadline.value  # (a DiLoCo averager: _gathers_first)
+        return not self.pacer.waits_for_slower(now, self.compute_tokens_per_s, rounds.group_rates(), longest)
 
     def _replicas(self) -> int:
         """How many replicas average together: the members of this node's last round in sync (every member of

@@ -31,8 +31,7 @@ from gossip.fragments import sync_interval
 from node.config import AUTO_STEPS_MAX_FACTOR, NodeConfig
 
 
-SLOWER_FACTOR = 1.5  # a member whose steps are at least this × a node's own takes its last step past the budget ...
-SLOWER_WAIT_STEPS = 2  # ... and that node steps on for at most this many of that member's steps past it (≤ half the budget)
+SLOWER_FACTOR = 1.5  # a member whose steps are at least this × a node's own takes its last step past the budget
 REGISTER_LEAD = 0.1  # a node that steps on through a round's rendezvous registers this share of the budget before it runs out ...
 REGISTER_LEAD_S = (0.25, 2.0)  # ... but at least and at most this many seconds (or one of its steps; never more than half the budget)
 
@@ -145,22 +144,20 @@ class RoundPacer:
         pace = self.pace
         return pace.budget_s is None or now - pace.started >= pace.budget_s
 
-    def waits_for_slower(self, now: float, mine: float, rates: dict[str, float], tokens_per_step: int) -> bool:
+    def waits_for_slower(self, now: float, mine: float, rates: dict[str, float], longest_s: float) -> bool:
         """Whether a node of ``mine`` tokens/s whose budget is spent and whose group is complete steps on: a member of
         the group announced a speed of at most 1/``SLOWER_FACTOR`` of it (``rates``, the group's entries; helpers
         announce none), so that member's last step ends past the budget and it asks for this node's update once it
         has handed its own θ over (this node then hands over at the end of the step in progress). Until then this
-        node trains instead of waiting in the exchange, but for at most ``SLOWER_WAIT_STEPS`` of that member's steps
-        past the budget (at this node's step size, the member's speed clipped to 1/``AUTO_STEPS_MAX_FACTOR`` of
-        this node's) and half the budget: a member that claims to be slow and never asks holds it no longer."""
+        node trains instead of waiting in the exchange, for at most ``longest_s`` past the budget (the node passes its
+        rendezvous deadline: as long as it would wait for a member that had not registered yet), so a member that
+        claims to be slow and never asks holds it no longer than a late one would."""
         pace = self.pace
         if pace.budget_s is None or mine <= 0:
             return False
-        slower = [r for p, r in rates.items() if p != self.own_id and 0 < r * SLOWER_FACTOR <= mine]
-        if not slower:
+        if not any(p != self.own_id and 0 < r * SLOWER_FACTOR <= mine for p, r in rates.items()):
             return False
-        slowest_step_s = tokens_per_step / max(min(slower), mine / AUTO_STEPS_MAX_FACTOR)
-        return now - pace.started < pace.budget_s + min(SLOWER_WAIT_STEPS * slowest_step_s, pace.budget_s / 2)
+        return now - pace.started < pace.budget_s + longest_s
 
     def steps_while_gathering(self, mine: float) -> bool:
         """Whether a node of ``mine`` tokens/s takes inner steps while its round waits for the group: rounds paced

@@ -86,23 +86,21 @@ def test_a_slow_node_registers_a_step_ahead_and_still_hands_over_when_the_budget
 
 
 def test_a_node_steps_past_its_spent_budget_while_a_much_slower_member_takes_its_last_step() -> None:
-    """The group is complete and the budget spent, but a member four times slower is still in the step that crosses
-    the budget: this node trains on until that member asks for its update, for at most two of its steps."""
+    """The group is complete and the budget spent, but a member at least 1.5 × slower is still in the step that crosses
+    the budget: this node trains on until that member asks for its update, for at most its rendezvous deadline."""
     pacer = _pacer()
     budget = pacer.pace.budget_s
-    slow_step = TOKENS / (RATE / 4)  # 0.4 s
+    deadline = 5.0
     rates = {"me": RATE, "slow": RATE / 4, "fast": 2 * RATE}
-    assert pacer.waits_for_slower(budget, RATE, rates, TOKENS)
-    assert pacer.waits_for_slower(budget + 2 * slow_step - 0.01, RATE, rates, TOKENS)
-    assert not pacer.waits_for_slower(budget + 2 * slow_step, RATE, rates, TOKENS), "at most two of its steps"
-    assert not pacer.waits_for_slower(budget, RATE, {"me": RATE, "near": RATE / 1.4, "fast": 2 * RATE}, TOKENS), \
+    assert pacer.waits_for_slower(budget, RATE, rates, deadline)
+    assert pacer.waits_for_slower(budget + deadline - 0.01, RATE, rates, deadline)
+    assert not pacer.waits_for_slower(budget + deadline, RATE, rates, deadline), "no longer than a late member is waited for"
+    assert pacer.waits_for_slower(budget, RATE, {"me": RATE, "liar": 1e-30}, deadline), "a claimed crawl: still one deadline at most"
+    assert not pacer.waits_for_slower(budget, RATE, {"me": RATE, "near": RATE / 1.4, "fast": 2 * RATE}, deadline), \
         "a member less than 1.5 × slower hands over when its budget is spent too"
-    assert not pacer.waits_for_slower(budget, RATE, {"me": RATE, "helper": 0.0}, TOKENS), "a helper announces no speed"
-    assert not pacer.waits_for_slower(budget, RATE / 4, rates, TOKENS), "the slowest member waits for nobody"
-    liar = {"me": RATE, "liar": 1e-9}
-    assert pacer.waits_for_slower(budget + budget / 2 - 0.01, RATE, liar, TOKENS)
-    assert not pacer.waits_for_slower(budget + budget / 2, RATE, liar, TOKENS), "a claim of a crawl holds it half a budget at most"
-    assert not _pacer(inner_steps=20).waits_for_slower(10.0, RATE, rates, TOKENS), "rounds paced by steps never wait"
+    assert not pacer.waits_for_slower(budget, RATE, {"me": RATE, "helper": 0.0}, deadline), "a helper announces no speed"
+    assert not pacer.waits_for_slower(budget, RATE / 4, rates, deadline), "the slowest member waits for nobody"
+    assert not _pacer(inner_steps=20).waits_for_slower(10.0, RATE, rates, deadline), "rounds paced by steps never wait"
 
 
 @pytest.mark.parametrize("speed", [4.0, 1.0, 0.5, 0.25, 0.01])
