@@ -26,10 +26,6 @@ from gossip.placement import to_host
 from protocol.records import RoundEntry
 
 
-ASKED_AHEAD = 4  # requests for rounds this member has not begun are remembered for this many rounds (a stranger's
-# requests for later rounds can end its stepping early in those rounds only: what one request does anyway)
-
-
 @dataclass
 class Handover:
     """θ of a round whose member kept training through the rendezvous (``DiLoCoAverager.run_round``'s ``later``):
@@ -47,7 +43,6 @@ class SteppingRendezvous:
     _gathering: int | None = None
     _on_asked: Callable[[], None] | None = None  # what else to tell when a member asks (run_round's ``asked``)
     _stepping: tuple[int, Callable[[], None]] | None = None  # (round, its hook) while θ of a stepping member is awaited
-    _asked_ahead: tuple[int, ...] = ()  # the last rounds asked for before this member's round of that number began
     _poke: asyncio.Event
     exchange: Any
     _choose_group: Callable[[Any], Awaitable[None]]  # (gossip.group_rendezvous.GroupedRendezvous)
@@ -91,8 +86,6 @@ class SteppingRendezvous:
         gathering = asyncio.ensure_future(self._gather(rnd, on_asked))
         waiting = asyncio.ensure_future(wanted.wait())
         self._stepping = (rnd.number, on_asked)
-        if rnd.number in self._asked_ahead:  # a member asked before this round began here: it waits for this one
-            on_asked()
         try:
             await asyncio.wait({gathering, waiting}, return_when=asyncio.FIRST_COMPLETED)
             handover = await later(gathering.result() if gathering.done() else [])  # (a rendezvous that failed ends the round here)
@@ -113,13 +106,10 @@ class SteppingRendezvous:
     def _asked(self, round_no: int) -> None:
         """A member asked for this node's contribution to ``round_no``: if that is the round it gathers, the member
         found the group complete, so the rendezvous polls at once (and ``run_round``'s ``asked`` hears of it); if this
-        node's group of that round is complete and it still steps, ``asked`` hears of it; if this node has not begun
-        that round yet (it is behind), the request is remembered for when it does."""
+        node's group of that round is complete and it still steps, ``asked`` hears of it."""
         if round_no == self._gathering:
             self._poke.set()
             if self._on_asked is not None:
                 self._on_asked()
         elif self._stepping is not None and self._stepping[0] == round_no:
             self._stepping[1]()
-        elif round_no not in self._asked_ahead:
-            self._asked_ahead = (*self._asked_ahead, round_no)[-ASKED_AHEAD:]

@@ -307,40 +307,6 @@ def test_a_member_asking_once_the_group_is_complete_has_theta_handed_over_by_a_n
     assert pending.steps == 5 and result.samples == 24
 
 
-def test_a_request_that_comes_before_the_round_began_here_is_remembered_for_it(members) -> None:
-    """A member that is ahead asks for round 0 before this node began it (it was still in the round before): the
-    request waits for the contribution, and once the round begins here the training loop hears of it at once."""
-    _, (a, b) = members
-    waiting = threading.Event()
-
-    async def slow_to_see(*args, **kwargs):  # this node's rendezvous has not seen the group complete
-        waiting.set()
-        await asyncio.sleep(3600)
-
-    a["averager"]._rendezvous = slow_to_see
-
-    async def ask():
-        return await asyncio.wait_for(b["exchange"].fetch(a["peer"], 0), 20.0)
-
-    asking = asyncio.run_coroutine_threadsafe(ask(), b["runner"].net.loop)
-    _until(lambda: 0 in a["averager"]._asked_ahead)
-    assert 0 in a["averager"]._asked_ahead
-    params = [torch.nn.Parameter(t.clone()) for t in a["theta"]]
-    a["runner"].start(0, 0, list(range(len(SHAPES))), a["phi"], params, 0, 3, None, stepping=True)
-    assert waiting.wait(20), "the round reached its rendezvous"
-    _until(a["runner"].waited_for)
-    assert a["runner"].waited_for() and a["runner"].stepping()
-    a["runner"].hand_over(params, 24, 5)
-    got = asking.result(20)
-    assert got.samples == 24 and got.peer == a["peer"]
-    a["runner"].give_up()
-
-    async def settle() -> None:  # let the cancelled round unwind (its rendezvous task too) before the loop closes
-        await asyncio.sleep(0.2)
-
-    asyncio.run_coroutine_threadsafe(settle(), a["runner"].net.loop).result(20)
-
-
 def test_a_round_still_gathering_when_the_node_stops_is_given_up(members) -> None:
     """A signal while the round gathers: the node does not hand θ over and wait out the round (up to its final
     timeout, minutes), it cancels it, as a blocking round is cancelled."""
