@@ -89,7 +89,6 @@ class SteppingRendezvous:
         try:
             await asyncio.wait({gathering, waiting}, return_when=asyncio.FIRST_COMPLETED)
             handover = await later(gathering.result() if gathering.done() else [])  # (a rendezvous that failed ends the round here)
-            self._stepping = None
             rnd.samples, rnd.started = handover.samples, handover.at
             delta = await asyncio.to_thread(lambda: to_host(pseudo_gradient(rnd.phi, handover.theta)))
             del handover
