@@ -38,7 +38,7 @@ from gossip.fingerprint import fingerprint
 from gossip.outer import NoLoCoOuter, l2_norm, pseudo_gradient
 from gossip.partition import Partition
 from gossip.placement import to_host
-from gossip.rendezvous import read_round_entries, register_round, round_members
+from gossip.rendezvous import read_round_entries, register_soon, round_members
 from protocol.records import RoundEntry
 
 logger = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class NoLoCoAverager(GroupAverager):
             await before_gather()
 
         entry = RoundEntry(peer_id=self.peer_id, samples=samples, codec=self.exchange.wire, up_mbit=self.up_mbit)
-        await register_round(self.dht, self.validator, self.run_id, round_no, entry, ENTRY_TTL_S)
+        await register_soon(self.dht, self.validator, self.run_id, round_no, entry, ENTRY_TTL_S)
         deadline, registered = self.deadline.value, time.monotonic()
         group, complete = await self._match(round_no, deadline)
         gathered = time.monotonic()

@@ -29,6 +29,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from gossip.dht_io import answers, store_owned
 from protocol.errors import SchemaError
 from protocol.peer_identity import CLOCK_SKEW_S, MAX_RECORD_TTL_S, MAX_SUBKEYS, OwnedRecordValidator, owned_subkey, owner_of
 from protocol.records import PEER_RECORD_TTL_S, PeerRecord, RoundEntry, peers_key, round_key
@@ -76,7 +77,11 @@ async def _nearest_copies(dht: DHTNode, key_id: DHTID, ask: Callable[..., Awaita
     return copies
 
 
-async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0, max_ttl: float = MAX_RECORD_TTL_S) -> dict[str, tuple[object, float]]:
+READ_TIMEOUT_S = 3.0  # the longest a DHT read waits for one peer's answer
+MIN_READ_S = 0.3  # the shortest: a rendezvous past its deadline still reads once more
+
+
+async def read_subkeys(dht: DHTNode, key: str, timeout: float = READ_TIMEOUT_S, max_ttl: float = MAX_RECORD_TTL_S) -> dict[str, tuple[object, float]]:
     """{peer id: (value, expiration time)} of a key's owned subkeys, freshest copy of each subkey.
 
     Only subkeys signed by the key their peer id derives from are read, none expiring more than
@@ -110,7 +115,7 @@ async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0, max_ttl: fl
     if len(peers) > FULL_READ_PEERS:
         dictionaries.extend(await _nearest_copies(dht, key_id, ask))
         return _merge(dht, key_id, dictionaries, max_ttl)
-    collect(await asyncio.gather(*(ask(p) for p in peers)))
+    collect(await answers(ask, peers, timeout))
     # owners of subkeys we learned about but did not ask yet (e.g. a client that knows one peer)
     asked = {str(p) for p in peers} | {str(dht.peer_id)}
     owners = set()
@@ -124,7 +129,7 @@ async def read_subkeys(dht: DHTNode, key: str, timeout: float = 3.0, max_ttl: fl
             extra.append(PeerID.from_base58(owner))
         except Exception:
             continue
-    collect(await asyncio.gather(*(ask(p) for p in extra[:MAX_SUBKEYS])))
+    collect(await answers(ask, extra[:MAX_SUBKEYS], timeout))
     return _merge(dht, key_id, dictionaries, max_ttl)
 
 
@@ -212,10 +217,9 @@ async def reconnect_routing_table(dht: DHTNode, peer_ids: list, timeout: float =
 
 
 async def publish_peer(dht: DHTNode, validator: RSASignatureValidator, run_id: str, record: PeerRecord, ttl: float) -> bool:
-    """Store (refresh) this node's PeerRecord; it expires ``ttl`` seconds from now unless refreshed."""
-    return await dht.store(
-        peers_key(run_id), record.to_value(), get_dht_time() + ttl, subkey=owned_subkey(record.peer_id, validator)
-    )
+    """Store (refresh) this node's PeerRecord, in its own storage at once, then on the key's nearest nodes (as
+    :func:`register_round`); it expires ``ttl`` seconds from now unless refreshed."""
+    return await store_owned(dht, peers_key(run_id), owned_subkey(record.peer_id, validator), record.to_value(), get_dht_time() + ttl)
 
 
 async def list_peers(dht: DHTNode, run_id: str) -> dict[str, PeerRecord]:
@@ -260,10 +264,12 @@ async def round_members(dht: DHTNode, run_id: str, round_no: int, role: str = "t
     return {p for p, rec in peers.items() if rec.round in (round_no - 1, round_no) and rec.role == role}
 
 
-async def read_round_entries(dht: DHTNode, run_id: str, round_no: int, group: str = "") -> dict[str, tuple[RoundEntry, float]]:
-    """{peer: (its entry, the entry's expiration time)} of round ``round_no``'s rendezvous (of ``group``'s, if named)."""
+async def read_round_entries(dht: DHTNode, run_id: str, round_no: int, group: str = "",
+                             timeout: float = READ_TIMEOUT_S) -> dict[str, tuple[RoundEntry, float]]:
+    """{peer: (its entry, the entry's expiration time)} of round ``round_no``'s rendezvous (of ``group``'s, if named),
+    waiting at most ``timeout`` seconds for each peer asked."""
     entries: dict[str, tuple[RoundEntry, float]] = {}
-    for peer, (value, expiration) in (await read_subkeys(dht, round_key(run_id, round_no, group))).items():
+    for peer, (value, expiration) in (await read_subkeys(dht, round_key(run_id, round_no, group), timeout)).items():
         try:
             candidate = RoundEntry.from_value(value)
         except SchemaError as e:
@@ -277,8 +283,33 @@ async def read_round_entries(dht: DHTNode, run_id: str, round_no: int, group: st
 async def register_round(
     dht: DHTNode, validator: RSASignatureValidator, run_id: str, round_no: int, entry: RoundEntry, ttl: float, group: str = ""
 ) -> bool:
-    """Store this member's entry in round ``round_no``'s rendezvous (``group``'s, if named), expiring ``ttl`` seconds from now."""
-    return await dht.store(round_key(run_id, round_no, group), entry.to_value(), get_dht_time() + ttl, subkey=owned_subkey(entry.peer_id, validator))
+    """Store this member's entry in round ``round_no``'s rendezvous (``group``'s, if named), expiring ``ttl`` seconds
+    from now: in this node's own storage at once (members' reads ask every peer they know, this one included), then
+    on the key's nearest nodes (hivemind's store, which waits seconds for a peer that stopped answering)."""
+    return await store_owned(dht, round_key(run_id, round_no, group), owned_subkey(entry.peer_id, validator), entry.to_value(), get_dht_time() + ttl)
+
+
+REGISTER_WAIT_S = 0.5  # the longest a rendezvous waits for its entry's DHT store before it polls
+
+
+async def register_soon(
+    dht: DHTNode, validator: RSASignatureValidator, run_id: str, round_no: int, entry: RoundEntry, ttl: float, group: str = ""
+) -> None:
+    """:func:`register_round`, waited for at most ``REGISTER_WAIT_S``: the entry is readable from this node at once,
+    and the nearest nodes' copies follow in the background (a peer that stopped answering held hivemind's store
+    7 s, past the rendezvous deadline, live)."""
+    stored = asyncio.ensure_future(register_round(dht, validator, run_id, round_no, entry, ttl, group))
+    stored.add_done_callback(_retrieve)
+    try:
+        await asyncio.wait_for(asyncio.shield(stored), REGISTER_WAIT_S)
+    except asyncio.TimeoutError:
+        logger.info("round %d: the DHT store of this node's entry is slow (a peer does not answer); gathering meanwhile", round_no)
+
+
+def _retrieve(task: "asyncio.Future[bool]") -> None:
+    """A store that ran on after the rendezvous stopped waiting for it: its failure is logged, not lost."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.info("storing a round entry failed: %s", task.exception())
 
 
 FIRST_POLLS = (0.02, 0.04, 0.08)  # seconds before the rendezvous's 2nd, 3rd and 4th reads (a few extra DHT reads a round)
@@ -315,7 +346,7 @@ async def gather_group(
     ``poke``, when set (a member asked this node for the round's contribution: it found the group complete),
     brings the next poll forward, to at least ``POKED_POLL_S`` after the last one began.
     """
-    await register_round(dht, validator, run_id, round_no, entry, min(max(60.0, 4 * timeout), MAX_RECORD_TTL_S), group)
+    await register_soon(dht, validator, run_id, round_no, entry, min(max(60.0, 4 * timeout), MAX_RECORD_TTL_S), group)
     deadline = time.monotonic() + timeout
     entries: dict[str, RoundEntry] = {entry.peer_id: entry}
     moved: set[str] = set()
@@ -327,10 +358,17 @@ async def gather_group(
         if poke is not None:
             poke.clear()  # a poke that comes during this poll's reads brings the next one forward
         polled = time.monotonic()
-        entries.update({peer: e for peer, (e, _) in (await read_round_entries(dht, run_id, round_no, group)).items()})
+        # each read waits for a peer that does not answer (a frozen process) at most until the deadline
+        budget = min(READ_TIMEOUT_S, max(MIN_READ_S, deadline - polled))
+        entries.update({peer: e for peer, (e, _) in (await read_round_entries(dht, run_id, round_no, group, timeout=budget)).items()})
         waiting_for = members - set(entries) - moved
         if not waiting_for or time.monotonic() - members_read >= MEMBERS_EVERY_S:
-            members, members_read = await expected(), time.monotonic()
+            try:
+                members = await asyncio.wait_for(expected(), max(MIN_READ_S, deadline - time.monotonic()))
+            except asyncio.TimeoutError:  # as above: the members read last time stand (the deadline has passed)
+                if members_read == -math.inf:  # none read yet: nobody can call the group complete
+                    return [entries[p] for p in sorted(entries)], False
+            members_read = time.monotonic()
             waiting_for = members - set(entries) - moved
         if waiting_for and elsewhere is not None and time.monotonic() >= next_check:
             next_check = time.monotonic() + ELSEWHERE_CHECK_S

@@ -197,3 +197,17 @@ def others_median(rates: dict[str, float], own_id: str) -> float | None:
     """The median of the speeds other peers announce (0: not measured, or a helper's), None when there are none."""
     others = [r for p, r in rates.items() if p != own_id and r > 0]
     return statistics.median(others) if others else None
+
+
+STALL_FACTOR = 4.0  # a step that took longer than this × the typical one was stalled (paused, swapped out), not slow
+
+
+def slowdown_sleep(slowdown: float, step_s: float, typical_s: float) -> float:
+    """``--slowdown``'s pause after an inner step of ``step_s`` seconds: (slowdown − 1) × the step, but a stalled
+    step (``STALL_FACTOR`` × the ``typical_s`` one or more; 0: none measured yet) counts as typical, so a process
+    paused for a minute mid-step (SIGSTOP, a laptop's sleep) does not then sleep (slowdown − 1) minutes more."""
+    if slowdown <= 1:
+        return 0.0
+    if typical_s > 0:
+        step_s = min(step_s, STALL_FACTOR * typical_s)
+    return (slowdown - 1) * step_s

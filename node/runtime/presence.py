@@ -10,6 +10,7 @@ It uses the node's attributes that :class:`~node.runtime.base.NodeBase` sets up 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -28,6 +29,10 @@ from protocol.version import package_version, protocol_version
 
 logger = logging.getLogger("locomesh.node")
 
+# the longest a round waits for the heartbeat before its rendezvous: a DHT store waits seconds for a peer
+# that stopped answering (8–10 s measured, for a frozen process whose p2pd still accepts streams)
+ROUND_ANNOUNCE_WAIT_S = 1.0
+
 
 class NetworkPresence:
     """Networking start-up, heartbeat, live members, addresses and join hint of a node."""
@@ -37,6 +42,7 @@ class NetworkPresence:
     summary: Any
     metrics: Any
     PEER_READ_EVERY = 1  # heartbeats between two reads of the run's records
+    _announcing: "asyncio.Future[None] | None" = None  # the heartbeat a round last started (it may run on)
 
     def reachable_members(self) -> Reachable:
         """Filters the members a rendezvous waits for to those that answer a status request: a signed
@@ -46,6 +52,20 @@ class NetworkPresence:
             await fetch_status(self.net.transport, peer)
 
         return Reachable(probe)
+
+    async def _announce_for_round(self) -> None:
+        """The heartbeat before a round's rendezvous (the record then names the round), waited for at most
+        ``ROUND_ANNOUNCE_WAIT_S``; it goes on in the background. Awaited whole, a slow DHT store held this member
+        out of the rendezvous past its deadline, and every other member with it (live: 12–16 s against a 5 s
+        deadline while one member was frozen)."""
+        task = self._announcing
+        if task is None or task.done():
+            task = self._announcing = asyncio.ensure_future(self._heartbeat())
+            task.add_done_callback(_log_failure)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), ROUND_ANNOUNCE_WAIT_S)
+        except asyncio.TimeoutError:
+            logger.info("the heartbeat before round %d is slow (a peer does not answer the DHT): not waiting for it", self.round)
 
     async def _heartbeat(self) -> None:
         """Publish this node's DHT record; every PEER_READ_EVERY heartbeats, read the run's records too."""
@@ -116,3 +136,9 @@ class NetworkPresence:
         peers = " ".join(f"--initial-peers {a}" for a in dialable_addresses(self.summary.multiaddrs)[:2])
         print(f"locomesh node {self.summary.peer_id} is up{what}. Others can join with:\n"
               f"  node join --run-id {self.cfg.run_id}{extra} {peers}", flush=True)
+
+
+def _log_failure(task: "asyncio.Future[None]") -> None:
+    """A heartbeat that ran on after the round stopped waiting for it: its failure is logged, not lost."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("heartbeat failed: %s", task.exception())

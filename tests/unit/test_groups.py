@@ -188,7 +188,7 @@ def test_a_member_that_registered_under_another_grouping_is_not_waited_for(monke
     assert c in other_groupings("run", 5, {b, c}, 1, 2)[c_tag]
     assert set(other_groupings("run", 5, {c}, 2, 2)) == {"", group_tag(group_of("run", 5, c, 4), 4)}
 
-    async def entries(dht, run_id, round_no, tag=""):
+    async def entries(dht, run_id, round_no, tag="", timeout=3.0):
         if tag == c_tag:
             return {c: (RoundEntry(peer_id=c, samples=8, codec="none"), 0.0)}
         return {b: (RoundEntry(peer_id=b, samples=8, codec="none"), 0.0)} if tag == "" else {}

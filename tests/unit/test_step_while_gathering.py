@@ -192,7 +192,7 @@ def test_a_request_for_a_round_not_published_yet_wakes_the_rendezvous(monkeypatc
         registered[entry.peer_id] = entry
         return True
 
-    async def read(dht, run_id, round_no, group=""):
+    async def read(dht, run_id, round_no, group="", timeout=3.0):
         return {p: (e, 0.0) for p, e in registered.items()}
 
     monkeypatch.setattr(rendezvous, "register_round", register)
@@ -335,3 +335,14 @@ def test_a_round_still_gathering_when_the_node_stops_is_given_up(members) -> Non
         await asyncio.sleep(0.2)
 
     asyncio.run_coroutine_threadsafe(settle(), a["runner"].net.loop).result(20)
+
+
+def test_slowdown_does_not_multiply_a_stalled_step() -> None:
+    """``--slowdown`` sleeps (s − 1) × each step; a step stalled far past the typical one (a process paused
+    mid-step) counts as ``STALL_FACTOR`` typical steps, so a 12 s pause does not add a minute of sleep."""
+    from node.replica.pacing import STALL_FACTOR, slowdown_sleep
+
+    assert slowdown_sleep(1.0, 0.5, 0.1) == 0.0
+    assert slowdown_sleep(3.0, 0.1, 0.0) == 0.2000000000000000  # nothing typical yet: the step as it is
+    assert abs(slowdown_sleep(3.0, 0.12, 0.1) - 0.24) < 1e-12
+    assert abs(slowdown_sleep(6.0, 12.0, 0.015) - 5 * STALL_FACTOR * 0.015) < 1e-12
