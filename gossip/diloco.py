@@ -51,6 +51,7 @@ from gossip.fingerprint import fingerprint
 from gossip.group_round import RoundResult
 from gossip.group_rendezvous import GroupedRendezvous
 from gossip.groups import group_tag
+from gossip.late_round import closed_without_me
 from gossip.outer import NesterovOuter, l2_norm, pseudo_gradient
 from gossip.partition import Partition
 from gossip.placement import to_host
@@ -194,6 +195,9 @@ class DiLoCoAverager(SteppingRendezvous, GroupedRendezvous, ReduceScatterRound):
         self.exchange.close_group(rnd.number, {e.peer_id for e in group})
         self.ask_ahead(rnd.number, [e.peer_id for e in group])
         contributions, failures = await self._exchange(rnd, group)
+        closers = closed_without_me([e.peer_id for e in group if e.peer_id != self.peer_id], failures) if rnd.grouping is None else []
+        if closers:
+            return await self._late(rnd, group, closers, failures)
         result = self._vote(rnd, group, contributions, failures)
         if rnd.owners is not None:
             await self._apply_reduce_scatter(rnd, contributions, result)
@@ -204,6 +208,18 @@ class DiLoCoAverager(SteppingRendezvous, GroupedRendezvous, ReduceScatterRound):
         self.tenure.observe(result.contributors, rnd.number)
         result.duration_s = time.monotonic() - rnd.started
         return result
+
+    async def _late(self, rnd: _Round, group: list[RoundEntry], closers: list[str], failures: dict[str, str]) -> RoundResult:
+        """Most of the group closed without this member (``gossip.late_round``): φ and the momentum stay, and the
+        result carries this member's own decoded Δ for the node to keep on top of the round's state."""
+        self.exchange.publish_reduced(rnd.number, None)  # nobody reduces with this member's parts
+        logger.info("round %d: late: the group of %s closed without this node; following the round",
+                    rnd.number, ", ".join(p[-8:] for p in closers))
+        own = await asyncio.to_thread(self.partition.join, rnd.decoded, rnd.shapes)
+        return RoundResult(round=rnd.number, group=[e.peer_id for e in group], contributors=[], failures=failures, in_sync=False,
+                           sync_peer=closers[0], gather_s=rnd.gathered - rnd.started, deadline_s=rnd.deadline_s,
+                           exchange_s=rnd.exchanged - rnd.gathered, duration_s=time.monotonic() - rnd.started, samples=rnd.samples,
+                           late_for=closers, late_update=own)
 
     async def _publish(self, rnd: _Round, delta: list[torch.Tensor], feedback: Sequence[ErrorFeedback | None] | None) -> None:
         """Encode this member's contribution and serve it: its Δ cut into wire parts (with error feedback),

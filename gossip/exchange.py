@@ -39,7 +39,7 @@ from gossip.serve_budget import ServeBudget
 from gossip.transfer_rates import TransferRates
 from gossip.wire_parts import Layout, PartSpec, decode_received, fixed_layout
 from protocol import ids
-from protocol.errors import ProtocolError, SchemaError, TruncatedFrame
+from protocol.errors import GroupClosed, ProtocolError, SchemaError, TruncatedFrame
 from protocol.frames import FramedStream, require, require_token
 from protocol.hivemind_transport import Transport
 
@@ -232,11 +232,11 @@ class RoundExchange:
         if round_no <= latest - KEEP_ROUNDS:
             raise SchemaError(f"round {round_no} is over (this node is at round {latest})")
         await self._waits.wait(self._ready, round_no, "contribution", stream.peer)
+        if stream.peer not in self._groups.get(round_no, (stream.peer,)):  # (before "over": a released round closed too)
+            raise GroupClosed(f"this node's group of round {round_no} closed without {stream.peer}")
         c = self._contributions.get(round_no)
         if c is None:
             raise SchemaError(f"round {round_no} is over")
-        if stream.peer not in self._groups.get(round_no, (stream.peer,)):
-            raise SchemaError(f"this node's group of round {round_no} closed without {stream.peer}")
         chosen = range(len(c.parts)) if selection is None else selection
         head = {"round": c.round, "samples": c.samples, "fingerprint": c.fingerprint, "codec": c.codec, "parts": len(chosen)}
         await self._send_budgeted(stream, "contribution", head, round_no, c.parts, chosen)

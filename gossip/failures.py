@@ -14,18 +14,21 @@ import traceback
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
 from compression import CodecError
-from protocol.errors import ProtocolError, TruncatedFrame
+from protocol.errors import GroupClosed, ProtocolError, RemoteError, TruncatedFrame
 
 logger = logging.getLogger(__name__)
 NETWORK_ERRORS = (ConnectionError, EOFError, TruncatedFrame, P2PDaemonError, P2PHandlerError, OSError)
 _reported: set[tuple[str, str]] = set()
+LATE = "late"  # the label of a fetch refused because the peer's rendezvous closed without this node
 
 
 def failure_reason(error: BaseException, what: str) -> str:
-    """The label of ``error`` (``timeout``, ``connection``, a protocol code, ``schema`` or ``internal``);
+    """The label of ``error`` (``timeout``, ``connection``, ``late``, a protocol code, ``schema`` or ``internal``);
     ``what`` names the failed action for the one traceback an internal error gets."""
     if isinstance(error, asyncio.TimeoutError):
         return "timeout"
+    if isinstance(error, RemoteError) and error.remote_code == GroupClosed.code:
+        return LATE  # the peer's group closed before this node registered (a claim: gossip.late_round weighs it)
     if isinstance(error, ProtocolError):
         return getattr(error, "code", "schema")
     if isinstance(error, CodecError):

@@ -56,6 +56,8 @@ class RoundResult:
     groups: int = 1  # the swarm was split into this many bounded groups (gossip.groups); 1: one group
     group_tag: str = ""  # which of them this member averaged in (e.g. g1of2)
     rates: dict[str, float] = field(default_factory=dict)  # the speeds the group's entries announced (tokens/s)
+    late_for: list[str] = field(default_factory=list)  # members whose group closed without this one (gossip.late_round)
+    late_update: list[torch.Tensor] | None = None  # then this member's own decoded Δ (its parameters' shapes), to keep
 
 
 

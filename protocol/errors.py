@@ -51,6 +51,13 @@ class SchemaError(ProtocolError):
     code = "schema"
 
 
+class GroupClosed(SchemaError):
+    """A round's contribution asked for by a peer outside the group this node's rendezvous closed with: the
+    peer registered after the close, so it is late for the round (it follows the round's result instead)."""
+
+    code = "group_closed"
+
+
 class RemoteError(ProtocolError):
     """The peer answered with an error frame; ``remote_code`` is its label."""
 

@@ -38,12 +38,13 @@ from gossip.noloco import NoLoCoAverager
 from gossip.outer import NesterovOuter, NoLoCoOuter
 from gossip.placement import OuterPlacement
 from gossip.state_server import StateServer
-from gossip.state_transfer import DownloadedState, StateSnapshot
+from gossip.state_transfer import StateSnapshot
 from gossip.byzantine import Attacker, served_params
 from node.config import NodeConfig
+from node.replica.adopted_state import AdoptedState
 from node.replica.joiner import Joiner
 from node.replica.paced_rounds import PacedRounds
-from node.replica.pacing import RoundPacer
+from node.replica.pacing import STALL_FACTOR, RoundPacer, slowdown_sleep
 from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
 from node.replica.scoring import build_screening
 from node.runtime.base import NodeBase
@@ -53,12 +54,12 @@ from node.runtime.settings import run_settings
 from node.runtime.status_service import StatusService
 from node.runtime.summary import time_shares
 from protocol.records import PeerRecord
-from swarm.lr_schedule import SCHEDULE_STEP, schedule_position
+from swarm.lr_schedule import SCHEDULE_STEP
 
 logger = logging.getLogger("locomesh.node")
 
 
-class Daemon(PacedRounds, NodeBase):
+class Daemon(AdoptedState, PacedRounds, NodeBase):
     """One volunteer node. ``run()`` blocks until the node stops and returns its exit code."""
 
     INTERRUPTED = "interrupted during an outer round"
@@ -130,7 +131,7 @@ class Daemon(PacedRounds, NodeBase):
             self.averager.reachable = self.reachable
             self.averager.scorer, judge = build_screening(cfg, self.model_cfg, self.workload, self.device, lambda: self.phi)
         self.rounds = RoundRunner(net=net, averager=self.averager, eager=cfg.overlap and cfg.overlap_mode == "eager",
-                                  before_gather=self._heartbeat, stop=self.stop, final_timeout=2 * cfg.averaging_timeout + 30,
+                                  before_gather=self._announce_for_round, stop=self.stop, final_timeout=2 * cfg.averaging_timeout + 30,
                                   placement=self.placement)
         self.joiner = Joiner(net=net, run_id=cfg.run_id, peer_id=peer_id, settings=run_settings(cfg), layout=self._state_layout,
                              adopt=self._adopt, announce=self._heartbeat, metrics=self.metrics, event=self.event, stop=self.stop,
@@ -187,21 +188,6 @@ class Daemon(PacedRounds, NodeBase):
             "outer_momentum": [(tuple(p.shape), torch.float32) for p in self.phi],
         }
 
-    def _adopt(self, got: DownloadedState) -> None:
-        """Take over a downloaded state, and the peer's progress into the round (so this node runs only
-        the round's remaining inner steps)."""
-        snap = got.snapshot
-        self.phi = self.placement.copy_of(snap.tensors["params"])
-        self.outer.load_state_tensors(snap.tensors["outer_momentum"])
-        self.trainer.load_weights(self.phi)
-        self.round = snap.round
-        self._plan_round()
-        self.inner_step = min(got.inner_step, self.pacer.pace.steps - 1)
-        self.pacer.resume_at(self.inner_step, time.monotonic())
-        self.trainer.steps = schedule_position(snap.meta, self.inner_step, self.trainer.steps,
-                                               high=(snap.round + 1) * self.cfg.inner_steps_range[1])
-        self.metrics.outer_round.set(self.round)
-
     def _resume(self) -> bool:
         """Reload this node's own checkpoint (already checked against the run's settings at start-up)."""
         if self.checkpoint is None:
@@ -237,7 +223,7 @@ class Daemon(PacedRounds, NodeBase):
         cfg = self.cfg
         self.train_started = time.monotonic()
         tokens_per_step = cfg.batch_size * self.trainer.model.cfg.context
-        window_start, window_tokens = time.monotonic(), 0
+        window_start, window_tokens, typical_step_s = time.monotonic(), 0, 0.0
         self.summary.inner_s, self.inner_tokens = 0.0, 0  # the inner steps' time and tokens, outer rounds left out
         self.round_samples = 0
         if self.inner_step == 0:  # else a joiner's plan of what is left of its first round stands
@@ -250,8 +236,10 @@ class Daemon(PacedRounds, NodeBase):
             x, y = self.batches.next()
             step_started = time.monotonic()
             loss = self.trainer.step(x, y)
-            if cfg.slowdown > 1 and step_started - self.train_started >= cfg.slowdown_after:
-                time.sleep((cfg.slowdown - 1) * (time.monotonic() - step_started))
+            step_s = time.monotonic() - step_started
+            if step_started - self.train_started >= cfg.slowdown_after:
+                time.sleep(slowdown_sleep(cfg.slowdown, step_s, typical_step_s))
+            typical_step_s = step_s if typical_step_s == 0 else 0.9 * typical_step_s + 0.1 * min(step_s, STALL_FACTOR * typical_step_s)
             rate = tokens_per_step / max(time.monotonic() - step_started, 1e-6)
             self.compute_tokens_per_s = rate if self.compute_tokens_per_s == 0 else 0.9 * self.compute_tokens_per_s + 0.1 * rate
             self.inner_step += 1
@@ -269,7 +257,7 @@ class Daemon(PacedRounds, NodeBase):
                 self.tokens_per_s = window_tokens / elapsed
                 self.metrics.tokens_per_second.set(self.tokens_per_s)
                 self._record_throughput(self.tokens_per_s, self._inner_rate())
-                window_start, window_tokens = time.monotonic(), 0
+                window_start, window_tokens, typical_step_s = time.monotonic(), 0, 0.0
             if cfg.overlap_mode != "delayed" and self.rounds.ready():
                 self._finish_pending()
             if self.rounds.stepping():  # the round's rendezvous runs while this node steps on
@@ -345,7 +333,10 @@ class Daemon(PacedRounds, NodeBase):
                   "capped": {p[-8:]: n for p, n in result.capped.items()}, "gains": {p[-8:]: round(g, 6) for p, g in result.gains.items()},
                   "overruled": [p[-8:] for p in result.overruled], "scheme": "reduce-scatter" if result.reduce_scatter else "all-gather", "groups": result.groups, "group_tag": result.group_tag}
         record["average_bytes_sent"], record["average_bytes_received"] = self.traffic_since_last("average")
-        if not result.in_sync:
+        if result.late_for:
+            record["late_for"] = [p[-8:] for p in result.late_for]
+            self._follow_late_round(result, pending)
+        elif not result.in_sync:
             m.outer_rounds.labels("failed").inc()
             m.errors.labels("out_of_sync").inc()
             self.event("out_of_sync", round=result.round, majority_peer=result.sync_peer)

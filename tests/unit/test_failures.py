@@ -248,3 +248,24 @@ def test_a_request_for_some_parts_spends_their_bytes_and_a_broken_stream_gives_b
     assert exchange._budget.sent[("contribution", 0)]["member"] == whole + 2 * len(blobs[0])
     assert asyncio.run(ask([1, 2])) == "served"  # still within 2× the round
     assert "may receive 2×" in asyncio.run(ask([3]))
+
+
+def test_a_refusal_because_the_group_closed_is_labelled_late() -> None:
+    """The label a late member's round reads (gossip.late_round); any other refusal stays ``remote``."""
+    from gossip.failures import LATE, failure_reason
+    from protocol.errors import GroupClosed, RemoteError
+
+    assert failure_reason(RemoteError(GroupClosed.code, "closed without you"), "fetching") == LATE
+    assert failure_reason(RemoteError("schema", "round 3 is over"), "fetching") == "remote"
+
+
+def test_a_late_member_follows_only_a_strict_majority_of_refusals() -> None:
+    """One liar's refusal among members that served cannot make a member drop out of a round."""
+    from gossip.late_round import closed_without_me
+
+    assert closed_without_me(["a", "b"], {"a": "late", "b": "late"}) == ["a", "b"]
+    assert closed_without_me(["a"], {"a": "late"}) == ["a"]
+    assert closed_without_me(["a", "b", "c"], {"a": "late", "c": "late"}) == ["a", "c"]  # b, late too, served it
+    assert closed_without_me(["a", "b"], {"a": "late"}) == []  # b served it: the round goes on with b
+    assert closed_without_me(["a", "b", "c"], {"a": "late", "b": "timeout"}) == []
+    assert closed_without_me([], {}) == []

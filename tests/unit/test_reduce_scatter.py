@@ -117,10 +117,11 @@ def test_a_late_member_that_counts_more_members_than_the_others_is_refused_at_on
     """Two members gathered without the third (an all-gather round of two); the third saw all three and
     reduce-scatters. The owners it asks refuse at once, well before the 60 s timeouts (it waited that long
     in a NAT swarm, round after round), and so do their contributions: their rounds closed without it, so
-    it averages alone, as the other two count it (it used to average their updates while they averaged
-    without its, and every member named other contributors)."""
+    it is late (gossip.late_round): it steps nothing and hands its own update back to keep (it used to
+    average their updates while they averaged without its, and every member named other contributors;
+    then it averaged alone and drifted from their φ)."""
     network = Network()
-    _, members = diloco_members(3, network, SHAPES, "none", PART_NUMEL, seed=7, fetch_timeout=60, serve_timeout=60)
+    phi, members = diloco_members(3, network, SHAPES, "none", PART_NUMEL, seed=7, fetch_timeout=60, serve_timeout=60)
     entries = sorted((RoundEntry(peer_id=m["peer"], samples=m["samples"], codec="none") for m in members), key=lambda e: e.peer_id)
     late = members[2]["peer"]
 
@@ -132,8 +133,12 @@ def test_a_late_member_that_counts_more_members_than_the_others_is_refused_at_on
     early0, early1, third = asyncio.run(asyncio.wait_for(run_round_together(members), timeout=30))
     assert not early0.reduce_scatter and not early1.reduce_scatter and early0.contributors == early1.contributors == sorted(
         m["peer"] for m in members[:2])
-    assert third.reduce_scatter and all(m["peer"] in third.failures for m in members[:2]), third.failures
-    assert third.contributors == [late], "the others' groups closed without it: it averaged alone"
+    early = sorted(m["peer"] for m in members[:2])
+    assert all(third.failures.get(p) == "late" for p in early), third.failures
+    assert third.late_for == early and third.contributors == [] and not third.in_sync and third.sync_peer in early
+    assert all(torch.equal(a, b) for a, b in zip(members[2]["phi"], phi)), "a late member does not step φ"
+    own = [p - t for p, t in zip(phi, members[2]["theta"])]  # its Δ = φ − θ, sent dense ("none"): exactly
+    assert third.samples == members[2]["samples"] and all(torch.equal(u, d) for u, d in zip(third.late_update, own))
 
 
 def test_wire_partition_per_codec():

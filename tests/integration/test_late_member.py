@@ -1,0 +1,82 @@
+"""A member that reaches a round after its group closed follows the round and keeps its work (real daemons).
+
+Three DiLoCo daemons, rounds of ~4 s (``--slowdown``: sleeps, little CPU). One is frozen (SIGSTOP: a laptop
+that slept, a stalled machine) in the middle of its inner steps for longer than the others' rendezvous
+deadline (5 s at least), so they close that round without it. When it wakes, finishes its steps and asks
+them for their contributions, they refuse it (their group closed without it): it is late
+(``gossip.late_round``). It then takes the round's state from them and keeps its own update on top, so
+the next round all three average again, in sync at once. Before, it averaged that round alone, drifted
+from their φ, and the next round's vote threw its work away with a resync (``out_of_sync``): this test
+then fails. While it is frozen the others' rounds keep to their deadline (its p2pd still takes streams,
+and each DHT request to it hung 3–10 s: a round took 12–16 s against a 5 s deadline).
+
+A freeze can miss the window (the others two rounds further, so their contribution is gone and it catches
+up instead, or not closed yet when it wakes, on a loaded machine): the test then freezes it again, three
+times at most.
+"""
+
+import os
+import signal
+import time
+
+from tests.helpers.swarm_utils import FAST_ARGS, agreed_rounds, events, full_rounds, start_node
+
+ARGS = [*FAST_ARGS, "--run-id", "late-member", "--slowdown", "20", "--eval-every", "0"]
+FROZEN_S = 10.0  # past the round the others were in (budget ~4 s, deadline ≥ 5 s), short of two more of theirs
+TRIES = 3
+
+
+def test_a_member_late_for_a_round_follows_it_and_averages_the_next_round_in_sync(tmp_path, nodes):
+    a = start_node(tmp_path, "a", [*ARGS, "--seed", "0"])
+    nodes.append(a)
+    boot = [a.multiaddr()]
+    for name, seed in (("b", 1), ("late", 2)):
+        nodes.append(start_node(tmp_path, name, [*ARGS, "--seed", str(seed)], boot))
+    late = nodes[2]
+    late.wait(lambda i: len(full_rounds(i, 3)) >= 2, 180, "two rounds of three")
+
+    for _ in range(TRIES):
+        frozen_at = freeze_mid_round(late)
+        try:
+            info = late.wait(lambda i: since(i, "late_update_kept", frozen_at), 45, "the late round followed, its update kept")
+            break
+        except AssertionError:  # the freeze missed the window: try again
+            continue
+    else:
+        raise AssertionError(f"the frozen member was never late for a round in {TRIES} tries:\n{late.log()[-3000:]}")
+
+    followed = since(info, "late_for_round", frozen_at)[0]
+    kept = since(info, "late_update_kept", frozen_at)[0]
+    assert kept["round"] > followed["round"] and kept["samples"] >= followed["samples"] > 0, (followed, kept)
+    # the next round: all three again, in sync, one φ, and the late one needed no second download
+    late.wait(lambda i: any(r["round"] == kept["round"] and r["in_sync"] for r in i["rounds"]), 90, "the round after")
+    for node in nodes[:2]:
+        node.wait(lambda i: any(r["round"] == kept["round"] for r in i["rounds"]), 60, "the round after")
+    infos = [n.info() for n in nodes]
+    closed = [r for r in infos[0]["rounds"] if r["round"] == followed["round"]]
+    assert closed and closed[0]["contributors"] == 2 and closed[0]["t"] > frozen_at, closed  # the others went on without it
+    assert closed[0]["gather_s"] < closed[0]["deadline_s"] + 3, closed  # ... on time, though a member did not answer
+    after = agreed_rounds(infos, kept["round"])[kept["round"]]
+    assert len(after) == 3 and all(r["contributors"] == 3 for r in after), after
+    assert not [e for e in events(late, "out_of_sync") if e["round"] >= followed["round"]], events(late, "out_of_sync")
+    assert all(n.stop() == 0 for n in nodes)
+
+
+def freeze_mid_round(node) -> float:
+    """SIGSTOP ``node`` for ``FROZEN_S`` just after one of its rounds ended (it is then in its inner steps, not at
+    a rendezvous); returns when it was frozen."""
+    done = len(node.info()["rounds"])
+    node.wait(lambda i: len(i["rounds"]) > done, 60, "the next round's end")
+    time.sleep(0.5)
+    os.kill(node.process.pid, signal.SIGSTOP)
+    frozen_at = time.time()
+    try:
+        time.sleep(FROZEN_S)
+    finally:
+        os.kill(node.process.pid, signal.SIGCONT)
+    return frozen_at
+
+
+def since(info: dict, kind: str, t: float) -> list[dict]:
+    """The node's events of ``kind`` after time ``t``."""
+    return [e for e in info.get("events", []) if e["event"] == kind and e["t"] > t]
