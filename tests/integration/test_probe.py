@@ -29,7 +29,9 @@ def keyed_node(tmp_path_factory):
     directory = tmp_path_factory.mktemp("probe")
     key = directory / "swarm.key"
     key.write_text(secrets.token_hex(32))
-    handle = start_node(directory, "node0", FAST_ARGS + ["--run-id", RUN, "--swarm-key", str(key)])
+    # it trains alone for the module's ~2 minutes, which only its status shows: sleeping 9/10 of each step
+    # (--slowdown) leaves the suite's two cores to the other tests
+    handle = start_node(directory, "node0", FAST_ARGS + ["--run-id", RUN, "--swarm-key", str(key), "--slowdown", "10"])
     try:
         yield handle, handle.multiaddr(), key
     finally:
