@@ -8,18 +8,23 @@ held every member's reads 3 s and its stores 7–10 s each, round after round, p
 - :func:`answers`: a read's requests go out at once; once half of them answered, the rest get a grace.
 - :func:`store_owned`: a record goes into this node's own storage at once (readers ask this node too), and the
   nearest nodes' copies follow through hivemind's store.
+- :func:`in_background` and :func:`waited`: a store (or a heartbeat) that a round waits for only so long runs on,
+  its failure logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from typing import Awaitable, Callable
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
+
+logger = logging.getLogger(__name__)
 
 STRAGGLER_GRACE_S = 0.5  # after half the peers answered a read, the others get this long at least...
 STRAGGLER_FACTOR = 4.0  # ...or this many times what that half took, whichever is longer
@@ -67,3 +72,24 @@ def store_here(dht: DHTNode, key: str, subkey: bytes, value: object, expiration:
         if not checker.validate(record):
             return False
     return dht.protocol.storage.store(key_id, record.value, expiration, subkey=subkey)
+
+
+def in_background(coro: Awaitable[object], what: str) -> "asyncio.Future":
+    """``coro`` as a task that may outlive whoever waited for it: its failure is logged (``what`` failed), not lost."""
+    task = asyncio.ensure_future(coro)
+
+    def report(done: "asyncio.Future") -> None:
+        if not done.cancelled() and done.exception() is not None:
+            logger.warning("%s failed: %s", what, done.exception())
+
+    task.add_done_callback(report)
+    return task
+
+
+async def waited(task: "asyncio.Future", seconds: float) -> bool:
+    """Wait at most ``seconds`` for ``task`` without cancelling it; whether it finished (its failure is raised)."""
+    try:
+        await asyncio.wait_for(asyncio.shield(task), seconds)
+        return True
+    except asyncio.TimeoutError:
+        return False

@@ -29,7 +29,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from gossip.dht_io import answers, store_owned
+from gossip.dht_io import answers, in_background, store_owned, waited
 from protocol.errors import SchemaError
 from protocol.peer_identity import CLOCK_SKEW_S, MAX_RECORD_TTL_S, MAX_SUBKEYS, OwnedRecordValidator, owned_subkey, owner_of
 from protocol.records import PEER_RECORD_TTL_S, PeerRecord, RoundEntry, peers_key, round_key
@@ -298,18 +298,9 @@ async def register_soon(
     """:func:`register_round`, waited for at most ``REGISTER_WAIT_S``: the entry is readable from this node at once,
     and the nearest nodes' copies follow in the background (a peer that stopped answering held hivemind's store
     7 s, past the rendezvous deadline, live)."""
-    stored = asyncio.ensure_future(register_round(dht, validator, run_id, round_no, entry, ttl, group))
-    stored.add_done_callback(_retrieve)
-    try:
-        await asyncio.wait_for(asyncio.shield(stored), REGISTER_WAIT_S)
-    except asyncio.TimeoutError:
+    stored = in_background(register_round(dht, validator, run_id, round_no, entry, ttl, group), f"storing round {round_no}'s entry")
+    if not await waited(stored, REGISTER_WAIT_S):
         logger.info("round %d: the DHT store of this node's entry is slow (a peer does not answer); gathering meanwhile", round_no)
-
-
-def _retrieve(task: "asyncio.Future[bool]") -> None:
-    """A store that ran on after the rendezvous stopped waiting for it: its failure is logged, not lost."""
-    if not task.cancelled() and task.exception() is not None:
-        logger.info("storing a round entry failed: %s", task.exception())
 
 
 FIRST_POLLS = (0.02, 0.04, 0.08)  # seconds before the rendezvous's 2nd, 3rd and 4th reads (a few extra DHT reads a round)

@@ -44,7 +44,7 @@ from node.config import NodeConfig
 from node.replica.adopted_state import AdoptedState
 from node.replica.joiner import Joiner
 from node.replica.paced_rounds import PacedRounds
-from node.replica.pacing import STALL_FACTOR, RoundPacer, slowdown_sleep
+from node.replica.pacing import RoundPacer, slowdown_sleep, stall_capped
 from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
 from node.replica.scoring import build_screening
 from node.runtime.base import NodeBase
@@ -236,10 +236,11 @@ class Daemon(AdoptedState, PacedRounds, NodeBase):
             x, y = self.batches.next()
             step_started = time.monotonic()
             loss = self.trainer.step(x, y)
-            step_s = time.monotonic() - step_started
-            if step_started - self.train_started >= cfg.slowdown_after:
-                time.sleep(slowdown_sleep(cfg.slowdown, step_s, typical_step_s))
-            typical_step_s = step_s if typical_step_s == 0 else 0.9 * typical_step_s + 0.1 * min(step_s, STALL_FACTOR * typical_step_s)
+            compute_s = time.monotonic() - step_started
+            if cfg.slowdown > 1 and step_started - self.train_started >= cfg.slowdown_after:
+                time.sleep(slowdown_sleep(cfg.slowdown, compute_s, typical_step_s))
+            counted = stall_capped(compute_s, typical_step_s)
+            typical_step_s = counted if typical_step_s == 0 else 0.9 * typical_step_s + 0.1 * counted
             rate = tokens_per_step / max(time.monotonic() - step_started, 1e-6)
             self.compute_tokens_per_s = rate if self.compute_tokens_per_s == 0 else 0.9 * self.compute_tokens_per_s + 0.1 * rate
             self.inner_step += 1
@@ -257,7 +258,7 @@ class Daemon(AdoptedState, PacedRounds, NodeBase):
                 self.tokens_per_s = window_tokens / elapsed
                 self.metrics.tokens_per_second.set(self.tokens_per_s)
                 self._record_throughput(self.tokens_per_s, self._inner_rate())
-                window_start, window_tokens, typical_step_s = time.monotonic(), 0, 0.0
+                window_start, window_tokens = time.monotonic(), 0
             if cfg.overlap_mode != "delayed" and self.rounds.ready():
                 self._finish_pending()
             if self.rounds.stepping():  # the round's rendezvous runs while this node steps on

@@ -202,12 +202,14 @@ def others_median(rates: dict[str, float], own_id: str) -> float | None:
 STALL_FACTOR = 4.0  # a step that took longer than this × the typical one was stalled (paused, swapped out), not slow
 
 
+def stall_capped(step_s: float, typical_s: float) -> float:
+    """A step's time as ``--slowdown`` and the typical step count it: at most ``STALL_FACTOR`` × the ``typical_s`` one
+    (0: none measured yet), so a process paused for a minute mid-step (SIGSTOP, a laptop's sleep) counts as slow
+    hardware no more than a few steps' worth."""
+    return min(step_s, STALL_FACTOR * typical_s) if typical_s > 0 else step_s
+
+
 def slowdown_sleep(slowdown: float, step_s: float, typical_s: float) -> float:
-    """``--slowdown``'s pause after an inner step of ``step_s`` seconds: (slowdown − 1) × the step, but a stalled
-    step (``STALL_FACTOR`` × the ``typical_s`` one or more; 0: none measured yet) counts as typical, so a process
-    paused for a minute mid-step (SIGSTOP, a laptop's sleep) does not then sleep (slowdown − 1) minutes more."""
-    if slowdown <= 1:
-        return 0.0
-    if typical_s > 0:
-        step_s = min(step_s, STALL_FACTOR * typical_s)
-    return (slowdown - 1) * step_s
+    """``--slowdown``'s pause after an inner step of ``step_s`` seconds: (slowdown − 1) × the step, stalls capped
+    (:func:`stall_capped`), so a paused process does not then sleep (slowdown − 1) minutes more."""
+    return (slowdown - 1) * stall_capped(step_s, typical_s) if slowdown > 1 else 0.0

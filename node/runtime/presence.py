@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from gossip.byzantine import announced_up_mbit
+from gossip.dht_io import in_background, waited
 from gossip.reachable import Reachable
 from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
 from node.config import read_swarm_key
@@ -58,13 +59,9 @@ class NetworkPresence:
         ``ROUND_ANNOUNCE_WAIT_S``; it goes on in the background. Awaited whole, a slow DHT store held this member
         out of the rendezvous past its deadline, and every other member with it (live: 12–16 s against a 5 s
         deadline while one member was frozen)."""
-        task = self._announcing
-        if task is None or task.done():
-            task = self._announcing = asyncio.ensure_future(self._heartbeat())
-            task.add_done_callback(_log_failure)
-        try:
-            await asyncio.wait_for(asyncio.shield(task), ROUND_ANNOUNCE_WAIT_S)
-        except asyncio.TimeoutError:
+        if self._announcing is None or self._announcing.done():  # (one still running from the last round is waited for)
+            self._announcing = in_background(self._heartbeat(), "heartbeat")
+        if not await waited(self._announcing, ROUND_ANNOUNCE_WAIT_S):
             logger.info("the heartbeat before round %d is slow (a peer does not answer the DHT): not waiting for it", self.round)
 
     async def _heartbeat(self) -> None:
@@ -136,9 +133,3 @@ class NetworkPresence:
         peers = " ".join(f"--initial-peers {a}" for a in dialable_addresses(self.summary.multiaddrs)[:2])
         print(f"locomesh node {self.summary.peer_id} is up{what}. Others can join with:\n"
               f"  node join --run-id {self.cfg.run_id}{extra} {peers}", flush=True)
-
-
-def _log_failure(task: "asyncio.Future[None]") -> None:
-    """A heartbeat that ran on after the round stopped waiting for it: its failure is logged, not lost."""
-    if not task.cancelled() and task.exception() is not None:
-        logger.warning("heartbeat failed: %s", task.exception())
