@@ -29,7 +29,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from gossip.dht_io import answers, in_background, store_owned, waited
+from gossip.dht_io import answers, in_background, store_here, store_owned, waited
 from protocol.errors import SchemaError
 from protocol.peer_identity import CLOCK_SKEW_S, MAX_RECORD_TTL_S, MAX_SUBKEYS, OwnedRecordValidator, owned_subkey, owner_of
 from protocol.records import PEER_RECORD_TTL_S, PeerRecord, RoundEntry, peers_key, round_key
@@ -220,6 +220,11 @@ async def publish_peer(dht: DHTNode, validator: RSASignatureValidator, run_id: s
     """Store (refresh) this node's PeerRecord, in its own storage at once, then on the key's nearest nodes (as
     :func:`register_round`); it expires ``ttl`` seconds from now unless refreshed."""
     return await store_owned(dht, peers_key(run_id), owned_subkey(record.peer_id, validator), record.to_value(), get_dht_time() + ttl)
+
+
+def publish_peer_here(dht: DHTNode, validator: RSASignatureValidator, run_id: str, record: PeerRecord, ttl: float) -> bool:
+    """:func:`publish_peer` into this node's own storage only (readers ask this node too): no request, no wait."""
+    return store_here(dht, peers_key(run_id), owned_subkey(record.peer_id, validator), record.to_value(), get_dht_time() + ttl)
 
 
 async def list_peers(dht: DHTNode, run_id: str) -> dict[str, PeerRecord]:

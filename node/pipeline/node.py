@@ -125,7 +125,7 @@ class PipelineNode(NodeBase):
             self._set_role("trainer")
         else:
             self._take_stage(target)
-        net.call(self._heartbeat(), timeout=30)
+        net.call(self._heartbeat(whole=True), timeout=30)
 
     def _join_hint(self) -> tuple[str, str]:
         what = self.role if self.stage is None else f"stage {self.stage} of {self.cfg.stages}"
@@ -138,7 +138,7 @@ class PipelineNode(NodeBase):
             resume = self.checkpoint if self._held()["role"] == "trainer" else None
             self.trainer = PipelineTrainer(cfg=self.cfg, workload=self.workload, net=self.net, metrics=self.metrics,
                                            summary=self.summary, event=self.event, stop=self.stop, done=self._deadline_reached,
-                                           announce=self._heartbeat, write_info=self._write_info, resume=resume,
+                                           announce=lambda: self._heartbeat(whole=True), write_info=self._write_info, resume=resume,
                                            save=self._checkpoint_when_due if self.cfg.checkpoint_dir is not None else None)
             self.trainer.run()
         elif self.stage is not None:
@@ -223,7 +223,7 @@ class PipelineNode(NodeBase):
     def _serve_rebuilt(self, index: int, module: Stage) -> None:
         """Serve a stage the recoverer rebuilt, and announce it at once (so nobody else rebuilds it)."""
         self._take_stage(index, rebuilt=module, lr_scale=self.cfg.recovery_lr_scale)
-        self.net.call(self._heartbeat(), timeout=30)
+        self.net.call(self._heartbeat(whole=True), timeout=30)
 
     def _serve(self) -> None:
         """Serve the stage (``StageServer``) until stopped; between rounds, rebuild a lost stage or move
@@ -268,7 +268,7 @@ class PipelineNode(NodeBase):
         self.metrics.stage_moves.inc()
         self.event("rebalance", from_stage=self.stage, to_stage=target, stage_throughput=before)
         self._take_stage(target)  # its throughput is measured again on the new stage before anyone plans on it
-        self.net.call(self._heartbeat(), timeout=30)  # announce the move (and the unmeasured throughput) at once
+        self.net.call(self._heartbeat(whole=True), timeout=30)  # announce the move (and the unmeasured throughput) at once
 
     # ---- spares ------------------------------------------------------------------------------------
     def _wait_as_spare(self) -> None:

@@ -157,7 +157,7 @@ class NodeBase(NetworkPresence):
     def _announce_leaving(self) -> None:
         self.role = "leaving"
         try:
-            self.net.call(self._heartbeat(), timeout=self.LEAVE_TIMEOUT_S)
+            self.net.call(self._heartbeat(whole=True), timeout=self.LEAVE_TIMEOUT_S)
         except Exception as e:
             logger.info("could not announce leaving: %s", e)
 

@@ -18,7 +18,7 @@ from typing import Any
 from gossip.byzantine import announced_up_mbit
 from gossip.dht_io import in_background, waited
 from gossip.reachable import Reachable
-from gossip.rendezvous import list_peers, publish_peer, reconnect_routing_table
+from gossip.rendezvous import list_peers, publish_peer, publish_peer_here, reconnect_routing_table
 from node.config import read_swarm_key
 from node.errors import UserError
 from node.runtime.reachability import dialable_addresses
@@ -33,6 +33,8 @@ logger = logging.getLogger("locomesh.node")
 # the longest a round waits for the heartbeat before its rendezvous: a DHT store waits seconds for a peer
 # that stopped answering (8–10 s measured, for a frozen process whose p2pd still accepts streams)
 ROUND_ANNOUNCE_WAIT_S = 1.0
+# the longest a heartbeat waits for its record's copies on the key's nearest nodes (the same stores)
+SPREAD_WAIT_S = 1.0
 
 
 class NetworkPresence:
@@ -44,6 +46,7 @@ class NetworkPresence:
     metrics: Any
     PEER_READ_EVERY = 1  # heartbeats between two reads of the run's records
     _announcing: "asyncio.Future[None] | None" = None  # the heartbeat a round last started (it may run on)
+    _spreading: "asyncio.Future[None] | None" = None  # the record's stores on other nodes a heartbeat last started
 
     def reachable_members(self) -> Reachable:
         """Filters the members a rendezvous waits for to those that answer a status request: a signed
@@ -64,8 +67,15 @@ class NetworkPresence:
         if not await waited(self._announcing, ROUND_ANNOUNCE_WAIT_S):
             logger.info("the heartbeat before round %d is slow (a peer does not answer the DHT): not waiting for it", self.round)
 
-    async def _heartbeat(self) -> None:
-        """Publish this node's DHT record; every PEER_READ_EVERY heartbeats, read the run's records too."""
+    async def _heartbeat(self, whole: bool = False) -> None:
+        """Publish this node's DHT record; every PEER_READ_EVERY heartbeats, read the run's records too.
+
+        The record goes into this node's own storage at once (every read asks this node too). Its copies on the
+        key's nearest nodes, after reconnecting the routing table, are stored in the background and waited for at
+        most ``SPREAD_WAIT_S``; the next copies start once those ended. A frozen peer (its p2pd still takes streams)
+        held each ping 3 s and each store 7–10 s: a heartbeat that awaited them came every 10–13 s, past the
+        record's 8 s life, and the members' own records expired, so a rendezvous saw nobody to wait for.
+        ``whole``: this record's copies are stored before it returns (a role's change, leaving the run)."""
         await self._refresh_addresses()
         net, cfg, s = self.net, self.cfg, self.summary
         record = PeerRecord(**{
@@ -74,9 +84,15 @@ class NetworkPresence:
             "protocols": s.protocols, "version": package_version(), "protocol": protocol_version(),
             "reachability": s.reachability, "up_mbit": announced_up_mbit(cfg.attack, cfg.max_upload_mbit or 0.0),
             "started_at": time.time() - (time.monotonic() - self.started), **self._record_fields()})
-        await reconnect_routing_table(net.dht, [info.peer_id for info in await net.p2p.list_peers()])
-        for run_id in self._record_runs():
-            await publish_peer(net.dht, net.validator, run_id, record, PEER_RECORD_TTL_S)
+        runs = self._record_runs()
+        for run_id in runs:
+            publish_peer_here(net.dht, net.validator, run_id, record, PEER_RECORD_TTL_S)
+        if whole:
+            await self._spread_record(record, runs)
+        else:
+            if self._spreading is None or self._spreading.done():
+                self._spreading = in_background(self._spread_record(record, runs), "storing this node's record on other nodes")
+            await waited(self._spreading, SPREAD_WAIT_S)
         # reading the members' records costs a request per routing-table peer: kinds that need them
         # seldom read them only every few heartbeats
         self.heartbeats += 1
@@ -84,6 +100,13 @@ class NetworkPresence:
             peers = await list_peers(net.dht, cfg.run_id)
             self.metrics.peers.set(len(peers))
             self._observe_peers(peers)
+
+    async def _spread_record(self, record: PeerRecord, runs: list[str]) -> None:
+        """The record's copies on the key's nearest nodes (hivemind's store), once the routing table is reconnected."""
+        net = self.net
+        await reconnect_routing_table(net.dht, [info.peer_id for info in await net.p2p.list_peers()])
+        for run_id in runs:
+            await publish_peer(net.dht, net.validator, run_id, record, PEER_RECORD_TTL_S)
 
     def _start_network(self) -> bool:
         """Start p2pd and the DHT; False (after logging why) when it cannot."""
