@@ -1,8 +1,8 @@
 """A member that reaches a round after its group closed follows the round and keeps its work (real daemons).
 
 Three DiLoCo daemons, rounds of ~4 s (``--slowdown``: sleeps, little CPU). One is frozen (SIGSTOP: a laptop
-that slept, a stalled machine) in the middle of its inner steps for longer than the others' rendezvous
-deadline (5 s at least), so they close that round without it. When it wakes, finishes its steps and asks
+that slept, a stalled machine) near the end of its inner steps until the others closed that round without it
+(their rendezvous deadline is 5 s at least). When it wakes, finishes its steps and asks
 them for their contributions, they refuse it (their group closed without it): it is late
 (``gossip.late_round``). It then takes the round's state from them and keeps its own update on top, so
 it does not average that round alone, and all three average again. Before, it averaged that round alone
@@ -10,19 +10,23 @@ it does not average that round alone, and all three average again. Before, it av
 While it is frozen the others' rounds keep to their deadline (its p2pd still takes streams, and each DHT
 request to it hung 3–10 s: a round took 12–16 s against a 5 s deadline).
 
-A freeze can miss the window (the others two rounds further, so their contribution is gone and it catches
-up instead, or not closed yet when it wakes, on a loaded machine): the test then freezes it again, three
-times at most.
+The freeze adapts to the machine's speed (rounds of ~4 s here took 25–40 s on a loaded CI machine, and a
+fixed 10 s freeze then missed the window three times): the member is stopped a few inner steps before its
+rendezvous and woken as soon as both others have closed that round without it. A freeze can still miss
+(the others not closing that round within a minute): the test then freezes it again, three times at most.
 """
 
 import os
 import signal
 import time
+from urllib.request import urlopen
 
 from tests.helpers.swarm_utils import FAST_ARGS, full_rounds, start_node
 
 ARGS = [*FAST_ARGS, "--run-id", "late-member", "--slowdown", "20", "--eval-every", "0"]
-FROZEN_S = 10.0  # past the round the others were in (budget ~4 s, deadline ≥ 5 s), short of two more of theirs
+INNER_STEPS = 15  # FAST_ARGS' --inner-steps
+STEPS_LEFT = 3  # the member is frozen this many inner steps before its rendezvous
+FROZEN_MAX_S = 60.0  # the longest it stays frozen waiting for the others to close its round
 TRIES = 3
 
 
@@ -36,11 +40,13 @@ def test_a_member_late_for_a_round_follows_it_and_averages_the_next_round_in_syn
     late.wait(lambda i: len(full_rounds(i, 3)) >= 2, 180, "two rounds of three")
 
     for _ in range(TRIES):
-        frozen_at = freeze_mid_round(late)
+        frozen_at = freeze_before_rendezvous(late, nodes[:2])
+        if frozen_at is None:  # the freeze missed the window: try again
+            continue
         try:
-            info = late.wait(lambda i: since(i, "late_update_kept", frozen_at), 45, "the late round followed, its update kept")
+            info = late.wait(lambda i: since(i, "late_update_kept", frozen_at), 60, "the late round followed, its update kept")
             break
-        except AssertionError:  # the freeze missed the window: try again
+        except AssertionError:
             continue
     else:
         raise AssertionError(f"the frozen member was never late for a round in {TRIES} tries:\n{late.log()[-3000:]}")
@@ -75,19 +81,35 @@ def others(nodes) -> list[str]:
     return [n.info()["peer_id"] for n in nodes[:2]]
 
 
-def freeze_mid_round(node) -> float:
-    """SIGSTOP ``node`` for ``FROZEN_S`` just after one of its rounds ended (it is then in its inner steps, not at
-    a rendezvous); returns when it was frozen."""
+def inner_steps(node) -> float:
+    """The inner steps ``node`` has taken, from its Prometheus endpoint."""
+    text = urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5).read().decode()
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("locomesh_inner_steps_total "))
+
+
+def freeze_before_rendezvous(node, awake) -> float | None:
+    """SIGSTOP ``node`` ``STEPS_LEFT`` inner steps before the rendezvous of its next round and SIGCONT it once every
+    member of ``awake`` recorded that round (closed without it; ``FROZEN_MAX_S`` at most); returns when it was
+    frozen, or None when it reached that rendezvous before it could be frozen or the others did not close it."""
     done = len(node.info()["rounds"])
-    node.wait(lambda i: len(i["rounds"]) > done, 60, "the next round's end")
-    time.sleep(0.5)
+    node.wait(lambda i: len(i["rounds"]) > done, 120, "the next round's end")
+    info = node.info()
+    due, done = info["rounds"][-1]["round"] + 1, len(info["rounds"])
+    start, give_up = inner_steps(node), time.time() + 120
+    while inner_steps(node) < start + INNER_STEPS - STEPS_LEFT:
+        if len(node.info()["rounds"]) > done or time.time() > give_up:  # a short round (after a download): next time
+            return None
+        time.sleep(0.05)
     os.kill(node.process.pid, signal.SIGSTOP)
     frozen_at = time.time()
     try:
-        time.sleep(FROZEN_S)
+        while time.time() < frozen_at + FROZEN_MAX_S:
+            if all(any(r["round"] == due and r["t"] > frozen_at for r in n.info().get("rounds", [])) for n in awake):
+                return frozen_at
+            time.sleep(0.2)
+        return None
     finally:
         os.kill(node.process.pid, signal.SIGCONT)
-    return frozen_at
 
 
 def since(info: dict, kind: str, t: float) -> list[dict]:
