@@ -25,7 +25,7 @@ from tests.helpers.swarm_utils import FAST_ARGS, full_rounds, start_node
 
 ARGS = [*FAST_ARGS, "--run-id", "late-member", "--slowdown", "20", "--eval-every", "0"]
 INNER_STEPS = 15  # FAST_ARGS' --inner-steps
-STEPS_LEFT = 3  # the member is frozen this many inner steps before its rendezvous
+STEPS_LEFT = 5  # the member is frozen this many inner steps before its rendezvous (at most)
 FROZEN_MAX_S = 60.0  # the longest it stays frozen waiting for the others to close its round
 TRIES = 3
 
@@ -95,7 +95,9 @@ def freeze_before_rendezvous(node, awake) -> float | None:
     node.wait(lambda i: len(i["rounds"]) > done, 120, "the next round's end")
     info = node.info()
     due, done = info["rounds"][-1]["round"] + 1, len(info["rounds"])
-    start, give_up = inner_steps(node), time.time() + 120
+    # its steps when the round ended (info.json is written then; steps it took stepping on through the
+    # rendezvous count in the next round and are in it, so at most STEPS_LEFT steps are left)
+    start, give_up = info.get("steps", inner_steps(node)), time.time() + 120
     while inner_steps(node) < start + INNER_STEPS - STEPS_LEFT:
         if len(node.info()["rounds"]) > done or time.time() > give_up:  # a short round (after a download): next time
             return None
