@@ -77,7 +77,7 @@ def test_a_member_that_lies_about_its_cap_floods_relayed_streams_and_serves_a_po
         assert len(alike) >= 4, ([(r["round"], r["group"]) for r in rounds], theirs)
         assert not [r for r in alike if set(r["failures"]) & ids], [(r["round"], r["failures"]) for r in alike]
     # rounds both counted with the same members end alike (in a start-up round the attacker's contribution
-    # may reach one honest member and not the other: docs/robustness.md, members agree on the group)
+    # may reach one honest member and not the other: docs/robustness.md, "not defended yet")
     by_round = [{r["round"]: (tuple(r["members"]), r["fingerprint"]) for r in joint(n.info())} for n in honest]
     shared = [r for r in set(by_round[0]) & set(by_round[1]) if by_round[0][r][0] == by_round[1][r][0]]
     assert len(shared) >= 4 and all(by_round[0][r][1] == by_round[1][r][1] for r in shared), (by_round, shared)
