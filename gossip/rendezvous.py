@@ -227,6 +227,12 @@ def publish_peer_here(dht: DHTNode, validator: RSASignatureValidator, run_id: st
     return store_here(dht, peers_key(run_id), owned_subkey(record.peer_id, validator), record.to_value(), get_dht_time() + ttl)
 
 
+async def spread_peer(dht: DHTNode, validator: RSASignatureValidator, run_id: str, record: PeerRecord, ttl: float) -> bool:
+    """:func:`publish_peer` on the key's nearest nodes only (hivemind's store), for a record :func:`publish_peer_here`
+    already put into this node's storage."""
+    return await dht.store(peers_key(run_id), record.to_value(), get_dht_time() + ttl, subkey=owned_subkey(record.peer_id, validator))
+
+
 async def list_peers(dht: DHTNode, run_id: str) -> dict[str, PeerRecord]:
     """Live members of ``run_id`` with valid records of this node's protocol version (malformed records
     are dropped and logged; incompatible ones are dropped and logged once per peer, see ``protocol.version``)."""

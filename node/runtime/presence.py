@@ -18,7 +18,7 @@ from typing import Any
 from gossip.byzantine import announced_up_mbit
 from gossip.dht_io import in_background, waited
 from gossip.reachable import Reachable
-from gossip.rendezvous import list_peers, publish_peer, publish_peer_here, reconnect_routing_table
+from gossip.rendezvous import list_peers, publish_peer_here, reconnect_routing_table, spread_peer
 from node.config import read_swarm_key
 from node.errors import UserError
 from node.runtime.reachability import dialable_addresses
@@ -106,7 +106,7 @@ class NetworkPresence:
         net = self.net
         await reconnect_routing_table(net.dht, [info.peer_id for info in await net.p2p.list_peers()])
         for run_id in runs:
-            await publish_peer(net.dht, net.validator, run_id, record, PEER_RECORD_TTL_S)
+            await spread_peer(net.dht, net.validator, run_id, record, PEER_RECORD_TTL_S)
 
     def _start_network(self) -> bool:
         """Start p2pd and the DHT; False (after logging why) when it cannot."""

@@ -97,7 +97,7 @@ def freeze_before_rendezvous(node, awake) -> float | None:
     due, done = info["rounds"][-1]["round"] + 1, len(info["rounds"])
     # its steps when the round ended (info.json is written then; steps it took stepping on through the
     # rendezvous count in the next round and are in it, so at most STEPS_LEFT steps are left)
-    start, give_up = info.get("steps", inner_steps(node)), time.time() + 120
+    start, give_up = info["steps"], time.time() + 120
     while inner_steps(node) < start + INNER_STEPS - STEPS_LEFT:
         if len(node.info()["rounds"]) > done or time.time() > give_up:  # a short round (after a download): next time
             return None
