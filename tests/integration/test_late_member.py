@@ -13,7 +13,8 @@ request to it hung 3–10 s: a round took 12–16 s against a 5 s deadline).
 The freeze adapts to the machine's speed (rounds of ~4 s here took 25–40 s on a loaded CI machine, and a
 fixed 10 s freeze then missed the window three times): the member is stopped a few inner steps before its
 rendezvous and woken as soon as both others have closed that round without it. A freeze can still miss
-(the others not closing that round within a minute): the test then freezes it again, three times at most.
+(the others not closing that round within a minute, or not together: under a whole suite's load one of them was
+late for it too): the test then freezes it again, three times at most.
 """
 
 import os
@@ -90,7 +91,7 @@ def inner_steps(node) -> float:
 def freeze_before_rendezvous(node, awake) -> float | None:
     """SIGSTOP ``node`` ``STEPS_LEFT`` inner steps before the rendezvous of its next round and SIGCONT it once every
     member of ``awake`` recorded that round (closed without it; ``FROZEN_MAX_S`` at most); returns when it was
-    frozen, or None when it reached that rendezvous before it could be frozen or the others did not close it."""
+    frozen, or None when it reached that rendezvous before it could be frozen or the others did not close it together."""
     done = len(node.info()["rounds"])
     node.wait(lambda i: len(i["rounds"]) > done, 120, "the next round's end")
     info = node.info()
@@ -106,8 +107,9 @@ def freeze_before_rendezvous(node, awake) -> float | None:
     frozen_at = time.time()
     try:
         while time.time() < frozen_at + FROZEN_MAX_S:
-            if all(any(r["round"] == due and r["t"] > frozen_at for r in n.info().get("rounds", [])) for n in awake):
-                return frozen_at
+            closed = [[r for r in n.info().get("rounds", []) if r["round"] == due and r["t"] > frozen_at] for n in awake]
+            if all(closed):  # both closed it; together, without it? (one of them may have been late itself, under load)
+                return frozen_at if all(r[0]["contributors"] == len(awake) for r in closed) else None
             time.sleep(0.2)
         return None
     finally:
