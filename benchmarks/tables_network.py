@@ -331,7 +331,7 @@ def wire(r: Results) -> str:
     for x in runs:
         key = (x["params"], x["peers"], x["dtype"])
         if "round_s" not in x:
-            rows.append([f"{x['params'] / 1e6:.0f} M {x['dtype']}", str(x["peers"]), x["system"], "did not finish"] + [""] * 7)
+            rows.append([f"{x['params'] / 1e6:.0f} M {x['dtype']}", str(x["peers"]), x["system"], "did not finish"] + [""] * 8)
             continue
         tcp = f"{x['round_s'] / floor[key]['round_s']:.1f} ×" if key in floor and x["system"] != "tcp" else "–"
         vs_hive = f"{hive[key]['round_s'] / x['round_s']:.2f} ×" if key in hive and x["system"].startswith("locomesh") else "–"
@@ -339,15 +339,17 @@ def wire(r: Results) -> str:
         rows.append([f"{x['params'] / 1e6:.0f} M {x['dtype']} ({x['payload_mb']:.0f} MB)", str(x["peers"]), x["system"],
                      f"{x['round_s']:.2f} s", parts, tcp, vs_hive, f"{x['complete_rounds']}/{x['rounds'] - 1}",
                      f"{x['cpu_s']:.2f} s", f"{x['transient_x_payload']:.1f} ×",
-                     f"{x['held_x_payload']:.1f} ×" if "held_x_payload" in x else "–"])
+                     f"{x['held_x_payload']:.1f} ×" if "held_x_payload" in x else "–",
+                     f"{x['fresh_mb']:.0f} MB" if "fresh_mb" in x else "–"])
     header = ["size (payload)", "peers", "system", "round (median)", "start / exchange", "÷ TCP floor",
               "hivemind ÷ this", "complete rounds", "CPU s/peer/round", "transient memory (× payload)",
-              "held beyond φ, θ (× payload)"]
+              "held beyond φ, θ (× payload)", "fresh memory touched per round"]
     what = ("One process per peer on loopback, one 2-core machine (the peers share it: from 4 peers on, round time is "
             "about the peers' CPU seconds over 2 cores). `locomesh`: bulk streams over the data channel; "
             "`locomesh-libp2p`: through p2pd. Start: Δ, encoding and the rendezvous; the rest of a round after the "
             "exchange is aggregation and the outer step. Steady rounds only (the first is left out). Transient: a "
             "round's peak beyond the resident memory just before it; held: a steady round's peak beyond the resident "
             "memory before the first round (for locomesh that includes the outer momentum, 1 × the fp32 payload, "
-            "and the wire parts still served from the round before).")
+            "and the wire parts still served from the round before). Fresh memory: a steady round's minor page faults "
+            "× 4 KiB, the peer and its p2pd together (memory the heap did not reuse).")
     return r.caption("wire.json", what=what) + "\n\n" + table(header, rows)

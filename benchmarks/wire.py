@@ -24,7 +24,9 @@ model state: φ and θ), its p2pd included. Peaks are reset before each round (`
 That misses what a process keeps between rounds (the wire parts it still serves, the heap malloc keeps),
 so ``held_mb`` is the peak of a steady round beyond the resident memory before the first round (the
 process, φ and θ, p2pd): for locomesh it includes the outer momentum (1 × the fp32 payload), which the
-first round creates.
+first round creates. ``minor_faults`` (``fresh_mb``: × 4 KiB) counts a steady round's first touches of fresh
+memory in the peer and its children: a buffer the heap did not reuse costs a page fault per 4 KiB, which
+on a virtual machine can cost as much as the copy that fills it.
 Peers are processes, so the numbers include everything a daemon pays, on a machine where the
 peers share its cores: on a 2-core machine the N peers and their p2pd compete for CPU (and for memory
 bandwidth), so from 4 peers on the round time is mostly the sum of the peers' CPU seconds over the
@@ -61,12 +63,23 @@ def _status_kb(pid: int, field: str) -> int:
     return 0
 
 
-def _cpu_s(pid: int) -> float:
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (field 3 on), or None for a gone process."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return None
+
+
+def _cpu_s(pid: int) -> float:
+    fields = _stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
+def _minor_faults(pid: int) -> int:
+    """Page faults served without I/O: each is a first touch of fresh memory (a buffer the heap did not reuse)."""
+    fields = _stat_fields(pid)
+    return int(fields[7]) if fields else 0
 
 
 def _descendants(pid: int) -> list[int]:
@@ -103,11 +116,13 @@ class Meter:
         if self.baseline is None:
             self.baseline = self.rss
         self.cpu = sum(_cpu_s(p) for p in self.pids)
+        self.faults = sum(_minor_faults(p) for p in self.pids)
 
     def stop(self) -> dict[str, float]:
         peak = sum(max(_status_kb(p, "VmHWM"), _status_kb(p, "VmRSS")) for p in self.pids)
         return {"transient_mb": (peak - self.rss) / 1024, "held_mb": (peak - (self.baseline or 0)) / 1024, "rss_mb": peak / 1024,
-                "cpu_s": sum(_cpu_s(p) for p in self.pids) - self.cpu}
+                "cpu_s": sum(_cpu_s(p) for p in self.pids) - self.cpu,
+                "minor_faults": sum(_minor_faults(p) for p in self.pids) - self.faults}
 
 
 # --- raw TCP floor -------------------------------------------------------------------------------
@@ -308,6 +323,7 @@ def summarize(system: str, n: int, numel: int, dtype: str, rounds: int, rows: li
         "mb_per_s": statistics.median(r["moved"] / r["round_s"] / 1e6 for r in steady),
         "complete_rounds": sum(all(r["complete"] for r in rnd) and len(rnd) == n for rnd in by_round[1:]),
         "cpu_s": median("cpu_s"),
+        **({"minor_faults": median("minor_faults"), "fresh_mb": median("minor_faults") * 4096 / 1e6} if "minor_faults" in steady[0] else {}),
         "transient_mb": max(r["transient_mb"] for r in steady),
         "transient_x_payload": max(r["transient_mb"] for r in steady) * 1e6 / payload,
         "rss_mb": max(r["rss_mb"] for r in steady),
