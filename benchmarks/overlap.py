@@ -29,7 +29,8 @@ from typing import Any
 from benchmarks import results_io
 
 MODES = {"blocking": ["--no-overlap"], "overlap": ["--overlap"], "eager": ["--overlap", "--overlap-mode", "eager"],
-         "delayed": ["--overlap", "--overlap-mode", "delayed"]}
+         "delayed": ["--overlap", "--overlap-mode", "delayed"], "mixed": ["--overlap", "--fragment-alpha", "0.5"],
+         "blocking-mixed": ["--no-overlap", "--fragment-alpha", "0.5"]}
 
 
 def run(args: argparse.Namespace, mode: str, seed: int, folder: Path) -> dict[str, Any]:
