@@ -64,6 +64,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "gpu_loop": gpu.gpu_loop,
     "gpu_replicas": gpu.gpu_replicas,
     "overlap_cpu": gpu.overlap_cpu,
+    "overlap_alpha_cpu": gpu.overlap_alpha_cpu,
 }
 
 
