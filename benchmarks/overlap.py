@@ -28,8 +28,9 @@ from typing import Any
 
 from benchmarks import results_io
 
-MODES = {"blocking": ["--no-overlap"], "overlap": ["--overlap"], "eager": ["--overlap", "--overlap-mode", "eager"],
-         "delayed": ["--overlap", "--overlap-mode", "delayed"], "mixed": ["--overlap", "--fragment-alpha", "0.5"],
+# α (--fragment-alpha) explicit where it matters, so a mode means what its results files measured whatever the default
+MODES = {"blocking": ["--no-overlap"], "overlap": ["--overlap", "--fragment-alpha", "0"], "eager": ["--overlap", "--overlap-mode", "eager"],
+         "delayed": ["--overlap", "--overlap-mode", "delayed", "--fragment-alpha", "0"], "mixed": ["--overlap", "--fragment-alpha", "0.5"],
          "blocking-mixed": ["--no-overlap", "--fragment-alpha", "0.5"]}
 
 

@@ -71,22 +71,24 @@ def overlap_cpu(r: Results) -> str:
 
 def overlap_alpha_cpu(r: Results) -> str:
     """Blocking rounds and overlap, each with θ replaced by φ (α = 0) or mixed half and half (α = 0.5)."""
-    name = "overlap_medium_alpha_cpu.json"
-    d = r.load(name)
-    o = d["options"]
+    names = ("overlap_medium_alpha_cpu.json", "overlap_tiny_alpha_cpu.json")
     alpha = {"blocking": "0", "overlap": "0", "blocking-mixed": "0.5", "mixed": "0.5"}
     rounds = {"blocking": "blocking", "overlap": "overlap", "blocking-mixed": "blocking", "mixed": "overlap"}
     rows = []
-    for run in d["runs"]:
-        if "error" in run:
-            continue
-        rows.append([f"`{o['model']}`", rounds.get(run["mode"], run["mode"]), alpha.get(run["mode"], "?"), str(run["seed"]),
-                     str(run["steps"][0]), " / ".join(f"{100 * b:.1f} %" for b in run["blocked_share"]),
-                     " / ".join(f"{s:.2f}" for s in run["steps_per_s"]), " / ".join(loss(v) for v in run["val_loss"])])
-    what = (f"Two daemons on loopback, one 2-core machine, `{o['extra']}`, every node to {o['max_steps']} inner steps, a "
-            "fresh checkpoint folder per run, the modes of one seed one after the other. α: `--fragment-alpha`, "
+    for name in names:
+        d = r.load(name)
+        o = d["options"]
+        for run in d["runs"]:
+            if "error" in run:
+                continue
+            rows.append([f"`{o['model']}`", rounds.get(run["mode"], run["mode"]), alpha.get(run["mode"], "?"), str(run["seed"]),
+                         str(run["steps"][0]), " / ".join(f"{100 * b:.1f} %" for b in run["blocked_share"]),
+                         " / ".join(f"{s:.2f}" for s in run["steps_per_s"]), " / ".join(loss(v) for v in run["val_loss"])])
+    what = ("Two daemons on loopback, one 2-core machine, H = 5 (`medium`: `--batch-size 1 --context 32 --inner-steps 5 "
+            "--threads 1`, 100 inner steps per node; `tiny`: `--inner-steps 5 --threads 1`, 150), a fresh checkpoint folder "
+            "per run, the modes of one seed one after the other. α: `--fragment-alpha`, "
             "θ ← (1 − α)·φ + α·θ when a round's result arrives (with overlap: θ ← θ + (1 − α)(φ − θ at the round's start)). "
             "Blocked: the share of each node's training loop spent waiting for rounds. Held-out loss of each node after "
             "the last round (with α > 0 the nodes' θ differ; φ is one).")
     header = ["model", "rounds", "α", "seed", "steps", "blocked (node 0 / 1)", "steps/s", "held-out loss (node 0 / 1)"]
-    return r.caption(name, what=what) + "\n\n" + table(header, rows)
+    return r.caption(*names, what=what) + "\n\n" + table(header, rows)
