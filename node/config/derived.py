@@ -54,9 +54,9 @@ class DerivedSettings:
     @property
     def merge_alpha(self) -> float:
         """α of θ ← (1 − α)·φ + α·θ when a round's result is applied: ``--fragment-alpha``, else
-        ``OVERLAP_ALPHA`` with ``--overlap`` and 0 (θ takes φ) with blocking rounds. Overlapped rounds at H = 5
-        ended 2-8 % lower at α = 0.5 than at 0, near blocking rounds of the same α
-        (``benchmarks/results/overlap_*_alpha_cpu.json``); blocking rounds were not measured at the default H."""
+        ``OVERLAP_ALPHA`` with ``--overlap`` and 0 (θ takes φ) with blocking rounds. At H = 5, overlapped rounds of
+        ``tiny`` ended 8 % lower at α = 0.5 than at 0, and those of ``tiny`` and ``medium`` within 2.5 % of blocking rounds
+        of the same α (``benchmarks/results/overlap_*_alpha_cpu.json``); blocking rounds were not measured at the default H."""
         if self.fragment_alpha is not None:
             return self.fragment_alpha
         return OVERLAP_ALPHA if self.overlap else 0.0
