@@ -51,7 +51,6 @@ AUTO_STEPS_MAX_FACTOR = 20  # --inner-steps auto never goes past this × --round
 SPARSE_CODEC = "topk:64/4096+q2"  # SparseLoCo's default codec
 LOSSY_FEEDBACK_DECAY = 0.95  # error-feedback β of lossy codecs
 LOSSY_WARMUP_ROUNDS = 5  # outer-lr warm-up of DiLoCo with a lossy codec (see NodeConfig.outer_warmup)
-OVERLAP_ALPHA = 0.5  # --fragment-alpha under --overlap: θ keeps half of its own place (DerivedSettings.merge_alpha)
 # (outer lr, outer momentum) by algorithm, and DiLoCo's with a lossy codec or a shared-seed projection.
 #
 # A shared-seed projection (seed:) carries a small part of the error-feedback residual each round and the

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from node.config.defaults import (
     AUTO_STEPS_MAX_FACTOR, BY_REPLICAS, LOSSLESS_CODECS, LOSSY_DILOCO_OUTER, LOSSY_FEEDBACK_DECAY,
-    LOSSY_WARMUP_ROUNDS, OUTER_DEFAULTS, OVERLAP_ALPHA, SEED_DILOCO_OUTER, SPARSE_CODEC, STEPS_BY_REPLICAS, steps_for_replicas,
+    LOSSY_WARMUP_ROUNDS, OUTER_DEFAULTS, SEED_DILOCO_OUTER, SPARSE_CODEC, STEPS_BY_REPLICAS, steps_for_replicas,
 )
 
 if TYPE_CHECKING:
@@ -50,16 +50,6 @@ class DerivedSettings:
         whole = (self.algorithm == "sparseloco" or not is_dense(self.codec) or self.aggregation not in PART_WISE
                  or (self.overlap and self.overlap_mode == "eager"))
         return self.swarm_key is None and whole
-
-    @property
-    def merge_alpha(self) -> float:
-        """α of θ ← (1 − α)·φ + α·θ when a round's result is applied: ``--fragment-alpha``, else
-        ``OVERLAP_ALPHA`` with ``--overlap`` and 0 (θ takes φ) with blocking rounds. At H = 5, overlapped rounds of
-        ``tiny`` ended 8 % lower at α = 0.5 than at 0, and those of ``tiny`` and ``medium`` within 2.5 % of blocking rounds
-        of the same α (``benchmarks/results/overlap_*_alpha_cpu.json``); blocking rounds were not measured at the default H."""
-        if self.fragment_alpha is not None:
-            return self.fragment_alpha
-        return OVERLAP_ALPHA if self.overlap else 0.0
 
     @property
     def aggregation(self) -> str:

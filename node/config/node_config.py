@@ -152,9 +152,9 @@ class NodeConfig(DerivedSettings, BaseModel):
     overlap_mode: Literal["asap", "delayed", "eager"] = option(
         "asap", "With --overlap: asap (apply a round's result when it arrives) | delayed (at the next round: one-step delay) | "
         "eager (apply an estimate from this node's Δ and the others' previous Δ at once, correct it when the result arrives)", AVG)
-    fragment_alpha: float | None = option(
-        None, "α in θ ← (1−α)·φ + α·θ when a round's result is applied (with --overlap: θ ← θ + (1−α)(φ − θ at the round's "
-        "start)); 0 replaces local weights", AVG, default_text="0.5 with --overlap, else 0", ge=0, le=1)
+    fragment_alpha: float = option(
+        0.0, "α in θ ← (1−α)·φ + α·θ when a round's result is applied (with --overlap: θ ← θ + (1−α)(φ − θ at the round's "
+        "start)); 0 replaces local weights", AVG, ge=0, le=1)
     aggregate: Literal["mean", "sparse-mean", "centered-clip", "sparse-clip", "median-clip", "trimmed-mean"] | None = option(
         None, "mean | sparse-mean | centered-clip | sparse-clip | median-clip | trimmed-mean: how updates are combined; all "
         "but the first two bound what any one peer can do to the model", AVG,

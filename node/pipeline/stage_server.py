@@ -301,7 +301,7 @@ class StageServer(StageState):
         if result.in_sync and worker is self.worker:
             self.summary.outer_rounds += 1
             m.outer_rounds.labels("alone" if len(result.group) == 1 else "completed").inc()
-            worker.load_weights(self.phi, keep=self.cfg.merge_alpha)
+            worker.load_weights(self.phi, keep=self.cfg.fragment_alpha)
             self.publish_state()
         elif worker is self.worker and self.stage is not None:
             m.outer_rounds.labels("failed").inc()

@@ -356,7 +356,7 @@ class Daemon(AdoptedState, PacedRounds, NodeBase):
                     for i, guess in zip(indices, pending.eager):
                         params[i].data.add_((self.phi[i] - guess).to(params[i].device, params[i].dtype))
             else:  # an overlapped round that steps were taken beside keeps them (start); else θ ← φ exactly
-                merge_fragment([params[i].data for i in indices], [self.phi[i] for i in indices], self.cfg.merge_alpha,
+                merge_fragment([params[i].data for i in indices], [self.phi[i] for i in indices], self.cfg.fragment_alpha,
                                start=pending.start if self.inner_step > 0 else None)
             if result.failures:
                 self.event("round_partial", round=result.round, failures=result.failures)

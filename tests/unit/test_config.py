@@ -46,14 +46,6 @@ def test_streaming_and_auto_steps_options():
     assert parse_join_args(["--inner-steps", "12"]).inner_steps == 12
 
 
-
-def test_overlapped_rounds_mix_theta_half_and_half_unless_told_otherwise():
-    assert parse_join_args([]).merge_alpha == 0.0  # blocking rounds: θ takes φ
-    assert parse_join_args(["--overlap"]).merge_alpha == 0.5
-    assert parse_join_args(["--overlap", "--fragment-alpha", "0"]).merge_alpha == 0.0
-    assert parse_join_args(["--fragment-alpha", "0.25"]).merge_alpha == 0.25
-
-
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -90,7 +90,7 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "max_group_size": (4, ("applied", [(SERVER, "max_group_size=cfg.max_group_size")])),
     "aggregate": ("mean", ("applied", [(SERVER, "aggregation=cfg.aggregation")])),
     "averaging_timeout": (5.0, ("applied", [(SERVER, "gather_timeout=cfg.averaging_timeout"), (TRAINER, "timeout=cfg.averaging_timeout")])),
-    "fragment_alpha": (0.5, ("applied", [(SERVER, "keep=self.cfg.merge_alpha")])),
+    "fragment_alpha": (0.5, ("applied", [(SERVER, "keep=self.cfg.fragment_alpha")])),
     "fragments": (2, ("refused", "--fragments streams a whole-model replica's rounds")),
     "overlap": (True, ("refused", "--overlap: a pipeline's stage servers always keep serving")),
     "overlap_mode": ("delayed", ("refused", "--overlap-mode: a stage server applies each round's result when it arrives")),
