@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from benchmarks.overlap import MODES
 from benchmarks.table_format import Results, loss, table
 
 LOOPS = (("eager", "gpu/loop_eager_h100.json"), ("compiled", "gpu/loop_compiled_h100.json"),
@@ -48,6 +49,11 @@ def gpu_replicas(r: Results) -> str:
         table(header, rows)
 
 
+def _per_node(run: dict) -> list[str]:
+    """An overlap run's blocked shares and inner-step rates, node by node (benchmarks/overlap.py)."""
+    return [" / ".join(f"{100 * b:.1f} %" for b in run["blocked_share"]), " / ".join(f"{s:.2f}" for s in run["steps_per_s"])]
+
+
 def overlap_cpu(r: Results) -> str:
     """Blocking rounds against each overlap mode at equal inner steps (benchmarks/overlap.py)."""
     rows = []
@@ -57,9 +63,8 @@ def overlap_cpu(r: Results) -> str:
         for run in d["runs"]:
             if "error" in run:
                 continue
-            rows.append([f"`{o['model']}`", run["mode"], str(run["seed"]), str(run["steps"][0]),
-                         " / ".join(f"{100 * b:.1f} %" for b in run["blocked_share"]),
-                         " / ".join(f"{s:.2f}" for s in run["steps_per_s"]), loss(run["val_loss"][0])])
+            rows.append([f"`{o['model']}`", run["mode"], str(run["seed"]), str(run["steps"][0]), *_per_node(run),
+                         loss(run["val_loss"][0])])
     what = ("Two daemons on loopback, one 2-core machine, `--inner-steps 5 --threads 1` (`medium`: also `--batch-size 1 "
             "--context 32`), every node to the same inner steps, a fresh checkpoint folder per run. Blocked: the share "
             "of each node's training loop spent waiting for rounds. Held-out loss after the last round (both nodes "
@@ -72,8 +77,6 @@ def overlap_cpu(r: Results) -> str:
 def overlap_alpha_cpu(r: Results) -> str:
     """Blocking rounds and overlap, each with θ replaced by φ (α = 0) or mixed half and half (α = 0.5)."""
     names = ("overlap_medium_alpha_cpu.json", "overlap_tiny_alpha_cpu.json")
-    alpha = {"blocking": "0", "overlap": "0", "blocking-mixed": "0.5", "mixed": "0.5"}
-    rounds = {"blocking": "blocking", "overlap": "overlap", "blocking-mixed": "blocking", "mixed": "overlap"}
     rows = []
     for name in names:
         d = r.load(name)
@@ -81,9 +84,10 @@ def overlap_alpha_cpu(r: Results) -> str:
         for run in d["runs"]:
             if "error" in run:
                 continue
-            rows.append([f"`{o['model']}`", rounds.get(run["mode"], run["mode"]), alpha.get(run["mode"], "?"), str(run["seed"]),
-                         str(run["steps"][0]), " / ".join(f"{100 * b:.1f} %" for b in run["blocked_share"]),
-                         " / ".join(f"{s:.2f}" for s in run["steps_per_s"]), " / ".join(loss(v) for v in run["val_loss"])])
+            flags = MODES[run["mode"]]  # what the mode ran with: its rounds and its α
+            alpha = flags[flags.index("--fragment-alpha") + 1] if "--fragment-alpha" in flags else "0"
+            rows.append([f"`{o['model']}`", "overlap" if "--overlap" in flags else "blocking", alpha, str(run["seed"]),
+                         str(run["steps"][0]), *_per_node(run), " / ".join(loss(v) for v in run["val_loss"])])
     what = ("Two daemons on loopback, one 2-core machine, H = 5 (`medium`: `--batch-size 1 --context 32 --inner-steps 5 "
             "--threads 1`, 100 inner steps per node; `tiny`: `--inner-steps 5 --threads 1`, 150), a fresh checkpoint folder "
             "per run, the modes of one seed one after the other. α: `--fragment-alpha`, "

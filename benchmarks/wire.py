@@ -63,23 +63,20 @@ def _status_kb(pid: int, field: str) -> int:
     return 0
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/PID/stat after the command name (field 3 on), or None for a gone process."""
+def _cpu_and_faults(pid: int) -> tuple[float, int]:
+    """CPU seconds and minor page faults of ``pid`` from one read of /proc/PID/stat ((0, 0) for a gone process).
+    A minor fault is a first touch of fresh memory: a buffer the heap did not reuse."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return None
+        return 0.0, 0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
 
 
-def _cpu_s(pid: int) -> float:
-    fields = _stat_fields(pid)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
-
-
-def _minor_faults(pid: int) -> int:
-    """Page faults served without I/O: each is a first touch of fresh memory (a buffer the heap did not reuse)."""
-    fields = _stat_fields(pid)
-    return int(fields[7]) if fields else 0
+def _totals(pids: list[int]) -> tuple[float, int]:
+    """CPU seconds and minor page faults summed over ``pids``."""
+    both = [_cpu_and_faults(p) for p in pids]
+    return sum(c for c, _ in both), sum(f for _, f in both)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -115,14 +112,13 @@ class Meter:
         self.rss = sum(_status_kb(p, "VmRSS") for p in self.pids)
         if self.baseline is None:
             self.baseline = self.rss
-        self.cpu = sum(_cpu_s(p) for p in self.pids)
-        self.faults = sum(_minor_faults(p) for p in self.pids)
+        self.cpu, self.faults = _totals(self.pids)
 
     def stop(self) -> dict[str, float]:
         peak = sum(max(_status_kb(p, "VmHWM"), _status_kb(p, "VmRSS")) for p in self.pids)
+        cpu, faults = _totals(self.pids)
         return {"transient_mb": (peak - self.rss) / 1024, "held_mb": (peak - (self.baseline or 0)) / 1024, "rss_mb": peak / 1024,
-                "cpu_s": sum(_cpu_s(p) for p in self.pids) - self.cpu,
-                "minor_faults": sum(_minor_faults(p) for p in self.pids) - self.faults}
+                "cpu_s": cpu - self.cpu, "minor_faults": faults - self.faults}
 
 
 # --- raw TCP floor -------------------------------------------------------------------------------
@@ -323,7 +319,7 @@ def summarize(system: str, n: int, numel: int, dtype: str, rounds: int, rows: li
         "mb_per_s": statistics.median(r["moved"] / r["round_s"] / 1e6 for r in steady),
         "complete_rounds": sum(all(r["complete"] for r in rnd) and len(rnd) == n for rnd in by_round[1:]),
         "cpu_s": median("cpu_s"),
-        **({"minor_faults": median("minor_faults"), "fresh_mb": median("minor_faults") * 4096 / 1e6} if "minor_faults" in steady[0] else {}),
+        **({"minor_faults": (faults := median("minor_faults")), "fresh_mb": faults * 4096 / 1e6} if "minor_faults" in steady[0] else {}),
         "transient_mb": max(r["transient_mb"] for r in steady),
         "transient_x_payload": max(r["transient_mb"] for r in steady) * 1e6 / payload,
         "rss_mb": max(r["rss_mb"] for r in steady),
