@@ -265,7 +265,7 @@ class Daemon(AdoptedState, PacedRounds, NodeBase):
                 if self._hand_over_due():
                     self._hand_over()
                     self._next_round()
-            elif self._round_due(step_s):
+            elif self._round_due(step_s) and not self._steps_on_past_due():
                 self._finish_pending()
                 self._start_round(self.round_samples)
                 if not self.rounds.stepping():

@@ -74,6 +74,18 @@ class PacedRounds:
         return self.pacer.due(self.inner_step, time.monotonic(), step_s, spent=self._gathers_first(),
                               early=self._steps_while_gathering())
 
+    def _steps_on_past_due(self) -> bool:
+        """Whether a node whose round is due keeps stepping instead of waiting for the round before it (``--overlap``,
+        asap and eager; ``delayed`` applies each result exactly one round late): that round still runs, and this round
+        holds fewer than twice the steps it planned. The steps go into this round (its update weighs by the samples it
+        holds), and the next round starts once the one in flight is applied. Without it the member that reaches the
+        rendezvous first stands still every round: it waits there for the others in the background, then at its next
+        round for the exchange it began earlier (docs/benchmarks.md, overlap on the CPU)."""
+        rounds = self.rounds
+        if not self.cfg.overlap or self.cfg.overlap_mode == "delayed" or rounds.pending is None or rounds.ready() or self.stop.is_set() or self._deadline_reached():
+            return False  # (at the node's deadline the steps taken so far go into a last round)
+        return self.inner_step < min(2 * max(self.pacer.pace.expected_steps, 1), self.pacer.step_cap)
+
     def _hand_over_due(self) -> bool:
         """Whether a node stepping on through its round's rendezvous stops now: a member waits for it (it asked for
         the contribution), the group is complete and the budget spent (and no member much slower than this node is

@@ -139,8 +139,9 @@ def _check_mode(mode: str, infos: list[dict], rounds: int) -> None:
         assert [ra["fragment"] for ra, _ in settled] == [ra["round"] % 2 for ra, _ in settled], "fragments take turns"
         assert {ra["fragment"] for ra, _ in settled} == {0, 1}
         regular = _regular_rounds(a)
-        assert len(regular) >= 2 and all(r["steps"] == 10 for r in regular), \
-            f"a round every H/P = 10 steps: {[(r['round'], r['steps']) for r in _rounds(a)]}"
+        # a round is due every H/P = 10 steps; while the round before it still runs the node steps on, up to twice that
+        assert len(regular) >= 2 and all(10 <= r["steps"] <= 20 for r in regular), \
+            f"a round every H/P = 10 steps or more: {[(r['round'], r['steps']) for r in _rounds(a)]}"
     elif mode == "delayed":
         # a round's result is applied when the next round starts, so at a multiple of H = 15 steps, H after
         # the round before it (asap would apply a quick round a step or two after it began). Rounds after a

@@ -180,3 +180,39 @@ def test_a_node_announces_its_speed_in_its_round_entry_and_plans_from_the_round_
     d.compute_tokens_per_s = 1000.0
     d.round_rates = {"me": 1000.0, "x": 500.0, "y": 500.0}
     assert _planned(d).budget_s == pytest.approx(50 * 4 * d.trainer.model.cfg.context / 500.0)
+
+
+@pytest.mark.parametrize("inner_steps", [5, "auto"])
+def test_an_overlapped_node_steps_on_while_the_round_before_it_still_runs(inner_steps) -> None:
+    """With ``--overlap`` a node whose round is due while the one before it still runs takes more steps instead of
+    standing still, up to twice the round's planned steps; ``delayed`` overlap keeps its exact one-round delay."""
+    import concurrent.futures
+    import time
+
+    from node.replica.rounds import PendingRound, RoundRunner
+
+    d = _daemon(overlap=True, inner_steps=inner_steps, round_steps=5)
+    d.compute_tokens_per_s = 1000.0
+    d._plan_round(start=time.monotonic() - 1e3)  # (paced by time: the budget has run out)
+    planned = d.pacer.pace.expected_steps
+    in_flight: concurrent.futures.Future = concurrent.futures.Future()
+    d.rounds = RoundRunner(net=None, averager=None, eager=False, before_gather=None, stop=d.stop, final_timeout=1.0)  # type: ignore[arg-type]
+    d.rounds.pending = PendingRound(0, 0, planned, in_flight)
+    d.inner_step = planned
+    assert d._round_due(0.001) and d._steps_on_past_due()
+    d.inner_step = 2 * planned - 1
+    assert d._steps_on_past_due()
+    d.inner_step = 2 * planned
+    assert not d._steps_on_past_due(), "at twice the planned steps it waits for the round"
+    d.inner_step = planned
+    d.cfg.overlap_mode = "delayed"
+    assert not d._steps_on_past_due()
+    d.cfg.overlap_mode = "asap"
+    d.summary.steps = d.cfg.max_steps = 3
+    assert not d._steps_on_past_due(), "at the node's deadline the steps so far go into a last round"
+    d.cfg.max_steps = None
+    in_flight.set_result(None)
+    assert not d._steps_on_past_due(), "the round before is done: the next one starts"
+    d.cfg.overlap = False
+    d.rounds.pending = PendingRound(0, 0, planned, concurrent.futures.Future())
+    assert not d._steps_on_past_due(), "a blocking round waits"
