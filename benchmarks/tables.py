@@ -65,6 +65,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "gpu_replicas": gpu.gpu_replicas,
     "overlap_cpu": gpu.overlap_cpu,
     "overlap_alpha_cpu": gpu.overlap_alpha_cpu,
+    "overlap_step_on_cpu": gpu.overlap_step_on_cpu,
 }
 
 

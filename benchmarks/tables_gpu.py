@@ -96,3 +96,25 @@ def overlap_alpha_cpu(r: Results) -> str:
             "the last round (with α > 0 the nodes' θ differ; φ is one).")
     header = ["model", "rounds", "α", "seed", "steps", "blocked (node 0 / 1)", "steps/s", "held-out loss (node 0 / 1)"]
     return r.caption(*names, what=what) + "\n\n" + table(header, rows)
+
+
+def overlap_step_on_cpu(r: Results) -> str:
+    """Blocking rounds against overlap where a node whose round is due steps on while the round before still runs."""
+    name = "overlap_step_on_medium_cpu.json"
+    rows = []
+    for run in r.load(name)["runs"]:
+        if "error" in run:
+            continue
+        flags = MODES[run["mode"]]
+        alpha = flags[flags.index("--fragment-alpha") + 1] if "--fragment-alpha" in flags else "0"
+        rows.append(["overlap" if "--overlap" in flags else "blocking", alpha, str(run["seed"]), str(run["steps"][0]),
+                     " / ".join(str(n) for n in run["outer_rounds"]), *_per_node(run),
+                     " / ".join(loss(v) for v in run["val_loss"])])
+    what = ("Two `medium` daemons on loopback, one 2-core machine, `--batch-size 1 --context 32 --inner-steps 5 --threads 1`, "
+            "200 inner steps per node, a fresh checkpoint folder per run, the modes of one seed one after the other. With "
+            "`--overlap` a node whose round is due while the round before it still runs steps on (up to twice the round's "
+            "steps), so its rounds may hold more than 5 steps and the two nodes may end after different numbers of rounds "
+            "(the one with rounds left averages them alone). α: `--fragment-alpha`. Blocked: the share of each node's "
+            "training loop spent waiting for rounds. Held-out loss of each node's final weights.")
+    header = ["rounds", "α", "seed", "steps", "rounds (node 0 / 1)", "blocked (node 0 / 1)", "steps/s", "held-out loss (node 0 / 1)"]
+    return r.caption(name, what=what) + "\n\n" + table(header, rows)

@@ -151,7 +151,8 @@ class NodeConfig(DerivedSettings, BaseModel):
         "(a one-step-delayed outer update: it hides the round's time but costs some loss per step, docs/benchmarks.md)", AVG)
     overlap_mode: Literal["asap", "delayed", "eager"] = option(
         "asap", "With --overlap: asap (apply a round's result when it arrives) | delayed (at the next round: one-step delay) | "
-        "eager (apply an estimate from this node's Δ and the others' previous Δ at once, correct it when the result arrives)", AVG)
+        "eager (apply an estimate from this node's Δ and the others' previous Δ at once, correct it when the result arrives); "
+        "asap and eager step on while a round is due and the one before it still runs (up to twice the round's steps)", AVG)
     fragment_alpha: float = option(
         0.0, "α in θ ← (1−α)·φ + α·θ when a round's result is applied (with --overlap: θ ← θ + (1−α)(φ − θ at the round's "
         "start)); 0 replaces local weights", AVG, ge=0, le=1)
