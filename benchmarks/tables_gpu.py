@@ -54,6 +54,13 @@ def _per_node(run: dict) -> list[str]:
     return [" / ".join(f"{100 * b:.1f} %" for b in run["blocked_share"]), " / ".join(f"{s:.2f}" for s in run["steps_per_s"])]
 
 
+def _rounds_and_alpha(mode: str) -> list[str]:
+    """What a benchmarks.overlap mode ran with: blocking or overlapped rounds, and its α (--fragment-alpha)."""
+    flags = MODES[mode]
+    alpha = flags[flags.index("--fragment-alpha") + 1] if "--fragment-alpha" in flags else "0"
+    return ["overlap" if "--overlap" in flags else "blocking", alpha]
+
+
 def overlap_cpu(r: Results) -> str:
     """Blocking rounds against each overlap mode at equal inner steps (benchmarks/overlap.py)."""
     rows = []
@@ -84,9 +91,7 @@ def overlap_alpha_cpu(r: Results) -> str:
         for run in d["runs"]:
             if "error" in run:
                 continue
-            flags = MODES[run["mode"]]  # what the mode ran with: its rounds and its α
-            alpha = flags[flags.index("--fragment-alpha") + 1] if "--fragment-alpha" in flags else "0"
-            rows.append([f"`{o['model']}`", "overlap" if "--overlap" in flags else "blocking", alpha, str(run["seed"]),
+            rows.append([f"`{o['model']}`", *_rounds_and_alpha(run["mode"]), str(run["seed"]),
                          str(run["steps"][0]), *_per_node(run), " / ".join(loss(v) for v in run["val_loss"])])
     what = ("Two daemons on loopback, one 2-core machine, H = 5 (`medium`: `--batch-size 1 --context 32 --inner-steps 5 "
             "--threads 1`, 100 inner steps per node; `tiny`: `--inner-steps 5 --threads 1`, 150), a fresh checkpoint folder "
@@ -105,9 +110,7 @@ def overlap_step_on_cpu(r: Results) -> str:
     for run in r.load(name)["runs"]:
         if "error" in run:
             continue
-        flags = MODES[run["mode"]]
-        alpha = flags[flags.index("--fragment-alpha") + 1] if "--fragment-alpha" in flags else "0"
-        rows.append(["overlap" if "--overlap" in flags else "blocking", alpha, str(run["seed"]), str(run["steps"][0]),
+        rows.append([*_rounds_and_alpha(run["mode"]), str(run["seed"]), str(run["steps"][0]),
                      " / ".join(str(n) for n in run["outer_rounds"]), *_per_node(run),
                      " / ".join(loss(v) for v in run["val_loss"])])
     what = ("Two `medium` daemons on loopback, one 2-core machine, `--batch-size 1 --context 32 --inner-steps 5 --threads 1`, "
