@@ -7,9 +7,10 @@ For each seed and mode (``--no-overlap``, ``--overlap``) one ``node swarm`` of `
 loopback runs until every node has taken ``--max-steps`` inner steps (``--duration`` bounds it), with
 a fresh checkpoint folder. Per run: wall time, each node's share of its training loop spent blocked in
 rounds (``comm_wait_s / train_s``), inner steps per second, and the held-out loss at the end (the same
-steps and seeds in both modes, so the losses compare like with like). ``--revs A,B`` runs every mode of each seed once per build (git revisions in temporary worktrees,
-``benchmarks.revisions``; ``.`` is the working tree), alternating which build goes first from seed to seed;
-each run then names its ``build``. The JSON::
+steps and seeds in both modes, so the losses compare like with like). ``--revs A,B`` runs every mode of
+each seed once per build (git revisions in temporary worktrees, ``benchmarks.revisions``; ``.`` is the
+working tree), alternating which build goes first from seed to seed; each run then names its ``build``.
+The JSON::
 
     {"runs": [{"mode", "seed", "wall_s", "blocked_share": [..], "val_loss": [..], "steps": [..], ...}],
      "summary": {"<mode>": {"blocked_share": mean, "val_loss": mean, "steps_per_s": mean}}}

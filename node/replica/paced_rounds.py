@@ -81,9 +81,11 @@ class PacedRounds:
         holds), and the next round starts once the one in flight is applied. Without it the member that reaches the
         rendezvous first stands still every round: it waits there for the others in the background, then at its next
         round for the exchange it began earlier (docs/benchmarks.md, overlap on the CPU)."""
-        rounds = self.rounds
-        if not self.cfg.overlap or self.cfg.overlap_mode == "delayed" or rounds.pending is None or rounds.ready() or self.stop.is_set() or self._deadline_reached():
-            return False  # (at the node's deadline the steps taken so far go into a last round)
+        rounds, cfg = self.rounds, self.cfg
+        if not cfg.overlap or cfg.overlap_mode == "delayed" or rounds.pending is None or rounds.ready():
+            return False
+        if self.stop.is_set() or self._deadline_reached():  # at the node's deadline the steps so far go into a last round
+            return False
         return self.inner_step < min(2 * max(self.pacer.pace.expected_steps, 1), self.pacer.step_cap)
 
     def _hand_over_due(self) -> bool:
