@@ -62,6 +62,9 @@ def run(args: argparse.Namespace, mode: str, seed: int, folder: Path, code: Path
         "val_loss": [n["val_loss"] for n in nodes],
         "round_exchange_s": [statistics.median(r["exchange_s"] for r in n["rounds"]) if n["rounds"] else None for n in nodes],
         "round_steps": [statistics.median(r["steps"] for r in n["rounds"]) if n["rounds"] else None for n in nodes],
+        # each node's evaluations during the run: [round, tokens so far, held-out loss]
+        "val_curve": [[[r["round"], r["tokens"], round(r["val_loss"], 4)] for r in n["rounds"] if r.get("val_loss") is not None]
+                      for n in nodes],
     }
 
 

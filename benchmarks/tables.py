@@ -66,6 +66,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "overlap_cpu": gpu.overlap_cpu,
     "overlap_alpha_cpu": gpu.overlap_alpha_cpu,
     "overlap_step_on_cpu": gpu.overlap_step_on_cpu,
+    "overlap_capped_cpu": gpu.overlap_capped_cpu,
 }
 
 

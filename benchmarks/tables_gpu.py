@@ -103,21 +103,36 @@ def overlap_alpha_cpu(r: Results) -> str:
     return r.caption(*names, what=what) + "\n\n" + table(header, rows)
 
 
-def overlap_step_on_cpu(r: Results) -> str:
-    """Blocking rounds against overlap where a node whose round is due steps on while the round before still runs."""
-    name = "overlap_step_on_medium_cpu.json"
+STEPPING_ON = ("With `--overlap` a node whose round is due while the round before it still runs steps on (up to twice "
+               "the round's steps), so the two nodes may end after different numbers of rounds (the one with rounds left "
+               "averages them alone). α: `--fragment-alpha`. Blocked: the share of each node's training loop spent waiting "
+               "for rounds. Wall: the run's seconds. Held-out loss of each node's final weights.")
+
+
+def _overlap_runs(r: Results, name: str, what: str) -> str:
+    """A benchmarks.overlap results file, run by run: rounds, α, rounds and blocked share per node, rates, wall time, losses."""
     rows = []
     for run in r.load(name)["runs"]:
         if "error" in run:
             continue
         rows.append([*_rounds_and_alpha(run["mode"]), str(run["seed"]), str(run["steps"][0]),
-                     " / ".join(str(n) for n in run["outer_rounds"]), *_per_node(run),
+                     " / ".join(str(n) for n in run["outer_rounds"]), *_per_node(run), f"{run['wall_s']:.0f} s",
                      " / ".join(loss(v) for v in run["val_loss"])])
-    what = ("Two `medium` daemons on loopback, one 2-core machine, `--batch-size 1 --context 32 --inner-steps 5 --threads 1`, "
-            "200 inner steps per node, a fresh checkpoint folder per run, the modes of one seed one after the other. With "
-            "`--overlap` a node whose round is due while the round before it still runs steps on (up to twice the round's "
-            "steps), so its rounds may hold more than 5 steps and the two nodes may end after different numbers of rounds "
-            "(the one with rounds left averages them alone). α: `--fragment-alpha`. Blocked: the share of each node's "
-            "training loop spent waiting for rounds. Held-out loss of each node's final weights.")
-    header = ["rounds", "α", "seed", "steps", "rounds (node 0 / 1)", "blocked (node 0 / 1)", "steps/s", "held-out loss (node 0 / 1)"]
+    header = ["rounds", "α", "seed", "steps", "rounds (node 0 / 1)", "blocked (node 0 / 1)", "steps/s", "wall",
+              "held-out loss (node 0 / 1)"]
     return r.caption(name, what=what) + "\n\n" + table(header, rows)
+
+
+def overlap_step_on_cpu(r: Results) -> str:
+    """Blocking rounds against overlap where a node whose round is due steps on while the round before still runs."""
+    return _overlap_runs(r, "overlap_step_on_medium_cpu.json", (
+        "Two `medium` daemons on loopback, one 2-core machine, `--batch-size 1 --context 32 --inner-steps 5 --threads 1`, "
+        "200 inner steps per node, a fresh checkpoint folder per run, the modes of one seed one after the other. " + STEPPING_ON))
+
+
+def overlap_capped_cpu(r: Results) -> str:
+    """The same at the default H, with each node's links capped so that a round's exchange takes seconds."""
+    return _overlap_runs(r, "overlap_capped_tiny_cpu.json", (
+        "Two `tiny` daemons on loopback, one 2-core machine, `--threads 1 --max-upload-mbit 4 --max-download-mbit 4`, "
+        "rounds paced by time at the default H (50 steps at the median speed for two replicas), 600 inner steps per node, "
+        "a fresh checkpoint folder per run, the modes of one seed one after the other. " + STEPPING_ON))
