@@ -81,8 +81,8 @@ class PacedRounds:
         holds), and the next round starts once the one in flight is applied. Without it the member that reaches the
         rendezvous first stands still every round: it waits there for the others in the background, then at its next
         round for the exchange it began earlier (docs/benchmarks.md, overlap on the CPU)."""
-        rounds, cfg = self.rounds, self.cfg
-        if not cfg.overlap or cfg.overlap_mode == "delayed" or rounds.pending is None or rounds.ready():
+        cfg = self.cfg
+        if not cfg.overlap or cfg.overlap_mode == "delayed" or not self.rounds.running():
             return False
         if self.stop.is_set() or self._deadline_reached():  # at the node's deadline the steps so far go into a last round
             return False

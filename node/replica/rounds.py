@@ -208,6 +208,10 @@ class RoundRunner:
     def ready(self) -> bool:
         return self.pending is not None and self.pending.future.done()
 
+    def running(self) -> bool:
+        """Whether a round is in flight and has not ended yet."""
+        return self.pending is not None and not self.pending.future.done()
+
     def wait(self, final: bool = False) -> tuple[RoundResult, PendingRound] | None:
         """Wait for the round in flight: (its result, the round), or None when none runs. Raises
         :class:`Interrupted` when the node is stopping (or, when ``final``, after ``final_timeout``)."""
