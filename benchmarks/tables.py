@@ -67,6 +67,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "overlap_alpha_cpu": gpu.overlap_alpha_cpu,
     "overlap_step_on_cpu": gpu.overlap_step_on_cpu,
     "overlap_capped_cpu": gpu.overlap_capped_cpu,
+    "overlap_capped_equal_time_cpu": gpu.overlap_capped_equal_time_cpu,
 }
 
 

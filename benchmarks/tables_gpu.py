@@ -136,3 +136,11 @@ def overlap_capped_cpu(r: Results) -> str:
         "Two `tiny` daemons on loopback, one 2-core machine, `--threads 1 --max-upload-mbit 4 --max-download-mbit 4`, "
         "rounds paced by time at the default H (50 steps at the median speed for two replicas), 600 inner steps per node, "
         "a fresh checkpoint folder per run, the modes of one seed one after the other. " + STEPPING_ON))
+
+
+def overlap_capped_equal_time_cpu(r: Results) -> str:
+    """The capped link again, every mode given the same training time instead of the same steps."""
+    return _overlap_runs(r, "overlap_capped_equal_time_tiny_cpu.json", (
+        "Two `tiny` daemons on loopback, one 2-core machine, `--threads 1 --max-upload-mbit 4 --max-download-mbit 4`, "
+        "rounds paced by time at the default H, every run bounded by `--duration 125` (the node's last round is waited "
+        "for after it), a fresh checkpoint folder per run, the modes of one seed one after the other. " + STEPPING_ON))
