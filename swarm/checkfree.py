@@ -75,14 +75,19 @@ def rebuild_stage(
 @torch.no_grad()
 def restore_from_replica(cfg: ModelConfig, index: int, count: int, seed: int, neighbour: Stage, plus: bool = True) -> Stage:
     """CheckFree+: a lost first (last) stage ← its neighbour's blocks and its replica of the
-    embeddings (final norm and head)."""
+    embeddings (final norm and head). In a two-stage pipeline the rebuilt stage also holds a replica of
+    its neighbour's own head (embeddings), used on out-of-order microbatches: that is copied from the
+    neighbour too, never left at the run's initialisation (a random head's gradients on every other
+    microbatch pull the rebuilt blocks away from the model they were copied from)."""
     stage = rebuild_stage(cfg, index, count, seed, "copy", prev=neighbour, plus=plus)
-    names = [n for n in (("tok_emb", "pos_emb") if stage.first else ("ln_f", "head")) if hasattr(stage, n)]
-    for name in names:
-        if not hasattr(neighbour, name):
+    required = ("tok_emb", "pos_emb") if stage.first else ("ln_f", "head")
+    for name in required:
+        if hasattr(stage, name) and not hasattr(neighbour, name):
             raise ValueError(f"stage {neighbour.index} holds no replica of {name}: was the swarm run with --checkfree-plus?")
-        for target, source in zip(getattr(stage, name).parameters(), getattr(neighbour, name).parameters()):
-            target.copy_(source)
+    for name in ("tok_emb", "pos_emb", "ln_f", "head"):
+        if hasattr(stage, name) and hasattr(neighbour, name):
+            for target, source in zip(getattr(stage, name).parameters(), getattr(neighbour, name).parameters()):
+                target.copy_(source)
     return stage
 
 

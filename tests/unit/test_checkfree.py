@@ -67,6 +67,22 @@ def test_checkfree_plus_restores_first_and_last_stage_from_replicas():
     assert stages[2](stages[1](loss, embed=False), tokens, head=True).ndim == 0  # the replicas act as first/last stage
 
 
+def test_a_rebuilt_stage_of_a_two_stage_pipeline_takes_both_its_parts_from_the_neighbour():
+    """With two stages each holds the other's replica: the rebuilt stage's own replica (the head on stage
+    0, the embeddings on stage 1) is the neighbour's trained original, not the run's initialisation."""
+    stage0, stage1 = _stages(2, plus=True)
+    with torch.no_grad():  # "trained": every parameter moved away from the shared initialisation
+        for p in [*stage0.parameters(), *stage1.parameters()]:
+            p.add_(torch.randn_like(p))
+    first = restore_from_replica(CFG, 0, 2, 0, stage1)
+    assert torch.equal(first.tok_emb.weight, stage1.tok_emb.weight)
+    assert torch.equal(first.head.weight, stage1.head.weight) and torch.equal(first.ln_f.weight, stage1.ln_f.weight)
+    last = restore_from_replica(CFG, 1, 2, 0, stage0)
+    assert torch.equal(last.head.weight, stage0.head.weight) and torch.equal(last.tok_emb.weight, stage0.tok_emb.weight)
+    fresh = Stage(CFG, 0, 2, seed=0, plus=True)
+    assert not torch.equal(first.head.weight, fresh.head.weight), "the head replica is not the initialisation's"
+
+
 def test_out_of_order_execution():
     assert swap_order(5, 0) == [0, 1, 2, 3, 4]
     assert swap_order(5, 1) == [1, 0, 2, 4, 3]
