@@ -35,7 +35,7 @@ from benchmarks.revisions import ROOT, checkouts, env_for
 # α (--fragment-alpha) explicit where it matters, so a mode means what its results files measured whatever the default
 MODES = {"blocking": ["--no-overlap"], "overlap": ["--overlap", "--fragment-alpha", "0"], "eager": ["--overlap", "--overlap-mode", "eager"],
          "delayed": ["--overlap", "--overlap-mode", "delayed", "--fragment-alpha", "0"], "mixed": ["--overlap", "--fragment-alpha", "0.5"],
-         "blocking-mixed": ["--no-overlap", "--fragment-alpha", "0.5"]}
+         "blocking-mixed": ["--no-overlap", "--fragment-alpha", "0.5"], "auto": ["--auto-overlap", "--fragment-alpha", "0"]}
 
 
 def run(args: argparse.Namespace, mode: str, seed: int, folder: Path, code: Path = ROOT, build: str = "") -> dict[str, Any]:
@@ -52,7 +52,10 @@ def run(args: argparse.Namespace, mode: str, seed: int, folder: Path, code: Path
     labels = {"build": build} if build else {}
     if not report.exists():
         return {"mode": mode, "seed": seed, **labels, "error": done.stderr[-2000:] or done.stdout[-2000:]}
-    nodes = json.loads(report.read_text())["nodes"]
+    swarm = json.loads(report.read_text())
+    nodes = swarm["nodes"]
+    chosen = [[[e["event"], e["round"]] for e in swarm.get("events", []) if e.get("node") == i and e["event"].startswith("overlap_")]
+              for i in range(len(nodes))]
     return {
         "mode": mode, "seed": seed, **labels, "wall_s": round(wall, 1), "exit_codes": [n["exit_code"] for n in nodes],
         "steps": [n["steps"] for n in nodes], "outer_rounds": [n["outer_rounds"] for n in nodes],
@@ -62,6 +65,8 @@ def run(args: argparse.Namespace, mode: str, seed: int, folder: Path, code: Path
         "val_loss": [n["val_loss"] for n in nodes],
         "round_exchange_s": [statistics.median(r["exchange_s"] for r in n["rounds"]) if n["rounds"] else None for n in nodes],
         "round_steps": [statistics.median(r["steps"] for r in n["rounds"]) if n["rounds"] else None for n in nodes],
+        # --auto-overlap: each node's choices ([event, round]) and the mode it ended in
+        "overlap_choices": chosen, "overlap": [n.get("overlap") for n in nodes],
         # each node's evaluations during the run: [round, tokens so far, held-out loss]
         "val_curve": [[[r["round"], r["tokens"], round(r["val_loss"], 4)] for r in n["rounds"] if r.get("val_loss") is not None]
                       for n in nodes],

@@ -58,7 +58,8 @@ def _rounds_and_alpha(mode: str) -> list[str]:
     """What a benchmarks.overlap mode ran with: blocking or overlapped rounds, and its α (--fragment-alpha)."""
     flags = MODES[mode]
     alpha = flags[flags.index("--fragment-alpha") + 1] if "--fragment-alpha" in flags else "0"
-    return ["overlap" if "--overlap" in flags else "blocking", alpha]
+    rounds = "auto" if "--auto-overlap" in flags else "overlap" if "--overlap" in flags else "blocking"
+    return [rounds, alpha]
 
 
 def overlap_cpu(r: Results) -> str:

@@ -35,12 +35,15 @@ def check_combinations(cfg: Any) -> None:
     if cfg.lr_schedule != "constant":
         cfg.schedule()  # raises naming what is missing (the run's length) or out of range
     if cfg.algorithm == "zo":
-        for wrong, why in ((cfg.fragments > 1, "--fragments"), (cfg.overlap, "--overlap"),
+        for wrong, why in ((cfg.fragments > 1, "--fragments"), (cfg.overlap, "--overlap"), (cfg.auto_overlap, "--auto-overlap"),
                            (cfg.compression not in (None, "none"), "--compression")):
             if wrong:
                 raise ValueError(f"{why} does not apply to --algorithm zo (it sends one byte per step and never a model)")
     elif cfg.zo_seed_pool:
         raise ValueError("--zo-seed-pool is used by --algorithm zo; other algorithms send pseudo-gradients, not seeds")
+    if cfg.auto_overlap and (cfg.overlap or cfg.overlap_mode != "asap"):
+        raise ValueError("--auto-overlap chooses --overlap (asap) itself from what rounds cost: drop --overlap and --overlap-mode, "
+                         "or keep them and drop --auto-overlap to overlap from the start")
     if cfg.overlap_mode == "eager" and cfg.algorithm == "noloco":
         raise ValueError("--overlap-mode eager estimates a group average: use it with diloco or sparseloco")
     if cfg.fragments > 1 and cfg.algorithm == "noloco":
@@ -101,6 +104,7 @@ def _pipeline_refusals(cfg: Any) -> None:
     """Replica flags that mean nothing to a pipeline (--stages > 1), each refused with what to use instead."""
     for wrong, why in (
         (cfg.overlap, "--overlap: a pipeline's stage servers always keep serving while their stage averages"),
+        (cfg.auto_overlap, "--auto-overlap: a pipeline's stage servers always keep serving while their stage averages"),
         (cfg.overlap_mode != "asap", "--overlap-mode: a stage server applies each round's result when it arrives (asap)"),
         (cfg.slowdown_after > 0, "--slowdown-after times a whole-model replica's inner steps (a stage server takes --slowdown "
                                   "from the start)"),

@@ -149,6 +149,10 @@ class NodeConfig(DerivedSettings, BaseModel):
     overlap: bool = option(
         False, "Keep training while a round's exchange runs; the steps taken meanwhile stay on top of the round's result "
         "(a one-step-delayed outer update: it hides the round's time but costs some loss per step, docs/benchmarks.md)", AVG)
+    auto_overlap: bool = option(
+        False, "Start with blocking rounds and turn --overlap (asap) on once rounds block at least 10 % of the training loop "
+        "over 3 rounds; it goes off for good when the next 3 rounds' inner steps per second did not rise by half the share "
+        "of the loop it saved (docs/algorithms.md)", AVG)
     overlap_mode: Literal["asap", "delayed", "eager"] = option(
         "asap", "With --overlap: asap (apply a round's result when it arrives) | delayed (at the next round: one-step delay) | "
         "eager (apply an estimate from this node's Δ and the others' previous Δ at once, correct it when the result arrives); "

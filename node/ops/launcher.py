@@ -369,6 +369,7 @@ class SwarmLauncher:
                 "wall_s": info.get("wall_s"),
                 "train_s": info.get("train_s"),
                 "comm_wait_s": info.get("comm_wait_s"),
+                "overlap": info.get("overlap"),
                 "inner_s": info.get("inner_s"),
                 "eval_s": info.get("eval_s"), "checkpoint_s": info.get("checkpoint_s"),
                 "tokens_per_s": info.get("tokens_per_s"),

@@ -43,6 +43,7 @@ from gossip.byzantine import Attacker, served_params
 from node.config import NodeConfig
 from node.replica.adopted_state import AdoptedState
 from node.replica.joiner import Joiner
+from node.replica.overlap_choice import OverlapChooser
 from node.replica.paced_rounds import PacedRounds
 from node.replica.pacing import RoundPacer, slowdown_sleep, stall_capped
 from node.replica.rounds import PendingRound, RoundPlan, RoundRunner
@@ -80,6 +81,9 @@ class Daemon(AdoptedState, PacedRounds, NodeBase):
         self.helping = False  # too slow to train: averages with 0 samples (--helper-below, node.replica.pacing)
         self.slow_rounds = 0  # rounds in a row this node measured itself below --helper-below × the median
         self.helped_steps = 0  # the median peer's steps of the rounds this node helped in (--max-steps counts them)
+        self.overlapping = cfg.overlap  # --auto-overlap turns it on and off between rounds (node.replica.overlap_choice)
+        self.overlap_chooser = OverlapChooser() if cfg.auto_overlap else None
+        self.summary.overlap = "on" if cfg.overlap else self.overlap_chooser.state if self.overlap_chooser else "off"
 
     # ---- lifecycle (node.runtime.base) ------------------------------------------------------------
     def _prepare(self) -> None:
@@ -162,7 +166,7 @@ class Daemon(AdoptedState, PacedRounds, NodeBase):
         cfg = self.cfg
         return {"inner_step": self.inner_step, "tokens_per_s": self.tokens_per_s, "algorithm": cfg.algorithm, "compression": cfg.codec,
                 "fragments": cfg.fragments, "round_steps": self.pacer.pace.expected_steps, "round_budget_s": self.pacer.pace.budget_s,
-                "helping": self.helping,
+                "helping": self.helping, "overlap": self.summary.overlap,
                 **time_shares(self.summary, self.train_started),
                 "peer_scores": self.averager.scorer.peers.snapshot() if self.averager.scorer else {}}
 
@@ -285,11 +289,11 @@ class Daemon(AdoptedState, PacedRounds, NodeBase):
         self.averager.speed = self._announced_rate()
         stepping = samples > 0 and self._steps_while_gathering()
         self.rounds.start(self.round, fragment, self.plan.fragments[fragment], self.phi, self.trainer.parameters(), samples,
-                          self.inner_step, self.plan.feedback[fragment], overlapped=self.cfg.overlap, stepping=stepping)
+                          self.inner_step, self.plan.feedback[fragment], overlapped=self.overlapping, stepping=stepping)
         if stepping:
             return
         self.inner_step, self.round_samples = 0, 0
-        if not self.cfg.overlap:
+        if not self.overlapping:
             self._finish_pending()
 
     def _hand_over(self, final: bool = False) -> None:
@@ -368,6 +372,7 @@ class Daemon(AdoptedState, PacedRounds, NodeBase):
         m.outer_round.set(self.round)
         self._publish_snapshot()
         self._round_done(record, result.in_sync)
+        self._choose_overlap()
         self._record_throughput(inner_tokens_per_s=self._inner_rate())
         self._write_info()
         logger.info("round %d done: %d/%d peers averaged in %.2fs (waited %.2fs), loss %.3f",

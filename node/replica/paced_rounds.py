@@ -39,7 +39,7 @@ class PacedRounds:
         # from the moment the round's result arrived (every member's is about the same), not after this node's
         # evaluation and checkpoint; an overlapped round paces from its start
         if start is None:
-            start = self.round_ended if self.round_ended is not None and not self.cfg.overlap else time.monotonic()
+            start = self.round_ended if self.round_ended is not None and not self.overlapping else time.monotonic()
         rates = self.round_rates if shared else self.peer_rates
         if self.helping:
             pace = self.pacer.plan_helper(self._replicas(), rates, tokens_per_step, start, self.compute_tokens_per_s)
@@ -60,7 +60,7 @@ class PacedRounds:
         """Whether the swarm's fast peers step on through a round's rendezvous (``--step-while-gathering``): blocking
         DiLoCo rounds paced by time. Every peer's round is then due once its budget has run out (``RoundPacer.due``)."""
         cfg = self.cfg
-        return cfg.step_while_gathering and not cfg.overlap and self.pacer.by_time and isinstance(self.averager, DiLoCoAverager)
+        return cfg.step_while_gathering and not self.overlapping and self.pacer.by_time and isinstance(self.averager, DiLoCoAverager)
 
     def _steps_while_gathering(self) -> bool:
         """Whether this node's round registers ahead of its budget and its inner steps go on until it hands θ over
@@ -82,11 +82,32 @@ class PacedRounds:
         rendezvous first stands still every round: it waits there for the others in the background, then at its next
         round for the exchange it began earlier (docs/benchmarks.md, overlap on the CPU)."""
         cfg = self.cfg
-        if not cfg.overlap or cfg.overlap_mode == "delayed" or not self.rounds.running():
+        if not self.overlapping or cfg.overlap_mode == "delayed" or not self.rounds.running():
             return False
         if self.stop.is_set() or self._deadline_reached():  # at the node's deadline the steps so far go into a last round
             return False
         return self.inner_step < min(2 * max(self.pacer.pace.expected_steps, 1), self.pacer.step_cap)
+
+    def _choose_overlap(self) -> None:
+        """After a round is applied (none is in flight then): under ``--auto-overlap`` give the chooser the loop's
+        counters and switch between blocking and overlapped rounds as it decides (``node.replica.overlap_choice``)."""
+        chooser = self.overlap_chooser
+        if chooser is None or self.helping:
+            return
+        decision = chooser.observe(time.monotonic(), self.summary.comm_wait_s, self.summary.steps)
+        if decision is None:
+            return
+        self.overlapping = decision.overlap
+        self.summary.overlap = chooser.state
+        self.event(decision.event, round=self.round, **decision.why)
+        if decision.event == "overlap_on":
+            logger.info("rounds blocked %.0f %% of the training loop over the last %d rounds: overlapping them from round %d on "
+                        "(it stays on if the inner steps get faster)", 100 * float(decision.why["blocked_share"]), chooser.window, self.round)
+        elif decision.event == "overlap_off":
+            logger.warning("overlap saved %.0f %% of the loop's time blocked but the inner steps got only %.1f %% faster "
+                           "(needed %.1f %%): blocking rounds from round %d on", 100 * (float(decision.why["blocking_blocked_share"])
+                           - float(decision.why["blocked_share"])), 100 * float(decision.why["speed_gain"]),
+                           100 * float(decision.why["needed_gain"]), self.round)
 
     def _hand_over_due(self) -> bool:
         """Whether a node stepping on through its round's rendezvous stops now: a member waits for it (it asked for

@@ -55,6 +55,8 @@ class Summary:
     resumed_from: dict[str, Any] | None = None  # {"checkpoint", "round"} when the node resumed its checkpoint
     joined_round: int | None = None
     comm_wait_s: float = 0.0
+    # whole-model replicas: on | off (--overlap or not); under --auto-overlap measuring | trying | on | off (node.replica.overlap_choice)
+    overlap: str = "off"
     wall_s: float = 0.0  # from start-up (model, corpus, networking, join) to the end of training
     train_s: float = 0.0  # the training loop alone
     inner_s: float = 0.0  # the inner steps (batch and step) within it: inner_s / train_s is the training share

@@ -170,6 +170,42 @@ def test_each_mode_averages_for_longer(mode, tmp_path, nodes):
     assert all(info["val_loss"] < 3.5 for info in infos), infos
 
 
+AUTO_OVERLAP = ["--auto-overlap", "--min-peers", "2", "--inner-steps", "20", "--max-upload-mbit", "2", "--max-download-mbit", "2"]
+VERDICTS = ("overlap_kept", "overlap_off")
+
+
+def test_auto_overlap_turns_overlap_on_where_rounds_block_and_judges_it_by_speed(tmp_path, nodes):
+    """--auto-overlap on a capped link, where a dense nano round (~0.5 MB each way at 2 Mbit/s) takes far longer
+    than its 20 inner steps (both wait for each other before the first step, so every round is a pair's): each node
+    starts blocking, turns overlap on after three costly rounds, judges it by its
+    steps per second over three more and keeps or drops it; the replicas stay bit-identical throughout."""
+    run = ["--run-id", "algo-auto-overlap", "--eval-every", "2"]
+    a = start_node(tmp_path, "auto0", [*FAST_ARGS, *AUTO_OVERLAP, *run, "--seed", "0"])
+    nodes.append(a)
+    boot = a.wait(lambda i: i.get("state") == "waiting" and i.get("multiaddrs"), 90, "startup")["multiaddrs"][0]
+    b = start_node(tmp_path, "auto1", [*FAST_ARGS, *AUTO_OVERLAP, *run, "--seed", "1"], [boot])
+    nodes.append(b)
+    for node in (a, b):
+        node.wait(lambda i: any(e["event"] in VERDICTS for e in i.get("events", [])), 240, "overlap judged by speed")
+    assert a.stop() == 0 and b.stop() == 0
+    infos = [a.info(), b.info()]
+    for info in infos:
+        chosen = [e for e in info["events"] if e["event"] in ("overlap_on", *VERDICTS)]
+        assert [e["event"] for e in chosen][:1] == ["overlap_on"] and chosen[1]["event"] in VERDICTS, chosen
+        on, verdict = chosen[0], chosen[1]
+        assert on["blocked_share"] >= 0.10 and on["round"] >= 4, on  # after the start-up round and three measured ones
+        assert verdict["round"] >= on["round"] + 3, verdict
+        assert verdict["blocked_share"] < verdict["blocking_blocked_share"], ("overlapped rounds blocked less", verdict)
+        kept = verdict["speed_gain"] >= verdict["needed_gain"]
+        assert (verdict["event"] == "overlap_kept") == kept, verdict
+        assert info["overlap"] == ("on" if kept else "off"), info["overlap"]
+        assert info["val_loss"] < info["train_loss_first"] - 1.5, ("trained far below the untrained loss", info)
+    settled = _settled_joint_rounds(infos)
+    assert len(settled) >= 4, [(r["round"], r["contributors"], r["in_sync"]) for r in _rounds(infos[0])]
+    for ra, rb in settled:  # blocking, overlapped or switching between them, a round both averaged leaves one φ
+        assert ra["fingerprint"] == rb["fingerprint"], (ra, rb)
+
+
 def test_settings_mismatch_names_every_difference():
     from node.runtime.settings import settings_mismatch
 

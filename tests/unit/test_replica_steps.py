@@ -213,6 +213,6 @@ def test_an_overlapped_node_steps_on_while_the_round_before_it_still_runs(inner_
     d.cfg.max_steps = None
     in_flight.set_result(None)
     assert not d._steps_on_past_due(), "the round before is done: the next one starts"
-    d.cfg.overlap = False
+    d.overlapping = False
     d.rounds.pending = PendingRound(0, 0, planned, concurrent.futures.Future())
     assert not d._steps_on_past_due(), "a blocking round waits"
