@@ -68,6 +68,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "overlap_step_on_cpu": gpu.overlap_step_on_cpu,
     "overlap_capped_cpu": gpu.overlap_capped_cpu,
     "overlap_capped_equal_time_cpu": gpu.overlap_capped_equal_time_cpu,
+    "auto_overlap_capped_cpu": gpu.auto_overlap_capped_cpu,
 }
 
 

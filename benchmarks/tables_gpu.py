@@ -145,3 +145,17 @@ def overlap_capped_equal_time_cpu(r: Results) -> str:
         "Two `tiny` daemons on loopback, one 2-core machine, `--threads 1 --max-upload-mbit 4 --max-download-mbit 4`, "
         "rounds paced by time at the default H, every run bounded by `--duration 125` (the node's last round is waited "
         "for after it), a fresh checkpoint folder per run, the modes of one seed one after the other. " + STEPPING_ON))
+
+
+def auto_overlap_capped_cpu(r: Results) -> str:
+    """The capped link at equal time: blocking rounds, overlap from the start and --auto-overlap, side by side."""
+    name = "auto_overlap_capped_equal_time_tiny_cpu.json"
+    text = _overlap_runs(r, name, (
+        "Two `tiny` daemons on loopback, one 2-core machine, `--threads 1 --max-upload-mbit 4 --max-download-mbit 4`, "
+        "rounds paced by time at the default H, every run bounded by `--duration 125`, a fresh checkpoint folder per run, "
+        "the modes of one seed one after the other. auto: `--auto-overlap` (blocking rounds until it measured three, "
+        "then overlap while it pays). " + STEPPING_ON))
+    chosen = [f"seed {run['seed']}: " + " / ".join(", ".join(f"{event} at round {n}" for event, n in node) or "none"
+                                                    for node in run["overlap_choices"])
+              for run in r.load(name)["runs"] if run["mode"] == "auto" and "error" not in run]
+    return text + "\n\n" + f"`--auto-overlap`'s choices (node 0 / node 1): {'; '.join(chosen)}."
