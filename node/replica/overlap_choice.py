@@ -1,6 +1,6 @@
-"""Whether a replica hides its rounds behind its inner steps (``--overlap auto``): measured, never assumed.
+"""Whether a replica hides its rounds behind its inner steps (``--auto-overlap``): measured, never assumed.
 
-A node under ``--overlap auto`` starts with blocking rounds and watches what they cost. Each applied round
+A node under ``--auto-overlap`` starts with blocking rounds and watches what they cost. Each applied round
 closes a span of the training loop: its wall seconds, the seconds of it spent waiting for rounds, and the inner
 steps taken in it. The first round is left out (it waits for peers to start). Over ``WINDOW`` rounds:
 
@@ -12,6 +12,9 @@ steps taken in it. The first round is left out (it waits for peers to start). Ov
   spends blocked; else it goes off for good (on two shared CPU cores the exchange slowed the steps beside it by
   as much as it stopped blocking them: docs/benchmarks.md, "Overlap steps on while the round before it still
   runs"), since a one-step-delayed update costs loss per step and must be paid for in steps.
+
+Known limits (docs/benchmarks.md, "--auto-overlap"): a window of three short rounds can judge on noise, and each
+member chooses alone, so a pair can end up half overlapped; both keep this opt-in.
 
 Pure bookkeeping: :class:`OverlapChooser` takes the node's cumulative counters after each round and says what
 to do; the node flips its own flag between rounds.
@@ -63,7 +66,7 @@ class Decision:
 
 @dataclass
 class OverlapChooser:
-    """Turns ``--overlap auto``'s measurements into decisions (see the module's docstring)."""
+    """Turns ``--auto-overlap``'s measurements into decisions (see the module's docstring)."""
 
     threshold: float = THRESHOLD
     window: int = WINDOW

@@ -93,6 +93,7 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "fragment_alpha": (0.5, ("applied", [(SERVER, "keep=self.cfg.fragment_alpha")])),
     "fragments": (2, ("refused", "--fragments streams a whole-model replica's rounds")),
     "overlap": (True, ("refused", "--overlap: a pipeline's stage servers always keep serving")),
+    "auto_overlap": (True, ("refused", "--auto-overlap: a pipeline's stage servers always keep serving")),
     "overlap_mode": ("delayed", ("refused", "--overlap-mode: a stage server applies each round's result when it arrives")),
     "noloco_pull": (0.5, ("refused", "--group-size and --noloco-pull shape noloco's rounds")),
     "group_size": (3, ("refused", "--group-size and --noloco-pull shape noloco's rounds")),
