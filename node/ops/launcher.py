@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 import signal
@@ -25,6 +24,7 @@ from typing import Any
 from node.ops.chaos import ChaosAction
 from node.config import NodeConfig
 from node.ops.progress import LiveProgress, progress_lines, progress_rows, progress_table, scrape
+from node.ops.swarm_report import node_entry, print_summary, write_report
 
 logger = logging.getLogger("locomesh.swarm")
 STOP_GRACE_S = 60.0
@@ -293,7 +293,7 @@ class SwarmLauncher:
                     signal.signal(sig, handler)
                 signal.signal(signal.SIGINT, signal.default_int_handler)
         report = self.write_report()
-        self.print_summary(report)
+        print_summary(report, self.report)
         if interrupted:
             return 128 + (self._stop_signal or signal.SIGINT)
         ok = all(n["exit_code"] == 0 or n["index"] in self.killed for n in report["nodes"])
@@ -341,43 +341,8 @@ class SwarmLauncher:
         nodes = []
         for node in self.nodes:
             info = node.read_info()
-            nodes.append({
-                "index": node.index,
-                "role": info.get("role"),
-                "stage": info.get("stage"),
-                "seed": info.get("seed"),
-                "killed": node.index in self.killed,
-                "peer_id": info.get("peer_id", ""),
-                "resumed_from": info.get("resumed_from"),
-                "exit_code": node.exit_code,
-                "steps": info.get("steps", 0),
-                "outer_rounds": info.get("outer_rounds", 0),
-                "train_loss_first": info.get("train_loss_first"),
-                "train_loss_last": info.get("train_loss_last"),
-                "val_loss": info.get("val_loss"),
-                "val_bits_per_byte": info.get("val_bits_per_byte"),
-                "bytes_sent": info.get("bytes_sent", 0),
-                "bytes_received": info.get("bytes_received", 0),
-                "bytes_sent_by_kind": info.get("bytes_sent_by_kind", {}),
-                "bytes_received_by_kind": info.get("bytes_received_by_kind", {}),
-                "average_bytes_sent_per_round": (info.get("bytes_sent_by_kind", {}).get("average", 0) / info["outer_rounds"]) if info.get("outer_rounds") else None,
-                "checkpoint": info.get("checkpoint", ""),
-                "multiaddrs": info.get("multiaddrs", []),
-                "metrics_port": node.metrics_port,
-                "protocols": info.get("protocols", []),
-                "joined_round": info.get("joined_round"),
-                "wall_s": info.get("wall_s"),
-                "train_s": info.get("train_s"),
-                "comm_wait_s": info.get("comm_wait_s"),
-                "overlap": info.get("overlap"),
-                "inner_s": info.get("inner_s"),
-                "eval_s": info.get("eval_s"), "checkpoint_s": info.get("checkpoint_s"),
-                "tokens_per_s": info.get("tokens_per_s"),
-                "mfu": info.get("mfu"),
-                "peak_mem_mb": info.get("peak_mem_mb"),
-                "rounds": info.get("rounds", []),
-                "log": str(node.directory / "log.txt"),
-            })
+            nodes.append(node_entry(info, index=node.index, killed=node.index in self.killed, exit_code=node.exit_code,
+                                    metrics_port=node.metrics_port, log=node.directory / "log.txt"))
             for ev in info.get("events", []):
                 self.events.append({**ev, "t": round(ev["t"] - self.t0, 3), "node": node.index})
         report = {
@@ -387,15 +352,5 @@ class SwarmLauncher:
             "nodes": nodes,
             "events": sorted(self.events, key=lambda e: e["t"]),
         }
-        tmp = self.report.with_suffix(".tmp")
-        tmp.write_text(json.dumps(report, indent=2, default=str))
-        os.replace(tmp, self.report)
+        write_report(self.report, report)
         return report
-
-    def print_summary(self, report: dict[str, Any]) -> None:
-        print(f"\nswarm of {len(report['nodes'])} nodes ran {report['duration_s']:.0f}s; report: {self.report}")
-        for n in report["nodes"]:
-            first, last, val = (n.get(k) if n.get(k) is not None else math.nan for k in ("train_loss_first", "train_loss_last", "val_loss"))
-            print(f"  node {n['index']} {n['peer_id'][-8:]}: exit {n['exit_code']}, {n['steps']} steps, "
-                  f"{n['outer_rounds']} outer rounds, train loss {first:.3f} -> {last:.3f}, val loss {val:.3f}, "
-                  f"sent {n['bytes_sent'] / 1e6:.1f} MB, received {n['bytes_received'] / 1e6:.1f} MB")

@@ -102,14 +102,14 @@ class OverlapChooser:
             return Decision("overlap_on", True, {"blocked_share": round(window.blocked_share, 4), "steps_per_s": round(window.steps_per_s, 4),
                                    "threshold": self.threshold})
         assert self.baseline is not None  # trying: overlap's own window is in
-        saved = max(self.baseline.blocked_share - window.blocked_share, 0.0)
-        needed = self.baseline.steps_per_s * (1.0 + self.payback * saved)
-        gain = window.steps_per_s / self.baseline.steps_per_s - 1.0 if self.baseline.steps_per_s > 0 else 0.0
+        before = self.baseline.steps_per_s
+        needed_gain = self.payback * max(self.baseline.blocked_share - window.blocked_share, 0.0)
+        gain = window.steps_per_s / before - 1.0 if before > 0 else 0.0
         why: dict[str, float | str] = {
             "blocked_share": round(window.blocked_share, 4), "blocking_blocked_share": round(self.baseline.blocked_share, 4),
-            "steps_per_s": round(window.steps_per_s, 4), "blocking_steps_per_s": round(self.baseline.steps_per_s, 4),
-            "speed_gain": round(gain, 4), "needed_gain": round(needed / self.baseline.steps_per_s - 1.0, 4) if self.baseline.steps_per_s > 0 else 0.0}
-        if window.steps_per_s >= needed and window.steps_per_s > 0:
+            "steps_per_s": round(window.steps_per_s, 4), "blocking_steps_per_s": round(before, 4),
+            "speed_gain": round(gain, 4), "needed_gain": round(needed_gain, 4)}
+        if window.steps_per_s > 0 and window.steps_per_s >= before * (1.0 + needed_gain):
             self.state = "on"
             return Decision("overlap_kept", True, why)
         self.state = "off"
