@@ -86,6 +86,7 @@ class _Round:
     decoded: list[torch.Tensor] = field(default_factory=list)  # ...and what its peers decode from them
     owners: dict[str, list[int]] | None = None  # {member: the parts it reduces} when the round reduce-scatters
     deadline_s: float = 0.0  # the rendezvous deadline this round waited under
+    closed_by: str = ""  # how the rendezvous ended: complete, grace (after a quorum: gossip.quorum) or deadline
     gathered: float = 0.0  # time.monotonic() when the rendezvous ended
     exchanged: float = 0.0  # time.monotonic() when the contributions were fetched
     fetch_timeout: float = 0.0  # the run's fetch timeout plus the time the group's transfers take at its caps
@@ -217,7 +218,7 @@ class DiLoCoAverager(SteppingRendezvous, GroupedRendezvous, ReduceScatterRound):
                     rnd.number, ", ".join(p[-8:] for p in closers))
         own = await asyncio.to_thread(self.partition.join, rnd.decoded, rnd.shapes)
         return RoundResult(round=rnd.number, group=[e.peer_id for e in group], contributors=[], failures=failures, in_sync=False,
-                           sync_peer=closers[0], gather_s=rnd.gathered - rnd.started, deadline_s=rnd.deadline_s,
+                           sync_peer=closers[0], gather_s=rnd.gathered - rnd.started, deadline_s=rnd.deadline_s, closed_by=rnd.closed_by,
                            exchange_s=rnd.exchanged - rnd.gathered, duration_s=time.monotonic() - rnd.started, samples=rnd.samples,
                            late_for=closers, late_update=own)
 
@@ -287,6 +288,7 @@ class DiLoCoAverager(SteppingRendezvous, GroupedRendezvous, ReduceScatterRound):
             sync_peer=None if rnd.fingerprint == majority_fp else majority,
             gather_s=rnd.gathered - rnd.started,
             deadline_s=rnd.deadline_s,
+            closed_by=rnd.closed_by,
             exchange_s=rnd.exchanged - rnd.gathered,
             samples=sum(contributions[p].samples for p in used),
             groups=1 if rnd.grouping is None else rnd.grouping[1],

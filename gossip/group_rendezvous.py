@@ -16,6 +16,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from gossip.groups import group_count, group_of, near_a_grouping_boundary, other_groupings
+from gossip.quorum import GatherTimes, GraceWindow, quorum_size
 from gossip.rendezvous import gather_group, read_round_entries, round_members
 from protocol.records import RoundEntry
 
@@ -29,6 +30,8 @@ class GroupedRendezvous:
 
     _gathering: int | None = None
     _poke: asyncio.Event
+    quorum: float = 1.0  # a quorum of this share of the expected members starts the round's grace (≥ 1: wait for all)
+    grace: GraceWindow | None = None  # made on first use
 
     async def expected_members(self, round_no: int) -> set[str]:
         return await round_members(self.dht, self.run_id, round_no, self.member_role)
@@ -81,8 +84,13 @@ class GroupedRendezvous:
     async def _rendezvous(self, rnd: Any) -> list[RoundEntry]:
         """Register in the round's DHT rendezvous (this member's group's, if grouped) and wait for the
         group, up to the adaptive deadline (which learns from this wait). Returns the group, self included."""
-        entry = RoundEntry(peer_id=self.peer_id, samples=rnd.samples, codec=rnd.wire, up_mbit=self.up_mbit, tokens_per_s=self.speed)
+        if self.grace is None:
+            self.grace = GraceWindow()
+        early = self.quorum < 1
+        entry = RoundEntry(peer_id=self.peer_id, samples=rnd.samples, codec=rnd.wire, up_mbit=self.up_mbit, tokens_per_s=self.speed,
+                           grace_s=self.grace.proposal() if early else 0.0)
         rnd.deadline_s, registered = self.deadline.value, time.monotonic()
+        times = GatherTimes()
 
         async def elsewhere(peers: set[str]) -> set[str]:
             return await self._registered_elsewhere(rnd.number, peers, rnd.grouping)
@@ -93,7 +101,11 @@ class GroupedRendezvous:
         group, complete = await gather_group(self.dht, self.validator, self.run_id, rnd.number, entry,
                                              self._rendezvous_view(rnd.number, rnd.members, rnd.grouping),
                                              rnd.deadline_s, group=rnd.tag, elsewhere=elsewhere if near else None,
-                                             poke=self._poke if self._gathering == rnd.number else None)
+                                             poke=self._poke if self._gathering == rnd.number else None,
+                                             quorum=(lambda n: quorum_size(n, self.quorum)) if early else None, times=times)
         rnd.gathered = time.monotonic()
         self.deadline.observe(rnd.gathered - registered, complete)
+        spread = None if times.quorum_at is None or not complete else rnd.gathered - times.quorum_at
+        self.grace.observe(times.closed_by, spread)
+        rnd.closed_by = times.closed_by
         return group

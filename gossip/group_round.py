@@ -41,6 +41,7 @@ class RoundResult:
     sync_peer: str | None = None
     gather_s: float = 0.0
     deadline_s: float = 0.0
+    closed_by: str = ""  # how the rendezvous ended: complete, grace (after a quorum: gossip.quorum) or deadline
     exchange_s: float = 0.0
     duration_s: float = 0.0
     samples: int = 0

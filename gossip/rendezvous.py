@@ -30,6 +30,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from gossip.dht_io import answers, in_background, store_here, store_owned, waited
+from gossip.quorum import GatherTimes, round_grace
 from protocol.errors import SchemaError
 from protocol.peer_identity import CLOCK_SKEW_S, MAX_RECORD_TTL_S, MAX_SUBKEYS, OwnedRecordValidator, owned_subkey, owner_of
 from protocol.records import PEER_RECORD_TTL_S, PeerRecord, RoundEntry, peers_key, round_key
@@ -332,6 +333,8 @@ async def gather_group(
     group: str = "",
     elsewhere: Callable[[set[str]], Awaitable[set[str]]] | None = None,
     poke: asyncio.Event | None = None,
+    quorum: Callable[[int], int] | None = None,
+    times: GatherTimes | None = None,
 ) -> tuple[list[RoundEntry], bool]:
     """Register for round ``round_no`` (in ``group``'s rendezvous, if named); returns the group
     (sorted by peer id, self included) and whether it is complete.
@@ -347,7 +350,11 @@ async def gather_group(
     them that registered in another rendezvous of the round (another grouping): they are not waited for.
     ``poke``, when set (a member asked this node for the round's contribution: it found the group complete),
     brings the next poll forward, to at least ``POKED_POLL_S`` after the last one began.
+    ``quorum(n)``, when given, is how many of ``n`` expected members (this one included) close the group early: once
+    that many registered, it closes the round's grace later (``gossip.quorum``: the largest grace their entries
+    propose, none if one proposes none), if that comes before the deadline. ``times`` is told how it ended.
     """
+    times = times if times is not None else GatherTimes()
     await register_soon(dht, validator, run_id, round_no, entry, min(max(60.0, 4 * timeout), MAX_RECORD_TTL_S), group)
     deadline = time.monotonic() + timeout
     entries: dict[str, RoundEntry] = {entry.peer_id: entry}
@@ -356,19 +363,21 @@ async def gather_group(
     next_check = time.monotonic() + ELSEWHERE_CHECK_S
     members: set[str] = set()
     members_read = -math.inf
+    close_at = deadline  # (the grace after a quorum may bring it forward)
     while True:
         if poke is not None:
             poke.clear()  # a poke that comes during this poll's reads brings the next one forward
         polled = time.monotonic()
         # each read waits for a peer that does not answer (a frozen process) at most until the deadline
-        budget = min(READ_TIMEOUT_S, max(MIN_READ_S, deadline - polled))
+        budget = min(READ_TIMEOUT_S, max(MIN_READ_S, close_at - polled))
         entries.update({peer: e for peer, (e, _) in (await read_round_entries(dht, run_id, round_no, group, timeout=budget)).items()})
         waiting_for = members - set(entries) - moved
         if not waiting_for or time.monotonic() - members_read >= MEMBERS_EVERY_S:
             try:
-                members = await asyncio.wait_for(expected(), max(MIN_READ_S, deadline - time.monotonic()))
+                members = await asyncio.wait_for(expected(), max(MIN_READ_S, close_at - time.monotonic()))
             except asyncio.TimeoutError:  # as above: the members read last time stand (the deadline has passed)
                 if members_read == -math.inf:  # none read yet: nobody can call the group complete
+                    times.closed_by = "deadline"
                     return [entries[p] for p in sorted(entries)], False
             members_read = time.monotonic()
             waiting_for = members - set(entries) - moved
@@ -379,12 +388,17 @@ async def gather_group(
                 logger.info("round %d: not waiting for %s: they registered in another grouping of the round", round_no, sorted(found))
                 moved |= found
                 waiting_for -= found
-        if not waiting_for or time.monotonic() >= deadline:
-            if waiting_for:
+        close_at = deadline if quorum is None else _close_at(deadline, entry.peer_id, members - moved, entries, quorum, times)
+        if not waiting_for or time.monotonic() >= close_at:
+            times.closed_by = "complete" if not waiting_for else "grace" if close_at < deadline else "deadline"
+            if times.closed_by == "grace":
+                logger.info("round %d: closed %.1f s after a quorum without %s", round_no, times.grace_s, sorted(waiting_for))
+            elif waiting_for:
                 logger.info("round %d: gave up waiting for %s", round_no, sorted(waiting_for))
             return [entries[p] for p in sorted(entries)], not waiting_for
         polls += 1
         pause = FIRST_POLLS[polls - 1] if polls <= len(FIRST_POLLS) else poll_interval
+        pause = min(pause, max(0.0, close_at - time.monotonic()))
         if poke is None:
             await asyncio.sleep(pause)
             continue
@@ -394,3 +408,19 @@ async def gather_group(
             await asyncio.sleep(max(0.0, polled + POKED_POLL_S - time.monotonic()))
         except asyncio.TimeoutError:
             pass
+
+
+def _close_at(deadline: float, me: str, members: set[str], entries: dict[str, RoundEntry], quorum: Callable[[int], int],
+              times: GatherTimes) -> float:
+    """When a rendezvous of ``members`` (this member, ``me``, counted in) with ``entries`` registered so far closes: at the
+    deadline, or the round's grace after a quorum registered (``gossip.quorum``). Notes the quorum's time in ``times``
+    the first poll it holds, and the grace."""
+    group = members | {me}
+    arrived = [p for p in group if p in entries]
+    needed = quorum(len(group))
+    if needed >= len(group) or len(arrived) < needed:
+        return deadline
+    if times.quorum_at is None:
+        times.quorum_at = time.monotonic()
+    times.grace_s = round_grace(entries[p].grace_s for p in arrived)
+    return deadline if times.grace_s is None else min(deadline, times.quorum_at + times.grace_s)

@@ -113,7 +113,8 @@ class RoundEntry:
     """A member's entry in a round rendezvous: who it is, how many samples its update carries, its
     upload cap (``--max-upload-mbit``, 0: none), so the others wait long enough for its update, and its
     measured speed (tokens/s of inner steps, 0: not measured), from which every member of the round
-    paces the next one alike (``node.replica.pacing``)."""
+    paces the next one alike (``node.replica.pacing``), and the grace it proposes to close the round under
+    once a quorum came (seconds, 0: none; ``gossip.quorum``)."""
 
     peer_id: str
     samples: int
@@ -121,6 +122,7 @@ class RoundEntry:
     up_mbit: float = 0.0
     protocol: int = field(default_factory=protocol_version)  # the member's protocol version (protocol.version)
     tokens_per_s: float = 0.0
+    grace_s: float = 0.0
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,6 +136,7 @@ class RoundEntry:
             up_mbit=float(_typed(value, "up_mbit", (int, float), 0.0)),
             protocol=_typed(value, "protocol", int, 1),
             tokens_per_s=float(_typed(value, "tokens_per_s", (int, float), 0.0)),
+            grace_s=float(_typed(value, "grace_s", (int, float), 0.0)),
         )
         if entry.samples < 0:
             raise SchemaError("round entry samples must be non-negative")
@@ -141,6 +144,8 @@ class RoundEntry:
             raise SchemaError("round entry up_mbit must be a non-negative number")
         if not 0 <= entry.tokens_per_s < float("inf"):
             raise SchemaError("round entry tokens_per_s must be a non-negative number")
+        if not 0 <= entry.grace_s < float("inf"):
+            raise SchemaError("round entry grace_s must be a non-negative number")
         return entry
 
 

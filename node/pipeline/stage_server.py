@@ -107,6 +107,7 @@ class StageServer(StageState):
                                        attacker=Attacker.from_spec(cfg.attack, seed=cfg.seed))  # experiments only
         self.averager.reachable = reachable
         self.averager.claim_factor = CLAIM_FACTOR
+        self.averager.quorum = cfg.quorum
 
     def _new_outer(self) -> NesterovOuter:
         """The stage's outer optimizer; its warm-up's first round is set once the stage's rounds are known."""

@@ -133,6 +133,7 @@ class Daemon(AdoptedState, PacedRounds, NodeBase):
                 weight_codec=self.plan.phi_codec, max_samples=cfg.max_round_samples, attacker=self.attacker,
             )
             self.averager.reachable = self.reachable
+            self.averager.quorum = cfg.quorum
             self.averager.scorer, judge = build_screening(cfg, self.model_cfg, self.workload, self.device, lambda: self.phi)
         self.rounds = RoundRunner(net=net, averager=self.averager, eager=cfg.overlap and cfg.overlap_mode == "eager",
                                   before_gather=self._announce_for_round, stop=self.stop, final_timeout=2 * cfg.averaging_timeout + 30,
@@ -328,10 +329,12 @@ class Daemon(AdoptedState, PacedRounds, NodeBase):
         m.round_duration.observe(result.duration_s)
         m.round_wait.set(result.gather_s)
         m.round_deadline.set(result.deadline_s)
+        if result.closed_by:
+            m.rendezvous_closes.labels(result.closed_by).inc()
         m.group_size.set(len(result.contributors))
         record = {"t": round(time.time(), 3), "round": result.round, "fragment": pending.fragment, "steps": pending.steps, "group": len(result.group),
                   "contributors": len(result.contributors), "members": sorted(p[-8:] for p in result.contributors), "failures": result.failures, "duration_s": round(result.duration_s, 3),
-                  "gather_s": round(result.gather_s, 3), "exchange_s": round(result.exchange_s, 3), "deadline_s": round(result.deadline_s, 3), "in_sync": result.in_sync,
+                  "gather_s": round(result.gather_s, 3), "exchange_s": round(result.exchange_s, 3), "deadline_s": round(result.deadline_s, 3), "closed_by": result.closed_by, "in_sync": result.in_sync,
                   "fingerprint": "", "loss": self.last_loss, "tokens": self.summary.steps * self.cfg.batch_size * self.trainer.model.cfg.context,
                   "norms": {p[-8:]: round(n, 6) for p, n in result.norms.items()}, "update_norm": round(result.update_norm, 6),
                   "aggregation": self.cfg.aggregation, "clipped": {p[-8:]: round(f, 4) for p, f in result.clipped.items()},

@@ -46,6 +46,7 @@ class NodeMetrics:
         self.stages_lost = Counter("locomesh_stages_lost", "Pipeline stages this node found without any server past the grace period", registry=r)
         self.recoveries = Counter("locomesh_stage_recoveries", "Lost stages this node rebuilt, by method (checkfree, copy-plus, unrecoverable)", ["method"], registry=r)
         self.recovery_duration = Histogram("locomesh_stage_recovery_seconds", "Time to rebuild a lost stage once it was declared lost", buckets=ROUND_BUCKETS, registry=r)
+        self.rendezvous_closes = Counter("locomesh_rendezvous_closes", "Rounds' rendezvous by how they ended (complete; grace: a quorum came and the round's grace passed, gossip.quorum; deadline)", ["how"], registry=r)
         self.round_wait = Gauge("locomesh_round_wait_seconds", "Time the last round spent waiting for peers at the rendezvous", registry=r)
         self.errors = Counter("locomesh_errors", "Errors by kind (timeout, connection, schema, out_of_sync, ...)", ["kind"], registry=r)
         self.peers = Gauge("locomesh_peers", "Live members of this run seen in the DHT (self included)", registry=r)
@@ -53,6 +54,8 @@ class NodeMetrics:
         self.checkpoints = Counter("locomesh_checkpoints", "Checkpoints written", registry=r)
         for result in ("completed", "failed", "alone"):
             self.outer_rounds.labels(result)
+        for how in ("complete", "grace", "deadline"):
+            self.rendezvous_closes.labels(how)
         for result in ("ok", "failed"):
             self.state_downloads.labels(result)
             self.pipeline_steps.labels(result)

@@ -89,6 +89,7 @@ FLAGS: dict[str, tuple[Any, tuple]] = {
     "peak_tflops": (100.0, ("applied", [(SERVER, "peak_flops(device, cfg.peak_tflops)")])),
     "max_group_size": (4, ("applied", [(SERVER, "max_group_size=cfg.max_group_size")])),
     "aggregate": ("mean", ("applied", [(SERVER, "aggregation=cfg.aggregation")])),
+    "quorum": (0.75, ("applied", [(SERVER, "averager.quorum = cfg.quorum")])),
     "averaging_timeout": (5.0, ("applied", [(SERVER, "gather_timeout=cfg.averaging_timeout"), (TRAINER, "timeout=cfg.averaging_timeout")])),
     "fragment_alpha": (0.5, ("applied", [(SERVER, "keep=self.cfg.fragment_alpha")])),
     "fragments": (2, ("refused", "--fragments streams a whole-model replica's rounds")),
