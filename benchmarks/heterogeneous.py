@@ -21,6 +21,10 @@ of each epoch), in the ``speeds`` scenario only. Scenarios, each in every mode a
 - ``cpu`` (``--cpu-seeds``): peers of speeds 1, 1, ½ and 1/40 (a CPU among GPUs: ``--slowdown`` 40 B for the
   last), in the modes asked for; mode ``trainers`` is ``auto`` with ``--helper-below 0`` (every peer trains,
   as before the helper role), against ``auto``, where the last peer helps once it has measured itself;
+- ``stall`` (``--stall-seeds``): the ``speeds`` peers, and peer 1 (a fast one) paused every 30 s for 8 s
+  (``--chaos pause``: SIGSTOP, its p2pd still taking streams: a laptop that slept, a stalled machine);
+  mode ``wait-all`` is ``auto`` with ``--quorum 1`` (every round waits for every member to the deadline, as before
+  the quorum), against ``auto``, where a round closes a grace after 3 of the 4 came (``gossip.quorum``);
 - mode ``stop-at-budget`` (any scenario): ``auto`` with ``--no-step-while-gathering``: every peer stops at its
   budget and waits at the rendezvous, as before fast peers stepped on through it;
 - ``homogeneous`` (per seed of ``speeds``): four peers at the fast speed, each stopping after the mean
@@ -60,7 +64,9 @@ from node.config.defaults import steps_for_replicas
 
 MODES = {"fixed": ["--inner-steps", "by-replicas"], "auto": ["--inner-steps", "auto"],
          "overlap": ["--inner-steps", "auto", "--overlap"], "trainers": ["--inner-steps", "auto", "--helper-below", "0"],
-         "stop-at-budget": ["--inner-steps", "auto", "--no-step-while-gathering"]}
+         "stop-at-budget": ["--inner-steps", "auto", "--no-step-while-gathering"],
+         "wait-all": ["--inner-steps", "auto", "--quorum", "1"]}
+STALL_EVERY_S, STALL_FOR_S = 30, 8  # the stall scenario pauses peer 1 this often, this long
 CPU_SLOWDOWN = 40  # the cpu scenario's last peer, × --base-slowdown: 1/40 of the fast peers' speed
 NODES = 4
 HIVEMIND = "hivemind"  # hivemind.Optimizer's target batch on the same peers (benchmarks.baselines), not a node mode
@@ -155,6 +161,8 @@ def run(args: argparse.Namespace, scenario: str, mode: str, seed: int, folder: P
         cmd += node_args(args.base_slowdown, scenario == "churn", args.duration, cpu=scenario == "cpu")
     if scenario == "churn":
         cmd += ["--chaos", "kill:node=3:at=2s", "--restart-killed", "20"]
+    if scenario == "stall":
+        cmd += ["--chaos", f"pause:node=1:every={STALL_EVERY_S}s:for={STALL_FOR_S}s"]
     started = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration * 3 + 300, cwd=code, env=env_for(code))
     wall = time.monotonic() - started
@@ -181,6 +189,8 @@ def peer(n: dict[str, Any]) -> dict[str, Any]:
         "training_besides_evaluations": round(n.get("inner_s", 0.0) / (train_s - eval_s), 4) if train_s > eval_s else None,
         "steps_per_round": statistics.median(r["steps"] for r in rounds) if rounds else None,
         "out_of_sync": sum(not r["in_sync"] for r in rounds), "val_loss": n["val_loss"],
+        "closed_by": {how: sum(r.get("closed_by") == how for r in rounds) for how in ("complete", "grace", "deadline")},
+        "late": sum(bool(r.get("late_for")) for r in rounds), "round_s": statistics.median(r["duration_s"] for r in rounds) if rounds else None,
         "tokens": rounds[-1]["tokens"] if rounds else 0,
         "curve": [[round(r["t"] - start, 2), r["tokens"], round(r["val_loss"], 4)] for r in rounds if r.get("val_loss") is not None],
         "first_round_t": round(start, 2),
@@ -212,6 +222,10 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "val_loss": statistics.mean(p["val_loss"] for r in mine for p in r["peers"] if p["val_loss"] is not None),
                 "tokens": statistics.mean(sum(p["tokens"] for p in r["peers"]) for r in mine),
                 "out_of_sync": sum(p["out_of_sync"] for r in mine for p in r["peers"]),
+                "rounds": statistics.mean(max(p["outer_rounds"] for p in r["peers"]) for r in mine),
+                "closed_by": {how: sum(p.get("closed_by", {}).get(how, 0) for r in mine for p in r["peers"])
+                              for how in ("complete", "grace", "deadline")},
+                "late": sum(p.get("late", 0) for r in mine for p in r["peers"]),
             }
             base, at, build = mode.partition("@")
             if base != "fixed":
@@ -242,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--churn-seeds", default="0")
     parser.add_argument("--cpu-seeds", default="", help="seeds of the cpu scenario (a peer 40 times slower)")
+    parser.add_argument("--stall-seeds", default="", help="seeds of the stall scenario (a fast peer paused every 30 s for 8 s)")
     parser.add_argument("--base-slowdown", type=float, default=2.0)
     parser.add_argument("--eval-every", type=int, default=1)
     parser.add_argument("--homogeneous", action=argparse.BooleanOptionalAction, default=True,
@@ -287,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         for seed in [int(s) for s in args.cpu_seeds.split(",") if s]:
             for mode in [m for m in modes if m != HIVEMIND]:
                 each_build("cpu", seed, mode)
+        for seed in [int(s) for s in args.stall_seeds.split(",") if s]:
+            for mode in [m for m in modes if m != HIVEMIND]:
+                each_build("stall", seed, mode)
     summary = summarise(runs)
     results_io.write(args.out, {"options": vars(args) | {"out": str(args.out)}, "runs": runs, "summary": summary}, meta)
     print(json.dumps(summary, indent=1))

@@ -140,7 +140,7 @@ def swarm(
     checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Node i checkpoints under DIR/node<i> (default: next to the report)")] = None,
     join_interval: Annotated[float, typer.Option(help="Seconds between launching volunteers after the bootstrap node", min=0)] = 0.5,
     node_args: Annotated[Optional[list[str]], typer.Option("--node-args", help="Extra join options for one node, as INDEX:OPTIONS (repeatable), e.g. '1:--slowdown 3'")] = None,
-    chaos: Annotated[Optional[list[str]], typer.Option("--chaos", help="Fault injection (repeatable): kill:stage=S:at=60s, kill:node=I:at=T, kill:random:every=45s (SIGKILL)")] = None,
+    chaos: Annotated[Optional[list[str]], typer.Option("--chaos", help="Fault injection (repeatable): kill:stage=S:at=60s, kill:node=I:at=T, kill:random:every=45s (SIGKILL); pause:node=I:every=T:for=S (SIGSTOP for S seconds)")] = None,
     restart_killed: Annotated[Optional[float], typer.Option("--restart-killed", help="Restart killed nodes after this many seconds (default: leave them dead)")] = None,
     byzantine: Annotated[Optional[list[str]], typer.Option("--byzantine", help="Experiments: node I attacks the swarm, as I:ATTACK[,ATTACK] (repeatable), e.g. '1:scale:50' or '2:alie'; attacks: samples, scale:K, sign, noise, alie, ipm, stale, concentrate, cap, future; activations:K for a pipeline trainer")] = None,
 ) -> None:

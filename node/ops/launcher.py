@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -126,6 +127,7 @@ class SwarmLauncher:
         self.chaos, self.restart_killed = chaos or [], restart_killed
         self.rng = random.Random(seed)
         self.restarts: list[tuple[float, NodeProcess]] = []
+        self.paused: list[tuple[float, NodeProcess]] = []  # (when to resume, node) of --chaos pause
         self.killed: set[int] = set()
         self.events: list[dict[str, Any]] = []
         self.nodes = [
@@ -287,6 +289,7 @@ class SwarmLauncher:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, signal.SIG_IGN)
             try:
+                self._resume(math.inf)  # a stopped node cannot stop
                 self._stop_all()
             finally:
                 for sig, handler in previous.items():
@@ -323,6 +326,11 @@ class SwarmLauncher:
             if not victims:
                 self.event("chaos_no_victim", spec=f"{action.target}={action.value}")
             for node in victims:
+                if action.kind == "pause":
+                    os.kill(node.process.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+                    self.paused.append((now + action.pause_s, node))
+                    self.event("chaos_pause", node=node.index, seconds=action.pause_s)
+                    continue
                 stage = scrape(node.metrics_port).get("locomesh_stage")
                 os.killpg(node.process.pid, signal.SIGKILL)  # type: ignore[union-attr]
                 node.exit_code = node.process.wait()  # type: ignore[union-attr]
@@ -330,12 +338,21 @@ class SwarmLauncher:
                 self.event("chaos_kill", node=node.index, stage=None if stage is None or stage < 0 else int(stage))
                 if self.restart_killed is not None:
                     self.restarts.append((now + self.restart_killed, node))
+        self._resume(now)
         for due, node in [r for r in self.restarts if r[0] <= now]:
             self.restarts.remove((due, node))
             peers = bootstrap if self.nodes[0].process and self.nodes[0].process.poll() is None else [
                 a for n in self._live() for a in n.read_info().get("multiaddrs", [])[:1]]
             self._spawn(node, peers[:1])
             self.event("chaos_restart", node=node.index)
+
+    def _resume(self, now: float) -> None:
+        """SIGCONT the paused nodes whose pause is over at ``now`` (every one: ``math.inf``)."""
+        for due, node in [p for p in self.paused if p[0] <= now]:
+            self.paused.remove((due, node))
+            if node.process is not None and node.process.poll() is None:
+                os.kill(node.process.pid, signal.SIGCONT)
+                self.event("chaos_resume", node=node.index)
 
     def write_report(self) -> dict[str, Any]:
         nodes = []

@@ -107,7 +107,11 @@ def test_chaos_specs():
     assert (a.target, a.value, a.at, a.next_t) == ("stage", 1, 60.0, 60.0)
     b = parse_chaos("kill:random:every=45")
     assert (b.target, b.every, b.next_t) == ("random", 45.0, 45.0)
-    for bad in ("kill:stage=x:at=1", "kill:stage=1", "stop:node=1:at=3", "kill:node=1:at=3:every=4", "kill:node=1:at=-1s"):
+    c = parse_chaos("pause:node=2:every=30s:for=8s")
+    assert (c.kind, c.target, c.value, c.every, c.pause_s) == ("pause", "node", 2, 30.0, 8.0)
+    assert parse_chaos("kill:node=1:at=3").kind == "kill"
+    for bad in ("kill:stage=x:at=1", "kill:stage=1", "stop:node=1:at=3", "kill:node=1:at=3:every=4", "kill:node=1:at=-1s",
+                "pause:node=1:every=10", "pause:node=1:every=10:for=10", "kill:node=1:at=3:for=2", "pause:node=1:for=2"):
         with pytest.raises(ValueError, match="--chaos"):
             parse_chaos(bad)
 
