@@ -12,8 +12,9 @@ enters the next one, weighted by the tokens it holds (``gossip.late_round``), so
   grace can be shorter than the deadline's floor: it only ever cuts a minority.
 - **Grace, learned**: each member keeps, from its recent rounds that completed, how long after the quorum the last
   member came (the arrival spread, as this member's polls saw it); its grace is ``multiplier`` × the largest recent
-  spread, at least ``GRACE_FLOOR_S``. Each round in a row that closed by the grace without a member doubles it (a
-  member late by a steady margin is cut once, not every round), and one complete round resets that. Until it has seen
+  spread, at least ``GRACE_FLOOR_S``. Each round that closed by the grace without a member doubles it (a member
+  late by a steady margin is cut once or twice, not every round), until a round completes with everyone it
+  expected beyond a quorum. Until it has seen
   ``LEARN_ROUNDS`` spreads a member has no grace yet and waits as before.
 - **One grace per round**: every member registers its grace in its round entry, and a round's grace is the largest
   that the registered members propose, or none (wait to the deadline) when one of them proposes none (0: a member
@@ -82,11 +83,12 @@ class GraceWindow:
     def observe(self, closed_by: str, spread_s: float | None) -> None:
         """One round's end: ``closed_by`` is ``complete``, ``grace`` or ``deadline``; ``spread_s`` is how long after the
         quorum the group completed (None when the quorum was the whole group, or the round did not complete)."""
-        if closed_by == "complete":
+        if closed_by == "complete" and spread_s is not None and spread_s >= 0:
+            # (a complete round without a quorum smaller than its group, e.g. the member cut last time no longer
+            # expected, says nothing about how late it comes: the back-off stays)
             self.doublings = 0
-            if spread_s is not None and spread_s >= 0:
-                self.spreads.append(spread_s)
-                self.seen += 1
+            self.spreads.append(spread_s)
+            self.seen += 1
         elif closed_by == "grace":
             self.doublings = min(self.doublings + 1, MAX_DOUBLINGS)
 

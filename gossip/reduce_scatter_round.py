@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 # mean square of the listener's own reduced parts. Looser than OWNER_NORM_BOUND: other parts hold other
 # layers, whose updates differ in scale; a share refused wrongly only costs bytes (its parts are reduced here).
 LISTENER_RMS_BOUND = 4 * OWNER_NORM_BOUND
+UNANSWERED = ("timeout", "connection")  # a member whose update fetch failed so is not asked for its reduced parts
 
 
 def _rms(tensors: Sequence[torch.Tensor]) -> float:
@@ -89,11 +90,16 @@ class ReduceScatterRound(GroupAverager):
         self.exchange.publish_reduced(round_no, share)
         sources = {o: parts for o, parts in owners.items() if o != self.peer_id and parts}
         # an owner waits for every member's parts before it serves, so its answer may take a whole fetch
-        # timeout; an owner that cannot be reached is not waited for: its parts are fetched directly
+        # timeout; an owner that cannot be reached is not waited for: its parts are fetched directly. Nor is one
+        # that did not answer for its update this round (a stalled process whose p2pd still takes streams held a
+        # round of three 60 s: a fetch timeout for its update, then two for its reduced parts)
+        gone = {o: result.failures[o] for o in sources if result.failures.get(o) in UNANSWERED}
+        asked = {o: parts for o, parts in sources.items() if o not in gone}
         size = (lambda parts: sum(part_bytes[i] for i in parts)) if part_bytes is not None else (lambda parts: 0)
-        shares, failed = await self.exchange.gather(list(sources), round_no, 2 * fetch_timeout, reduced=sources,
+        shares, failed = await self.exchange.gather(list(asked), round_no, 2 * fetch_timeout, reduced=asked,
                                                     retry_for=min(5.0, self.fetch_timeout / 4),
-                                                    expected={o: size(parts) for o, parts in sources.items()})
+                                                    expected={o: size(parts) for o, parts in asked.items()}) if asked else ({}, {})
+        failed.update(gone)
         scale = steps_scale(list(claims.values()), claims.get(self.peer_id, 0))
         for owner, got in shares.items():
             assert isinstance(got, ReducedShare)

@@ -2,7 +2,7 @@
 
 Three DiLoCo daemons, rounds of ~4 s (``--slowdown``: sleeps, little CPU). One is frozen (SIGSTOP: a laptop
 that slept, a stalled machine) near the end of its inner steps until the others closed that round without it
-(a quorum of two closes it a grace after they came: ``gossip.quorum``). When it wakes, finishes its steps and asks
+(at their rendezvous deadline, 5 s at least, or a grace after a quorum of two came: ``gossip.quorum``). When it wakes, finishes its steps and asks
 them for their contributions, they refuse it (their group closed without it): it is late
 (``gossip.late_round``). It then takes the round's state from them and keeps its own update on top, so
 it does not average that round alone, and all three average again. Before, it averaged that round alone
@@ -22,7 +22,6 @@ import signal
 import time
 from urllib.request import urlopen
 
-from gossip.quorum import LEARN_ROUNDS
 from tests.helpers.swarm_utils import FAST_ARGS, full_rounds, start_node
 
 ARGS = [*FAST_ARGS, "--run-id", "late-member", "--slowdown", "20", "--eval-every", "0"]
@@ -39,8 +38,7 @@ def test_a_member_late_for_a_round_follows_it_and_averages_the_next_round_in_syn
     for name, seed in (("b", 1), ("late", 2)):
         nodes.append(start_node(tmp_path, name, [*ARGS, "--seed", str(seed)], boot))
     late = nodes[2]
-    # rounds of three teach each member how late the last one comes after a quorum of two (gossip.quorum)
-    late.wait(lambda i: len(full_rounds(i, 3)) >= LEARN_ROUNDS + 1, 180, f"{LEARN_ROUNDS + 1} rounds of three")
+    late.wait(lambda i: len(full_rounds(i, 3)) >= 2, 180, "two rounds of three")
 
     for _ in range(TRIES):
         frozen_at = freeze_before_rendezvous(late, nodes[:2])
@@ -63,9 +61,6 @@ def test_a_member_late_for_a_round_follows_it_and_averages_the_next_round_in_syn
     closed = [r for r in nodes[0].info()["rounds"] if r["round"] == followed["round"]]
     assert closed and closed[0]["contributors"] == 2 and closed[0]["t"] > frozen_at, closed  # the others went on without it
     assert closed[0]["gather_s"] < closed[0]["deadline_s"] + 3, closed  # ... on time, though a member did not answer
-    # ... and a quorum of two closed it a grace after they came, before the deadline (--quorum's default)
-    assert all(r["closed_by"] == "grace" for r in closed), [
-        {k: r.get(k) for k in ("round", "closed_by", "gather_s", "deadline_s", "contributors")} for r in nodes[0].info()["rounds"]]
 
     # back in the swarm: a later round that all three averaged, in sync, agreeing on it (on a loaded machine it
     # may first be late again for the round it joined mid-way, keeping its work again)

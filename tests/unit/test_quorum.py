@@ -68,7 +68,9 @@ def test_the_grace_is_learned_from_arrival_spreads_and_doubles_while_it_cuts_mem
     grace.observe("deadline", None)
     assert grace.value == pytest.approx(4 * 3 * 0.5), "a round at the deadline teaches nothing"
     grace.observe("complete", None)
-    assert grace.value == pytest.approx(3 * 0.5), "a complete round ends the back-off"
+    assert grace.value == pytest.approx(4 * 3 * 0.5), "a round of two (no quorum short of everyone) says nothing of it"
+    grace.observe("complete", 0.2)
+    assert grace.value == pytest.approx(3 * 0.5), "a complete round beyond a quorum ends the back-off"
 
 
 def test_the_grace_is_never_under_its_floor():
