@@ -87,6 +87,7 @@ class _Round:
     owners: dict[str, list[int]] | None = None  # {member: the parts it reduces} when the round reduce-scatters
     deadline_s: float = 0.0  # the rendezvous deadline this round waited under
     closed_by: str = ""  # how the rendezvous ended: complete, grace (after a quorum: gossip.quorum) or deadline
+    due_at: float | None = None  # when a member stepping through the rendezvous has spent its budget (time.monotonic())
     gathered: float = 0.0  # time.monotonic() when the rendezvous ended
     exchanged: float = 0.0  # time.monotonic() when the contributions were fetched
     fetch_timeout: float = 0.0  # the run's fetch timeout plus the time the group's transfers take at its caps
@@ -165,6 +166,7 @@ class DiLoCoAverager(SteppingRendezvous, GroupedRendezvous, ReduceScatterRound):
         feedback: Sequence[ErrorFeedback | None] | None = None,
         later: Callable[[Sequence[RoundEntry]], Awaitable[Handover]] | None = None,
         asked: Callable[[], None] | None = None,
+        due_at: float | None = None,
     ) -> RoundResult:
         """Average this member's Δ with its group and step ``phi`` in place (when in sync).
 
@@ -180,8 +182,11 @@ class DiLoCoAverager(SteppingRendezvous, GroupedRendezvous, ReduceScatterRound):
             or a member asks (with none), hands over θ and the samples (``theta`` and ``samples`` are then unused)
         :param asked: called (on the event loop) when a member asks for this round's contribution before this
             member handed θ over: that member found the group complete and waits for this one
+        :param due_at: with ``later``, when this member's budget runs out (``time.monotonic()``): it registered ahead
+            of it, so a grace after a quorum (``gossip.quorum``) counts from then at the earliest
         """
         rnd = _Round(round_no, phi, samples, indices, time.monotonic(), [tuple(p.shape) for p in phi], fingerprint(phi))
+        rnd.due_at = due_at if later is not None else None
         if later is None:
             assert theta is not None
             delta = await asyncio.to_thread(lambda: to_host(pseudo_gradient(phi, theta)))  # codecs and the wire work on the CPU

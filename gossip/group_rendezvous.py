@@ -102,10 +102,11 @@ class GroupedRendezvous:
                                              self._rendezvous_view(rnd.number, rnd.members, rnd.grouping),
                                              rnd.deadline_s, group=rnd.tag, elsewhere=elsewhere if near else None,
                                              poke=self._poke if self._gathering == rnd.number else None,
-                                             quorum=(lambda n: quorum_size(n, self.quorum)) if early else None, times=times)
+                                             quorum=(lambda n: quorum_size(n, self.quorum)) if early else None, times=times,
+                                             grace_from=rnd.due_at)
         rnd.gathered = time.monotonic()
         self.deadline.observe(rnd.gathered - registered, complete)
-        spread = None if times.quorum_at is None or not complete else rnd.gathered - times.quorum_at
+        spread = None if times.quorum_at is None or not complete else max(0.0, rnd.gathered - times.grace_start(rnd.due_at))
         self.grace.observe(times.closed_by, spread)
         rnd.closed_by = times.closed_by
         return group

@@ -114,3 +114,10 @@ class GatherTimes:
     quorum_at: float | None = None
     grace_s: float | None = None
     closed_by: str = ""
+
+    def grace_start(self, grace_from: float | None) -> float:
+        """When the grace counts from: the quorum, or ``grace_from`` (a member stepping through the rendezvous registers
+        ahead of its budget, and the members' leads differ by seconds: its waiting only starts once its budget is
+        spent), whichever is later. Needs ``quorum_at``."""
+        assert self.quorum_at is not None
+        return self.quorum_at if grace_from is None else max(self.quorum_at, grace_from)

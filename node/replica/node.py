@@ -290,7 +290,8 @@ class Daemon(AdoptedState, PacedRounds, NodeBase):
         self.averager.speed = self._announced_rate()
         stepping = samples > 0 and self._steps_while_gathering()
         self.rounds.start(self.round, fragment, self.plan.fragments[fragment], self.phi, self.trainer.parameters(), samples,
-                          self.inner_step, self.plan.feedback[fragment], overlapped=self.overlapping, stepping=stepping)
+                          self.inner_step, self.plan.feedback[fragment], overlapped=self.overlapping, stepping=stepping,
+                          due_at=self.pacer.due_at() if stepping else None)
         if stepping:
             return
         self.inner_step, self.round_samples = 0, 0

@@ -137,6 +137,11 @@ class RoundPacer:
             return now - pace.started + register_lead(pace.budget_s, step_s) >= pace.budget_s
         return now - pace.started + (0.0 if spent else step_s / 2) >= pace.budget_s
 
+    def due_at(self) -> float | None:
+        """When this round's budget runs out (``time.monotonic()``), None pacing by steps or before speeds are known."""
+        pace = self.pace
+        return None if pace.budget_s is None else pace.started + pace.budget_s
+
     def spent(self, now: float) -> bool:
         """Whether the round's budget has run out (always, pacing by steps or before speeds are known): a node
         that steps on through the rendezvous hands θ over once its group is complete *and* this holds, unless a

@@ -134,17 +134,20 @@ class RoundRunner:
         self.others_prev: dict[int, tuple[list[torch.Tensor], int]] = {}  # fragment → others' Σ samples·Δ, samples
 
     def start(self, round_no: int, fragment: int, indices: list[int], phi: list[torch.Tensor], params: list[torch.nn.Parameter],
-              samples: int, steps: int, feedback: list | None, overlapped: bool = False, stepping: bool = False) -> PendingRound:
+              samples: int, steps: int, feedback: list | None, overlapped: bool = False, stepping: bool = False,
+              due_at: float | None = None) -> PendingRound:
         """Start the round of ``fragment`` (parameters ``indices``); ``phi`` is the node's φ, stepped in place.
         ``overlapped``: training goes on while the round runs, so the round keeps θ's snapshot (``start``) for
         :func:`gossip.fragments.merge_fragment` (the snapshot the round sends from anyway: no extra copy).
         ``stepping``: the round registers at once and the training loop steps on until its group is complete
-        (:meth:`gathered`), then hands θ over (:meth:`hand_over`) and waits for the round (DiLoCo rounds only)."""
+        (:meth:`gathered`), then hands θ over (:meth:`hand_over`) and waits for the round (DiLoCo rounds only);
+        ``due_at``: when its budget runs out (``time.monotonic()``): a grace after a quorum counts from then at the earliest."""
         phi_fragment = [phi[i] for i in indices]
         if stepping:
             handover = ThetaHandover()
             coro = self.averager.run_round(round_no, phi_fragment, None, 0, before_gather=self.before_gather,  # type: ignore[call-arg]
-                                           indices=indices, feedback=feedback, later=handover, asked=handover.asked.set)
+                                           indices=indices, feedback=feedback, later=handover, asked=handover.asked.set,
+                                           due_at=due_at)
             self.pending = PendingRound(round_no, fragment, steps, self.net.submit(coro), handover=handover, indices=indices)
             return self.pending
         # a blocking round reads θ in place: the training loop waits for it (eager rounds step θ at once)

@@ -94,7 +94,7 @@ def _schedule(monkeypatch, arrivals: dict[str, tuple[float, float]]):
     monkeypatch.setattr(rendezvous_module, "register_round", registered)
 
 
-def _gather(me: RoundEntry, expected: set[str], deadline: float, fraction: float = 0.5):
+def _gather(me: RoundEntry, expected: set[str], deadline: float, fraction: float = 0.5, due_in: float | None = None):
     async def view() -> set[str]:
         return expected
 
@@ -102,7 +102,8 @@ def _gather(me: RoundEntry, expected: set[str], deadline: float, fraction: float
         times = GatherTimes()
         started = time.monotonic()
         group, complete = await rendezvous_module.gather_group(None, None, "run", 3, me, view, deadline, poll_interval=0.05,
-                                                               quorum=lambda n: quorum_size(n, fraction), times=times)
+                                                               quorum=lambda n: quorum_size(n, fraction), times=times,
+                                                               grace_from=None if due_in is None else started + due_in)
         return sorted(e.peer_id for e in group), complete, times, time.monotonic() - started
 
     return asyncio.run(run())
@@ -141,3 +142,13 @@ def test_a_quorum_of_one_is_never_taken_from_a_fraction_of_one(monkeypatch):
     me = RoundEntry(peer_id="a", samples=1, codec="none", grace_s=0.1)
     _, complete, times, took = _gather(me, {"a", "b", "c", "d"}, deadline=0.8, fraction=1.0)
     assert not complete and times.closed_by == "deadline" and took >= 0.8
+
+
+def test_a_member_that_registered_ahead_of_its_budget_counts_the_grace_from_the_budgets_end(monkeypatch):
+    """A member stepping on through the rendezvous registers ahead of its budget (by 0.25–2 s, and a slow member by one
+    of its steps): the members' registrations spread by those leads, which cost nobody anything."""
+    _schedule(monkeypatch, {"b": (0.0, 0.3), "c": (0.0, 0.3)})
+    me = RoundEntry(peer_id="a", samples=1, codec="none", grace_s=0.3)
+    _, complete, times, took = _gather(me, {"a", "b", "c", "d"}, deadline=5.0, due_in=0.8)
+    assert not complete and times.closed_by == "grace" and 1.1 <= took < 2.5, took
+    assert times.grace_start(None) == times.quorum_at < times.grace_start(times.quorum_at + 1)
