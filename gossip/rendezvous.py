@@ -335,6 +335,7 @@ async def gather_group(
     poke: asyncio.Event | None = None,
     quorum: Callable[[int], int] | None = None,
     times: GatherTimes | None = None,
+    grace_from: float | None = None,
 ) -> tuple[list[RoundEntry], bool]:
     """Register for round ``round_no`` (in ``group``'s rendezvous, if named); returns the group
     (sorted by peer id, self included) and whether it is complete.
@@ -352,7 +353,8 @@ async def gather_group(
     brings the next poll forward, to at least ``POKED_POLL_S`` after the last one began.
     ``quorum(n)``, when given, is how many of ``n`` expected members (this one included) close the group early: once
     that many registered, it closes the round's grace later (``gossip.quorum``: the largest grace their entries
-    propose, none if one proposes none), if that comes before the deadline. ``times`` is told how it ended.
+    propose, none if one proposes none; counted from ``grace_from`` at the earliest, ``time.monotonic()``), if that comes
+    before the deadline. ``times`` is told how it ended.
     """
     times = times if times is not None else GatherTimes()
     await register_soon(dht, validator, run_id, round_no, entry, min(max(60.0, 4 * timeout), MAX_RECORD_TTL_S), group)
@@ -388,7 +390,8 @@ async def gather_group(
                 logger.info("round %d: not waiting for %s: they registered in another grouping of the round", round_no, sorted(found))
                 moved |= found
                 waiting_for -= found
-        close_at = deadline if quorum is None else _close_at(deadline, entry.peer_id, members - moved, entries, quorum, times)
+        close_at = deadline if quorum is None else _close_at(deadline, entry.peer_id, members - moved, entries, quorum,
+                                                             times, grace_from)
         if not waiting_for or time.monotonic() >= close_at:
             times.closed_by = "complete" if not waiting_for else "grace" if close_at < deadline else "deadline"
             if times.closed_by == "grace":
@@ -411,7 +414,7 @@ async def gather_group(
 
 
 def _close_at(deadline: float, me: str, members: set[str], entries: dict[str, RoundEntry], quorum: Callable[[int], int],
-              times: GatherTimes) -> float:
+              times: GatherTimes, grace_from: float | None = None) -> float:
     """When a rendezvous of ``members`` (this member, ``me``, counted in) with ``entries`` registered so far closes: at the
     deadline, or the round's grace after a quorum registered (``gossip.quorum``). Notes the quorum's time in ``times``
     the first poll it holds, and the grace."""
@@ -423,4 +426,4 @@ def _close_at(deadline: float, me: str, members: set[str], entries: dict[str, Ro
     if times.quorum_at is None:
         times.quorum_at = time.monotonic()
     times.grace_s = round_grace(entries[p].grace_s for p in arrived)
-    return deadline if times.grace_s is None else min(deadline, times.quorum_at + times.grace_s)
+    return deadline if times.grace_s is None else min(deadline, times.grace_start(grace_from) + times.grace_s)
