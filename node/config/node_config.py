@@ -185,10 +185,10 @@ class NodeConfig(DerivedSettings, BaseModel):
     stream_timeout: float = option(30.0, "Refuse a peer that stalls mid-request this long, seconds", OPS, gt=0)
     averaging_timeout: float = option(30.0, "Longest wait for late peers in a round, seconds; the deadline adapts below it to "
                                       "recent rounds", AVG, gt=0)
-    quorum: float = option(0.5, "diloco, sparseloco: once more than this share of a round's expected members registered, "
+    quorum: float = option(1.0, "diloco, sparseloco: once more than this share of a round's expected members registered, "
                            "the round closes a grace later (learned from how late the last members came in recent rounds) "
                            "instead of waiting to the deadline; a member that comes later follows the round and its update "
-                           "enters the next one; 1 = wait for every member", AVG, ge=0, le=1)
+                           "enters the next one; 1 = wait for every member (the default for now: 0.5 is a strict majority)", AVG, ge=0, le=1)
     # ---- pipeline (SWARM) ----------------------------------------------------------------------------
     stages: int = option(1, "Pipeline: cut the model into S stages served by different peers (1 = whole-model replicas)", PIPE,
                          ge=1, le=64)

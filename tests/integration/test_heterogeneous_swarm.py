@@ -43,7 +43,7 @@ def _wait_share(rounds: list[dict]) -> float:
 
 
 def _start(tmp_path, pace: list[str]) -> list[NodeHandle]:
-    run = [*DEFAULTS, *pace, "--run-id", "speeds"]
+    run = [*DEFAULTS, *pace, "--run-id", "speeds", "--quorum", "0.5"]
     first = start_node(tmp_path, "n0", [*run, "--seed", "0"])
     nodes = [first]
     boot = first.multiaddr()
